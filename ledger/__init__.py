@@ -1,0 +1,1 @@
+"""The execution ledger: insert-only, hash-chained events and the state they project."""

@@ -1,0 +1,67 @@
+"""Database objects SQLAlchemy Core does not declare: the ledger's chain and insert-only triggers,
+and the runtime role's privileges. Migrations execute these strings."""
+
+from __future__ import annotations
+
+RUNTIME_ROLE = "proofline_runtime"
+
+# The hash covers every column a reader relies on, and the previous event's hash. The same
+# function recomputes hashes when a chain is verified, so writer and verifier cannot disagree.
+HASH_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION ledger_event_hash(
+    p_prev text, p_action text, p_seq integer, p_event text, p_actor text,
+    p_at timestamptz, p_evidence jsonb) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+  SELECT encode(sha256(convert_to(concat_ws('|', p_prev, p_action, p_seq::text, p_event, p_actor,
+      to_char(p_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), p_evidence::text), 'UTF8')), 'hex')
+$$;
+"""
+
+CHAIN_TRIGGER = r"""
+CREATE OR REPLACE FUNCTION ledger_chain() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+  last record;
+BEGIN
+  SELECT seq, hash INTO last FROM ledger_events
+   WHERE action_id = NEW.action_id ORDER BY seq DESC LIMIT 1;
+  NEW.seq := COALESCE(last.seq, 0) + 1;
+  NEW.prev_hash := COALESCE(last.hash, '');
+  NEW.at := clock_timestamp();
+  NEW.hash := ledger_event_hash(NEW.prev_hash, NEW.action_id, NEW.seq, NEW.event, NEW.actor,
+                                NEW.at, NEW.evidence);
+  RETURN NEW;
+END $$;
+
+CREATE TRIGGER ledger_events_chain BEFORE INSERT ON ledger_events
+  FOR EACH ROW EXECUTE FUNCTION ledger_chain();
+"""
+
+INSERT_ONLY_TRIGGER = r"""
+CREATE OR REPLACE FUNCTION ledger_refuse_change() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+  RAISE EXCEPTION 'ledger_events is insert-only (% refused)', TG_OP
+    USING ERRCODE = 'insufficient_privilege';
+END $$;
+
+CREATE TRIGGER ledger_events_no_update BEFORE UPDATE OR DELETE ON ledger_events
+  FOR EACH ROW EXECUTE FUNCTION ledger_refuse_change();
+CREATE TRIGGER ledger_events_no_truncate BEFORE TRUNCATE ON ledger_events
+  FOR EACH STATEMENT EXECUTE FUNCTION ledger_refuse_change();
+"""
+
+RUNTIME_GRANTS = rf"""
+DO $$ BEGIN
+  CREATE ROLE {RUNTIME_ROLE} LOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END $$;
+GRANT CONNECT ON DATABASE "{{database}}" TO {RUNTIME_ROLE};
+GRANT USAGE ON SCHEMA public TO {RUNTIME_ROLE};
+GRANT SELECT, INSERT ON ledger_events TO {RUNTIME_ROLE};
+GRANT USAGE ON SEQUENCE ledger_events_id_seq TO {RUNTIME_ROLE};
+GRANT SELECT, INSERT, UPDATE ON actions, idempotency_records, leases TO {RUNTIME_ROLE};
+GRANT SELECT, INSERT, UPDATE ON revoked_identities, kill_switches TO {RUNTIME_ROLE};
+GRANT USAGE ON SEQUENCE lease_fencing_seq, kill_switches_id_seq TO {RUNTIME_ROLE};
+GRANT EXECUTE ON FUNCTION ledger_event_hash(text, text, integer, text, text, timestamptz, jsonb) TO {RUNTIME_ROLE};
+"""

@@ -1,0 +1,143 @@
+"""The ledger's tables, declared once in SQLAlchemy Core. Alembic migrations build the same schema
+(``tests/integration/test_migrations.py`` compares the two)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Enum,
+    Index,
+    Integer,
+    MetaData,
+    Sequence,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
+
+metadata = MetaData()
+
+
+def _enum(py_enum: type, name: str) -> Enum:
+    return Enum(py_enum, name=name, values_callable=lambda e: [m.value for m in e], create_type=True)
+
+
+outcome_type = _enum(Outcome, "outcome_class")
+status_type = _enum(ActionStatus, "action_status")
+idem_status_type = _enum(IdempotencyStatus, "idempotency_status")
+scope_type = _enum(KillSwitchScope, "kill_switch_scope")
+
+NOW = text("clock_timestamp()")
+
+ledger_events = Table(
+    "ledger_events",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    # The chain key: an action id, or "refused:<digest>" for a refused message.
+    Column("action_id", Text, nullable=False),
+    # seq, prev_hash and hash are set by the ledger_chain trigger, never by the caller.
+    Column("seq", Integer, nullable=False),
+    Column("event", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("evidence", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("prev_hash", Text, nullable=False),
+    Column("hash", Text, nullable=False),
+    UniqueConstraint("action_id", "seq", name="ledger_events_chain_uq"),
+)
+
+actions = Table(
+    "actions",
+    metadata,
+    Column("action_id", Text, primary_key=True),
+    Column("run_id", Text, nullable=False),
+    Column("step", Integer, nullable=False, server_default=text("0")),
+    Column("tenant", Text, nullable=False),
+    Column("action_type", Text, nullable=False),
+    Column("server", Text, nullable=False),
+    Column("tool", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("status", status_type, nullable=False),
+    Column("outcome", outcome_type, nullable=True),
+    Column("finding", Text, nullable=True),
+    Column("reason_code", Text, nullable=True),
+    Column("envelope", JSONB, nullable=False),
+    Column("result", JSONB, nullable=True),
+    # What recovery needs later: created ids, prior versions, downstream operation ids.
+    Column("recovery_data", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("deadline", DateTime(timezone=True), nullable=False),
+    Column("published_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+Index("actions_status_idx", actions.c.status)
+Index("actions_run_idx", actions.c.run_id, actions.c.step)
+
+idempotency_records = Table(
+    "idempotency_records",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("action_id", Text, nullable=False),
+    Column("tenant", Text, nullable=False),
+    Column("argument_hash", Text, nullable=False),
+    Column("contract_hash", Text, nullable=False),
+    Column("status", idem_status_type, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("1")),
+    Column("result", JSONB, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+)
+
+fencing_seq = Sequence("lease_fencing_seq", metadata=metadata)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("action_id", Text, primary_key=True),
+    Column("target_key", Text, nullable=False),
+    Column("owner_host", Text, nullable=False),
+    Column("owner_pid", Integer, nullable=False),
+    Column("worker_id", Text, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("acquired_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Column("released_at", DateTime(timezone=True), nullable=True),
+)
+
+revoked_identities = Table(
+    "revoked_identities",
+    metadata,
+    Column("identity", Text, primary_key=True),
+    Column("revoked_by", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+kill_switches = Table(
+    "kill_switches",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("scope", scope_type, nullable=False),
+    Column("value", Text, nullable=False, server_default=text("''")),
+    Column("set_by", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("cleared_by", Text, nullable=True),
+    Column("cleared_at", DateTime(timezone=True), nullable=True),
+)
+# At most one active switch per scope and value: "set" twice is a no-op, not two rows to clear.
+Index(
+    "kill_switches_active_uq",
+    kill_switches.c.scope,
+    kill_switches.c.value,
+    unique=True,
+    postgresql_where=kill_switches.c.cleared_at.is_(None),
+)

@@ -1,0 +1,96 @@
+"""Every status set Proofline stores, as ``str`` enums mirrored by Postgres ENUM types.
+
+``tests/unit/test_states.py`` asserts that the Python and the migrated Postgres sets are equal.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Outcome(str, Enum):
+    """What is known about the side effect of one action (the seed's ten result classes)."""
+
+    #: Validation, authorization or a precondition failed before any side effect.
+    not_started = "not_started"
+    #: The downstream system accepted asynchronous work; it is tracked, not complete.
+    accepted = "accepted"
+    #: The expected post-condition exists and no prohibited change was found.
+    completed_verified = "completed_verified"
+    #: The server reported success but authoritative verification has not (yet) confirmed it.
+    completed_unverified = "completed_unverified"
+    #: Some approved steps happened and others did not.
+    partially_completed = "partially_completed"
+    #: No mutation occurred.
+    failed_before_side_effect = "failed_before_side_effect"
+    #: A mutation occurred and later processing failed.
+    failed_after_side_effect = "failed_after_side_effect"
+    #: The response path failed; whether the side effect happened is not known yet.
+    unknown_outcome = "unknown_outcome"
+    #: A recovery action restored an acceptable business state (closed as recovered, not as success).
+    compensated = "compensated"
+    #: A recovery action did not reach a safe state.
+    compensation_failed = "compensation_failed"
+
+
+class ActionStatus(str, Enum):
+    """Where an action is in its lifecycle (independent of what is known about its effect)."""
+
+    #: Recorded by the controller and sent to the broker.
+    published = "published"
+    #: A worker holds the lease and is running the pre-call stages or the call.
+    executing = "executing"
+    #: The call is over; verification is reading the authoritative system.
+    verifying = "verifying"
+    #: Verification found the post-condition violated or never reached; recovery decides next.
+    recovery = "recovery"
+    #: Needs an operator: the final state could not be proven automatically.
+    escalated = "escalated"
+    #: Final: the outcome column holds the proven class.
+    closed = "closed"
+
+
+class IdempotencyStatus(str, Enum):
+    """The state of the one record that answers for an idempotency key."""
+
+    #: Claimed by a lease holder; a call may be in flight.
+    in_progress = "in_progress"
+    #: The effect is recorded (by a response or by reconciliation); later deliveries return it.
+    completed = "completed"
+    #: Proven to have made no side effect; a retry with the same key may claim it again.
+    failed = "failed"
+    #: The call's outcome is unknown; nothing may call again until reconciliation settles it.
+    unknown = "unknown"
+
+
+class VerificationFinding(str, Enum):
+    """What the authoritative read showed."""
+
+    #: Every expected condition holds and no prohibited one does.
+    expected = "expected"
+    #: Not yet expected, but inside the tolerated envelope (e.g. still warming up).
+    tolerated = "tolerated"
+    #: A prohibited condition holds.
+    prohibited = "prohibited"
+    #: The bound passed and the expected state was never seen.
+    not_reached = "not_reached"
+    #: The read shows the effect never happened.
+    absent = "absent"
+    #: The read path itself was unavailable until the bound.
+    unavailable = "unavailable"
+
+
+class KillSwitchScope(str, Enum):
+    """What a kill switch covers."""
+
+    #: Every action.
+    global_ = "global"
+    #: One action type (contract).
+    action_type = "action_type"
+    #: One MCP tool.
+    tool = "tool"
+    #: One tenant.
+    tenant = "tenant"
+
+
+FINAL_STATUSES = frozenset({ActionStatus.closed})

@@ -1,0 +1,1 @@
+"""Proofline: prove what an agent action changed before calling it done."""

@@ -1,0 +1,198 @@
+"""Action contracts: one versioned YAML file per action type, hashed as loaded.
+
+A contract says which tool performs the action, how to read the target through an
+authoritative read path, what must hold before the call, which outcomes are expected, tolerated
+or prohibited afterwards, how to read values out of the tool's result, and how tool errors map to
+outcome classes. Conditions are CEL (see ``proofline/conditions.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proofline.canonical import sha256_hex
+from proofline.conditions import compile_expression
+from proofline.errors import ExtractionFailed, UnknownActionType
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Extraction(_Model):
+    """How to read a JSON object out of a tool result.
+
+    ``structured``: the result's structured content. ``json_text``: the first text block parsed as
+    JSON. ``pattern``: a regular expression with named groups matched against the text.
+    """
+
+    mode: Literal["structured", "json_text", "pattern"] = "structured"
+    pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _pattern_needs_regex(self) -> Extraction:
+        if self.mode == "pattern":
+            if not self.pattern:
+                raise ValueError("mode 'pattern' needs a pattern")
+            re.compile(self.pattern)
+        return self
+
+
+class Condition(_Model):
+    name: str
+    expr: str
+    #: Reason code recorded when this precondition fails.
+    reason: str = "precondition_failed"
+
+
+class ReadPath(_Model):
+    """An authoritative read: a read tool and how to build its arguments (CEL per argument)."""
+
+    tool: str
+    arguments: dict[str, str]
+    extract: Extraction = Extraction()
+
+
+class Verification(_Model):
+    max_duration_seconds: float = Field(default=30.0, gt=0, le=3600)
+    poll_interval_seconds: float = Field(default=0.5, gt=0, le=600)
+    #: Reads before this delay has passed that do not yet show the effect are not failures.
+    consistency_delay_seconds: float = Field(default=0.0, ge=0)
+    read: ReadPath | None = None  # defaults to the precondition read path
+    expected: tuple[str, ...]
+    tolerated: tuple[str, ...] = ()
+    prohibited: tuple[str, ...] = ()
+    #: True when ``after`` shows the effect did not happen at all (used to settle unknown outcomes).
+    absent: str | None = None
+
+
+OutcomeName = Literal["failed_before_side_effect", "failed_after_side_effect", "unknown_outcome"]
+
+
+class ToolErrors(_Model):
+    """How a tool error maps to an outcome class."""
+
+    #: Name of the machine-readable error class field in the error's structured content / JSON text.
+    class_field: str = "error_class"
+    #: Error classes the server may send, mapped to outcome classes.
+    classes: dict[str, OutcomeName] = Field(
+        default_factory=lambda: {
+            "failed_before_side_effect": "failed_before_side_effect",
+            "failed_after_side_effect": "failed_after_side_effect",
+        }
+    )
+    #: An error with no recognised class: the side effect is uncertain unless the contract knows better.
+    default: OutcomeName = "unknown_outcome"
+
+
+class Recovery(_Model):
+    transient_failure: str = "retry_same_idempotency_key"
+    unknown_outcome: str = "reconcile"
+    partial_completion: str = "contain_then_evaluate"
+    verification_failure: str = "manual_or_compensate"
+    compensation_workflow: str | None = None
+
+
+class Contract(_Model):
+    action_type: str
+    version: int = Field(ge=1)
+    server: str
+    tool: str
+    operation: str
+    target_type: str
+    #: The call returns before the work is done (e.g. an operation id); verification waits for it.
+    asynchronous: bool = False
+    #: CEL mapping from the envelope to the tool's arguments is the envelope's own arguments.
+    result: Extraction = Extraction()
+    #: CEL over ``result`` giving the downstream operation id, when the tool returns one.
+    operation_id: str | None = None
+    precondition_read: ReadPath
+    preconditions: tuple[Condition, ...] = ()
+    verification: Verification
+    tool_errors: ToolErrors = ToolErrors()
+    idempotency_scope: Literal["tenant", "global"] = "tenant"
+    #: Whether the downstream tool honours the idempotency key in ``_meta`` (informational; never trusted).
+    downstream_honours_key: bool = False
+    timeout_seconds: float = Field(default=10.0, gt=0)
+    recovery: Recovery = Recovery()
+    point_of_no_return: bool = False
+    #: Filled in by the loader: sha256 of the contract's canonical JSON.
+    digest: str = ""
+
+    @model_validator(mode="after")
+    def _compile_conditions(self) -> Contract:
+        for cond in self.preconditions:
+            compile_expression(cond.expr)
+        v = self.verification
+        for expr in (*v.expected, *v.tolerated, *v.prohibited, *([v.absent] if v.absent else [])):
+            compile_expression(expr)
+        for read in (self.precondition_read, v.read):
+            for expr in (read.arguments.values() if read else ()):
+                compile_expression(expr)
+        if self.operation_id:
+            compile_expression(self.operation_id)
+        return self
+
+    @property
+    def verification_read(self) -> ReadPath:
+        return self.verification.read or self.precondition_read
+
+
+def load_contract(path: Path) -> Contract:
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a contract is a mapping")
+    digest = sha256_hex(raw)
+    return Contract.model_validate({**raw, "digest": digest})
+
+
+@lru_cache(maxsize=8)
+def load_contracts(directory: Path) -> dict[str, Contract]:
+    contracts: dict[str, Contract] = {}
+    for path in sorted(directory.glob("*.yaml")):
+        contract = load_contract(path)
+        contracts[contract.action_type] = contract
+    return contracts
+
+
+def contract_for(directory: Path, action_type: str) -> Contract:
+    try:
+        return load_contracts(directory)[action_type]
+    except KeyError:
+        raise UnknownActionType(f"no contract for action type {action_type!r}") from None
+
+
+def extract(result: Any, how: Extraction) -> dict[str, Any]:
+    """Read a JSON object out of an MCP ``CallToolResult`` as the contract declares."""
+    if how.mode == "structured":
+        data = getattr(result, "structured_content", None)
+        if isinstance(data, dict):
+            return data
+        # Servers on older SDKs often send the same JSON as text only: accept it, it is the same value.
+        return extract(result, Extraction(mode="json_text"))
+    text = "".join(getattr(block, "text", "") for block in getattr(result, "content", []) or [])
+    if how.mode == "json_text":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ExtractionFailed(f"result text is not JSON: {text[:200]!r}") from exc
+        if not isinstance(data, dict):
+            raise ExtractionFailed("result JSON is not an object")
+        return data
+    match = re.search(how.pattern or "", text)
+    if match is None:
+        raise ExtractionFailed(f"pattern did not match result text {text[:200]!r}")
+    return {k: _number_or_text(v) for k, v in match.groupdict().items()}
+
+
+def _number_or_text(value: str | None) -> Any:
+    if value is not None and re.fullmatch(r"-?\d+", value):
+        return int(value)
+    return value

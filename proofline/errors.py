@@ -1,0 +1,219 @@
+"""Every error Proofline raises, each with a stable reason code.
+
+The code is what lands in the ledger and what a controller branches on; the message is for
+people. Retryable and terminal errors are distinct classes. All of them pickle cleanly because
+Celery serialises exceptions across processes.
+"""
+
+from __future__ import annotations
+
+
+class ProoflineError(Exception):
+    """Proofline refused or could not complete a step."""
+
+    code = "proofline_error"
+    retryable = False
+
+    def __init__(self, detail: str = "", **context: object) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        self.context = context
+        super().__init__(detail, context)
+
+    def __reduce__(self):  # keep pickling simple and lossless for Celery
+        return (_rebuild, (type(self), self.detail, self.context))
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}"
+
+    def as_evidence(self) -> dict[str, object]:
+        return {"reason_code": self.code, "detail": self.detail, **{k: str(v) for k, v in self.context.items()}}
+
+
+def _rebuild(cls: type[ProoflineError], detail: str, context: dict[str, object]) -> ProoflineError:
+    return cls(detail, **context)
+
+
+class ConfigurationError(ProoflineError):
+    """The runtime is misconfigured."""
+
+    code = "configuration_error"
+
+
+# --- envelope refusals: the message never reaches a side effect -----------------------------
+
+
+class EnvelopeRefused(ProoflineError):
+    """The envelope was refused before any side effect."""
+
+    code = "envelope_refused"
+
+
+class MalformedEnvelope(EnvelopeRefused):
+    """The envelope is not valid JSON of the expected shape."""
+
+    code = "envelope_malformed"
+
+
+class UnsignedEnvelope(EnvelopeRefused):
+    """The envelope carries no signature."""
+
+    code = "envelope_unsigned"
+
+
+class UnknownSigningKey(EnvelopeRefused):
+    """The envelope is signed with a key id this worker does not know."""
+
+    code = "envelope_unknown_key"
+
+
+class BadSignature(EnvelopeRefused):
+    """The envelope's signature does not match its content (tampered)."""
+
+    code = "envelope_bad_signature"
+
+
+class ArgumentHashMismatch(EnvelopeRefused):
+    """The arguments do not hash to the envelope's argument hash."""
+
+    code = "envelope_argument_hash_mismatch"
+
+
+class IdempotencyKeyMismatch(EnvelopeRefused):
+    """The idempotency key is not the one trusted code derives from the envelope."""
+
+    code = "envelope_idempotency_key_mismatch"
+
+
+class UnknownActionType(EnvelopeRefused):
+    """No action contract exists for the envelope's action type."""
+
+    code = "unknown_action_type"
+
+
+class ContractMismatch(EnvelopeRefused):
+    """The envelope does not match its action contract (tool, server or operation)."""
+
+    code = "contract_mismatch"
+
+
+# --- revalidation: still authorized right now? ------------------------------------------------
+
+
+class RevalidationFailed(ProoflineError):
+    """The action is no longer authorized as approved."""
+
+    code = "revalidation_failed"
+
+
+class ApprovalExpired(RevalidationFailed):
+    """The approval expired before execution."""
+
+    code = "approval_expired"
+
+
+class DeadlinePassed(RevalidationFailed):
+    """The absolute deadline passed before execution."""
+
+    code = "deadline_passed"
+
+
+class PolicyVersionRejected(RevalidationFailed):
+    """The envelope's policy version is not accepted by this runtime."""
+
+    code = "policy_version_rejected"
+
+
+class IdentityRevoked(RevalidationFailed):
+    """The requester or workload identity has been revoked."""
+
+    code = "identity_revoked"
+
+
+class ServerVersionChanged(RevalidationFailed):
+    """The live MCP server's version differs from the approved one."""
+
+    code = "server_version_changed"
+
+
+class ToolContractChanged(RevalidationFailed):
+    """The live tool definition no longer hashes to the approved contract hash."""
+
+    code = "tool_contract_changed"
+
+
+class KillSwitchEngaged(RevalidationFailed):
+    """A kill switch covers this action."""
+
+    code = "kill_switch_engaged"
+
+
+# --- preconditions ----------------------------------------------------------------------------
+
+
+class PreconditionFailed(ProoflineError):
+    """A precondition did not hold on the fresh authoritative read."""
+
+    code = "precondition_failed"
+
+
+class TargetReadFailed(ProoflineError):
+    """The authoritative read of the target failed before execution."""
+
+    code = "target_read_failed"
+    retryable = True
+
+
+# --- leases and idempotency -------------------------------------------------------------------
+
+
+class LeaseBusy(ProoflineError):
+    """Another live worker holds the lease on this action or its target."""
+
+    code = "lease_busy"
+    retryable = True
+
+
+class StaleLease(ProoflineError):
+    """A write was attempted under a fencing token that is no longer current."""
+
+    code = "stale_fencing_token"
+
+
+class IdempotencyConflict(ProoflineError):
+    """The idempotency key was reused with different arguments or contract."""
+
+    code = "idempotency_conflict"
+
+
+class ReplayWindowExpired(ProoflineError):
+    """The idempotency record is older than the replay window."""
+
+    code = "replay_window_expired"
+
+
+class TransitionRefused(ProoflineError):
+    """A guarded state transition moved no row: the current state does not allow it."""
+
+    code = "transition_refused"
+
+
+# --- MCP ---------------------------------------------------------------------------------------
+
+
+class McpUnavailable(ProoflineError):
+    """The MCP server could not be reached before a request was sent."""
+
+    code = "mcp_unavailable"
+    retryable = True
+
+
+class ExtractionFailed(ProoflineError):
+    """A value could not be read out of a tool result as the contract declares."""
+
+    code = "extraction_failed"
+
+
+class ConditionError(ProoflineError):
+    """A contract condition could not be evaluated."""
+
+    code = "condition_error"

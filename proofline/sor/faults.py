@@ -1,0 +1,102 @@
+"""Deterministic fault switches stored in the ``faults`` table.
+
+Tests arm a fault for a tool name; the server consumes one "shot" per call. Living in the shared
+SQLite file (not in process memory) lets a test arm a fault in a server subprocess it started.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass
+
+from proofline.sor.db import connect, writing
+
+#: Every mode the server understands (``unavailable`` only for the read-outage switch).
+MODES = frozenset(
+    {"delay", "drop_response", "fail_before_commit", "fail_after_commit", "lie", "progress_flood", "unavailable"}
+)
+#: Tool name of the switch that takes every read tool down.
+READ_OUTAGE = "*read*"
+#: How long ``drop_response`` sleeps when no delay is given: far past any client timeout.
+DROP_RESPONSE_DEFAULT_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One armed fault as taken for a single call."""
+
+    tool: str
+    mode: str
+    delay_seconds: float
+
+
+def set_fault(
+    path: str | os.PathLike[str] | None, tool: str, mode: str, remaining: int = 1, delay_seconds: float = 0.0
+) -> None:
+    """Arm ``mode`` for ``tool`` for ``remaining`` calls (``-1`` = forever), replacing any fault on it."""
+    if mode not in MODES:
+        raise ValueError(f"unknown fault mode {mode!r}")
+    with writing(path) as conn:
+        conn.execute("DELETE FROM faults WHERE tool = ?", (tool,))
+        conn.execute(
+            "INSERT INTO faults (tool, mode, remaining, delay_seconds) VALUES (?, ?, ?, ?)",
+            (tool, mode, remaining, delay_seconds),
+        )
+
+
+def clear_faults(path: str | os.PathLike[str] | None, tool: str | None = None) -> None:
+    """Disarm every fault, or only the one on ``tool``."""
+    with writing(path) as conn:
+        if tool is None:
+            conn.execute("DELETE FROM faults")
+        else:
+            conn.execute("DELETE FROM faults WHERE tool = ?", (tool,))
+
+
+def set_read_outage(path: str | os.PathLike[str] | None, on: bool = True) -> None:
+    """Make every read tool answer ``error_class: unavailable`` (or end the outage)."""
+    if on:
+        set_fault(path, READ_OUTAGE, "unavailable", remaining=-1)
+    else:
+        clear_faults(path, READ_OUTAGE)
+
+
+def _active(conn: sqlite3.Connection, tool: str) -> sqlite3.Row | None:
+    return conn.execute(
+        "SELECT rowid, tool, mode, remaining, delay_seconds FROM faults"
+        " WHERE tool = ? AND remaining <> 0 ORDER BY rowid LIMIT 1",
+        (tool,),
+    ).fetchone()
+
+
+def take_fault(path: str | os.PathLike[str] | None, tool: str, *, readonly: bool = False) -> Fault | None:
+    """Consume one shot of the fault armed for ``tool``, if any, and return it.
+
+    The common case (nothing armed, or armed forever) is answered from a read-only peek so that
+    read tools do not queue on the write lock. A read-only connection cannot count down, so with
+    ``readonly`` a finite fault is only peeked at and stays armed (use ``remaining=-1`` there).
+    """
+    conn = connect(path, readonly=True)
+    try:
+        row = _active(conn, tool)
+    finally:
+        conn.close()
+    if row is not None and row["remaining"] > 0 and not readonly:
+        with writing(path) as conn:
+            row = _active(conn, tool)  # re-read under the lock: another process may have spent it
+            if row is not None and row["remaining"] > 0:
+                conn.execute("UPDATE faults SET remaining = remaining - 1 WHERE rowid = ?", (row["rowid"],))
+    if row is None:
+        return None
+    return Fault(tool=row["tool"], mode=row["mode"], delay_seconds=float(row["delay_seconds"] or 0.0))
+
+
+def list_faults(path: str | os.PathLike[str] | None = None) -> list[dict[str, object]]:
+    """Every fault row, armed or spent, for assertions and debugging."""
+    conn = connect(path, readonly=True)
+    try:
+        rows = conn.execute("SELECT tool, mode, remaining, delay_seconds FROM faults ORDER BY rowid").fetchall()
+    finally:
+        conn.close()
+    return [dict(r) for r in rows]
