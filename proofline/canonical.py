@@ -18,3 +18,17 @@ def canonical_bytes(value: Any) -> bytes:
 
 def sha256_hex(value: Any) -> str:
     return hashlib.sha256(canonical_bytes(value)).hexdigest()
+
+
+def tool_contract_hash(tool: Any) -> str:
+    """Hash of an MCP tool definition as ``tools/list`` serves it: name, input and output schema.
+
+    Descriptions and annotations are advisory and may be reworded; the schemas are the contract.
+    """
+    return sha256_hex(
+        {
+            "name": tool.name,
+            "input_schema": tool.input_schema,
+            "output_schema": getattr(tool, "output_schema", None),
+        }
+    )

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     #: At most this many progress notifications per call are recorded in the ledger.
     progress_events_limit: int = 20
 
+    #: Errors go to Sentry when set.
+    sentry_dsn: str | None = None
+
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @property

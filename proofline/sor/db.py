@@ -104,7 +104,9 @@ def connect(path: str | os.PathLike[str] | None = None, *, readonly: bool = Fals
     """
     db = resolve_path(path).resolve()
     if readonly:
-        conn = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        conn = sqlite3.connect(
+            f"{db.as_uri()}?mode=ro", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
+        )
     else:
         db.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(db, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)

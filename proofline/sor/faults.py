@@ -14,7 +14,15 @@ from proofline.sor.db import connect, writing
 
 #: Every mode the server understands (``unavailable`` only for the read-outage switch).
 MODES = frozenset(
-    {"delay", "drop_response", "fail_before_commit", "fail_after_commit", "lie", "progress_flood", "unavailable"}
+    {
+        "delay",
+        "drop_response",
+        "fail_before_commit",
+        "fail_after_commit",
+        "lie",
+        "progress_flood",
+        "unavailable",
+    }
 )
 #: Tool name of the switch that takes every read tool down.
 READ_OUTAGE = "*read*"
@@ -96,7 +104,9 @@ def list_faults(path: str | os.PathLike[str] | None = None) -> list[dict[str, ob
     """Every fault row, armed or spent, for assertions and debugging."""
     conn = connect(path, readonly=True)
     try:
-        rows = conn.execute("SELECT tool, mode, remaining, delay_seconds FROM faults ORDER BY rowid").fetchall()
+        rows = conn.execute(
+            "SELECT tool, mode, remaining, delay_seconds FROM faults ORDER BY rowid"
+        ).fetchall()
     finally:
         conn.close()
     return [dict(r) for r in rows]

@@ -54,8 +54,11 @@ def put_account(path: PathLike, account_id: str, tenant: str, balance_cents: int
         )
 
 
-_VERSION_COLUMN = {"ticket": ("tickets", "id", "version"), "service": ("services", "name", "generation"),
-                   "account": ("accounts", "id", "version")}
+_VERSION_COLUMN = {
+    "ticket": ("tickets", "id", "version"),
+    "service": ("services", "name", "generation"),
+    "account": ("accounts", "id", "version"),
+}
 
 
 def bump_version(path: PathLike, kind: str, ident: str) -> int:

@@ -1,0 +1,42 @@
+"""Celery configuration, read from the one typed settings object (``proofline.settings``).
+
+Choices that matter for correctness:
+- late acknowledgement and requeue when a worker process is lost: a message is only gone once its
+  task has recorded what happened in the ledger;
+- prefetch 1: a worker never sits on messages another worker could run;
+- JSON only: envelopes are data, never pickles;
+- a visibility timeout longer than the longest absolute deadline, so Redis does not hand a running
+  task to a second worker; deadlines themselves live in Postgres, never in broker ETAs;
+- results are not stored: the ledger is the record.
+"""
+
+from proofline.settings import get_settings
+
+_settings = get_settings()
+
+broker_url = _settings.broker_url
+broker_connection_retry_on_startup = True
+broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+
+task_serializer = "json"
+accept_content = ["json"]
+result_serializer = "json"
+event_serializer = "json"
+task_ignore_result = True
+result_backend = None
+
+task_acks_late = True
+task_reject_on_worker_lost = True
+task_acks_on_failure_or_timeout = True
+worker_prefetch_multiplier = 1
+worker_send_task_events = True
+task_send_sent_event = True
+
+task_default_queue = "actions"
+task_routes = {
+    "proofline.execute": {"queue": "actions"},
+    "proofline.verify": {"queue": "verify"},
+    "proofline.compensate": {"queue": "compensate"},
+    "proofline.reconcile": {"queue": "reconcile"},
+}
+imports = ("worker.tasks",)

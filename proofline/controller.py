@@ -1,0 +1,121 @@
+"""The controller side: describe the live tool contract, build and sign envelopes, publish them.
+
+Publishing records ``published`` in the ledger first and then sends the message, so that a lost
+broker message is still visible as an action that was published and never started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from mcp import Client
+
+from ledger import store
+from proofline.canonical import tool_contract_hash
+from proofline.contracts import contract_for
+from proofline.envelope import Envelope, build_envelope
+from proofline.errors import IdempotencyConflict
+from proofline.settings import ROOT, Settings
+from proofline.signing import sign
+from worker.mcp_client import endpoint_target
+from worker.servers import server_named
+
+EXECUTE_TASK = "proofline.execute"
+
+
+def describe_server(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str]]:
+    """The live server version and the contract hash of each tool (what an approver reviews)."""
+    server = server_named(Path(settings.servers_file), server_name)
+
+    async def probe() -> tuple[str | None, dict[str, str]]:
+        async with Client(endpoint_target(server.write, ROOT / "var")) as client:
+            tools = await client.list_tools(cache_mode="bypass")
+            version = client.server_info.version if client.server_info else None
+            return version, {t.name: tool_contract_hash(t) for t in tools.tools}
+
+    return asyncio.run(probe())
+
+
+def prepare(
+    settings: Settings,
+    *,
+    action_type: str,
+    arguments: dict[str, Any],
+    target: dict[str, Any],
+    tenant: str,
+    run_id: str,
+    action_id: str,
+    requester: str = "operator@example.com",
+    workload_identity: str = "agent:ops-assistant",
+    environment: str = "production",
+    approval_id: str | None = None,
+    approval_version: int = 1,
+    approval_ttl: timedelta = timedelta(hours=1),
+    deadline_in: timedelta = timedelta(minutes=10),
+    live: tuple[str | None, dict[str, str]] | None = None,
+    **extra: Any,
+) -> Envelope:
+    """Build an envelope bound to the live tool contract named by the action contract."""
+    contract = contract_for(Path(settings.contracts_dir), action_type)
+    version, hashes = live or describe_server(settings, contract.server)
+    now = datetime.now(UTC)
+    return build_envelope(
+        run_id=run_id, action_id=action_id, workflow_type=extra.pop("workflow_type", "agent.ops"),
+        action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
+        environment=environment, target=target, operation=contract.operation, arguments=arguments,
+        server={"name": contract.server, "version": version or "unknown"},
+        tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
+        policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
+        approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
+                  "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
+        timeout_seconds=extra.pop("timeout_seconds", contract.timeout_seconds),
+        deadline=now + deadline_in, **extra,
+    )
+
+
+def signed_message(settings: Settings, envelope: Envelope) -> dict[str, Any]:
+    return sign(envelope, settings.signing_keys, settings.active_key_id)
+
+
+def send_message(app: Any, message: Any) -> str:
+    """Put one message on the actions queue by the stable task name (JSON only)."""
+    result = app.send_task(EXECUTE_TASK, args=[message], queue="actions", serializer="json")
+    return str(result.id)
+
+
+def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope) -> dict[str, Any]:
+    """Record ``published`` (or ``republished``) and send the signed envelope to the workers."""
+    message = signed_message(settings, envelope)
+    conflict: IdempotencyConflict | None = None
+    with store.transaction(conn) as cur:
+        inserted = store.insert_action_txn(cur, message["envelope"])
+        current = None if inserted else store.get_action(cur, envelope.action_id)
+        if current is not None and current.idempotency_key != envelope.idempotency_key:
+            conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
+                                           idempotency_key=envelope.idempotency_key)
+            store.append_event_txn(cur, envelope.action_id, "publish_refused", envelope.requester,
+                                   conflict.as_evidence())
+        else:
+            store.append_event_txn(cur, envelope.action_id, "published" if inserted else "republished",
+                                   envelope.requester, _publication_evidence(envelope, message["key_id"]),
+                                   envelope.evidence.redact_fields)
+    if conflict is not None:
+        raise conflict
+    task_id = send_message(app, message)
+    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted}
+
+
+def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:
+    """Who authorized what: the part of the envelope an auditor reads first."""
+    doc = envelope.model_dump(mode="json")
+    keep = ("run_id", "requester", "workload_identity", "tenant", "environment", "approval", "policy_version",
+            "tool", "server", "target", "operation", "arguments", "arguments_hash", "idempotency_key",
+            "irreversible", "deadline")
+    return {**{k: doc[k] for k in keep}, "key_id": key_id}
+
+
+def default_deadline(minutes: float = 10) -> datetime:
+    return datetime.now(UTC) + timedelta(minutes=minutes)

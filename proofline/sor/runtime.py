@@ -1,0 +1,171 @@
+"""What wraps every ``proofline-sor`` tool: configuration, role check, fault switches, result shapes.
+
+Errors a caller must branch on come back as ``is_error`` results whose structured content is
+``{"error_class", "message", "reason"?}`` with ``error_class`` one of ``failed_before_side_effect``,
+``failed_after_side_effect`` or ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sqlite3
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
+
+from proofline.sor import store
+from proofline.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_OUTAGE, Fault
+
+#: Request ``_meta`` key carrying the caller's idempotency key.
+IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
+SERVER_NAME = "proofline-sor"
+
+READ = ToolAnnotations(
+    read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+)
+CREATE = ToolAnnotations(
+    read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+)
+DESTRUCTIVE = ToolAnnotations(
+    read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
+)
+
+
+@dataclass(frozen=True)
+class SorConfig:
+    """What one server process is: its database, identity, tool-contract variant and version."""
+
+    db_path: str
+    role: str = "writer"
+    contract_variant: str = "1"
+    version: str = "1.0.0"
+
+    @classmethod
+    def from_env(cls, db_path: str | None = None, role: str | None = None) -> SorConfig:
+        """Explicit arguments win over ``SOR_DB`` / ``SOR_ROLE`` / ``SOR_CONTRACT_VARIANT`` / ``SOR_VERSION``."""
+        role = role or os.environ.get("SOR_ROLE", "writer")
+        if role not in ("writer", "reader"):
+            raise ValueError(f"role must be writer or reader, not {role!r}")
+        return cls(
+            db_path=str(store.resolve_path(db_path)),
+            role=role,
+            contract_variant=os.environ.get("SOR_CONTRACT_VARIANT", "1"),
+            version=os.environ.get("SOR_VERSION", "1.0.0"),
+        )
+
+
+def error_result(error_class: str, message: str, reason: str | None = None) -> CallToolResult:
+    """A tool error with a machine-readable class in its structured content (and the same JSON as text)."""
+    payload: dict[str, Any] = {"error_class": error_class, "message": message}
+    if reason is not None:
+        payload["reason"] = reason
+    return CallToolResult(
+        is_error=True,
+        content=[TextContent(type="text", text=json.dumps(payload))],
+        structured_content=payload,
+    )
+
+
+def structured(data: dict[str, Any]) -> CallToolResult:
+    """A success result carrying ``data`` as structured content and as JSON text for text-only clients."""
+    return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))], structured_content=data)
+
+
+def text(body: str) -> CallToolResult:
+    """A success result with text content only (no structured content)."""
+    return CallToolResult(content=[TextContent(type="text", text=body)])
+
+
+def idempotency_key(ctx: Context) -> str | None:
+    """The caller's key from the request ``_meta`` (a plain dict in mcp 2.3), if it sent one."""
+    meta = ctx.request_context.meta or {}
+    key = meta.get(IDEMPOTENCY_META_KEY)
+    return key if isinstance(key, str) and key else None
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run blocking SQLite work off the event loop.
+
+    Not abandoned on cancellation: a client timeout cancels the tool, but a transaction that has
+    started still commits or rolls back as a whole before the cancellation lands.
+    """
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def before_fault(ctx: Context, fault: Fault | None) -> None:
+    """The part of a fault that happens before the tool acts: waiting, or flooding progress."""
+    if fault is None:
+        return
+    if fault.mode == "delay":
+        await anyio.sleep(fault.delay_seconds)
+    elif fault.mode == "progress_flood":
+        count = int(fault.delay_seconds * 100)
+        for i in range(count):
+            await ctx.report_progress(i + 1, count, "flood")
+
+
+class Runner:
+    """Applies the role check, fault switches and error mapping around every tool body."""
+
+    def __init__(self, config: SorConfig) -> None:
+        self.config = config
+        self.readonly = config.role == "reader"
+
+    async def write(
+        self,
+        ctx: Context,
+        tool: str,
+        apply: Callable[[str | None], Awaitable[dict[str, Any]]],
+        lie: Callable[[], dict[str, Any]],
+        render: Callable[[dict[str, Any]], CallToolResult],
+    ) -> CallToolResult:
+        """Run a mutating tool: ``apply(key)`` commits, ``lie()`` fabricates, ``render`` shapes the answer."""
+        if self.readonly:
+            return error_result(
+                "failed_before_side_effect", "read-only identity", reason="read_only_identity"
+            )
+        key = idempotency_key(ctx)
+        fault = await in_thread(store.take_fault, self.config.db_path, tool)
+        await before_fault(ctx, fault)
+        mode = fault.mode if fault else None
+        if mode == "fail_before_commit":
+            return error_result("failed_before_side_effect", f"injected failure before commit in {tool}")
+        if mode == "lie":
+            return render(await in_thread(lie))
+        try:
+            result = await apply(key)
+        except store.Refused as refused:
+            return error_result(refused.error_class, refused.message, reason=refused.reason)
+        # From here on the effect is committed: the faults below only damage the answer.
+        if mode == "drop_response":
+            await anyio.sleep(fault.delay_seconds or DROP_RESPONSE_DEFAULT_SECONDS)
+        if mode == "fail_after_commit":
+            return error_result("failed_after_side_effect", f"injected failure after commit in {tool}")
+        return render(result)
+
+    async def read(
+        self, ctx: Context, tool: str, fetch: Callable[[], Any], render: Callable[[Any], CallToolResult]
+    ) -> CallToolResult:
+        """Run a read tool: honours the ``*read*`` outage switch and the tool's own fault."""
+        path = self.config.db_path
+        try:
+            outage = await in_thread(store.take_fault, path, READ_OUTAGE, readonly=self.readonly)
+            if outage is not None and outage.mode == "unavailable":
+                return error_result("unavailable", "read path unavailable (injected outage)")
+            fault = await in_thread(store.take_fault, path, tool, readonly=self.readonly)
+            await before_fault(ctx, fault)
+            if fault is not None and fault.mode in ("fail_before_commit", "fail_after_commit", "unavailable"):
+                return error_result("unavailable", f"injected failure in {tool}")
+            data = await in_thread(fetch)
+        except sqlite3.OperationalError as exc:
+            # e.g. the reader started before the writer created the file, or the file is locked too long
+            return error_result("unavailable", f"store unavailable: {exc}")
+        if fault is not None and fault.mode == "drop_response":
+            await anyio.sleep(fault.delay_seconds or DROP_RESPONSE_DEFAULT_SECONDS)
+        return render(data)

@@ -1,0 +1,66 @@
+"""The ``proofline-sor`` MCP server: the enterprise system Proofline acts on, with fault switches.
+
+Two identities share one SQLite file: ``writer`` may call every tool; ``reader`` opens the file
+read-only and refuses write tools, so a verifier's read path can never change the record.
+
+Run it with ``python -m proofline.sor --transport stdio|http [--host H --port P]
+[--role writer|reader] [--db PATH]``; over HTTP the endpoint is ``http://H:P/mcp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from mcp.server.mcpserver import MCPServer
+
+from proofline.sor import store
+from proofline.sor.runtime import IDEMPOTENCY_META_KEY, SERVER_NAME, Runner, SorConfig
+from proofline.sor.tools import register
+
+__all__ = ["IDEMPOTENCY_META_KEY", "SERVER_NAME", "SorConfig", "build_server", "main"]
+
+
+def build_server(config: SorConfig) -> MCPServer:
+    """An ``MCPServer`` named ``proofline-sor`` with every tool bound to ``config``.
+
+    A writer creates the schema first; a reader never touches the file until a call arrives
+    (it cannot create anything, and reports ``unavailable`` until the writer has).
+    """
+    if config.role == "writer":
+        store.init_db(config.db_path)
+    # WARNING by default: the SDK logs every refused call at INFO, which is noise on stderr here.
+    server: MCPServer = MCPServer(
+        SERVER_NAME,
+        version=config.version,
+        log_level=os.environ.get("SOR_LOG_LEVEL", "WARNING"),  # type: ignore[arg-type]
+    )
+    register(server, Runner(config), config)
+    return server
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options; role and database fall back to ``SOR_ROLE`` and ``SOR_DB``."""
+    parser = argparse.ArgumentParser(prog="python -m proofline.sor", description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", choices=("stdio", "http"), default="stdio")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--role", choices=("writer", "reader"), default=None)
+    parser.add_argument("--db", default=None)
+    # Plain JSON bodies cannot carry progress notifications; --sse answers with an event stream.
+    parser.add_argument("--sse", action="store_true", help="HTTP: stream responses (progress arrives)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until stdin closes (stdio) or the process is stopped (http)."""
+    args = parse_args(argv)
+    server = build_server(SorConfig.from_env(db_path=args.db, role=args.role))
+    if args.transport == "stdio":
+        server.run("stdio")
+    else:
+        # Stateless + JSON responses: no session to lose on restart, one plain JSON body per call.
+        server.run(
+            "streamable-http", host=args.host, port=args.port, stateless_http=True, json_response=not args.sse
+        )

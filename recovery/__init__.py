@@ -1,0 +1,1 @@
+"""What happens after a call: verification against the system of record, and recovery."""

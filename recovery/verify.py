@@ -1,0 +1,169 @@
+"""Verification: read the system of record through an independent, read-only path and decide
+whether the approved post-condition holds.
+
+Its own Celery task on its own queue, with its own key derived from the action's. It never reads
+the write response; it polls within the contract's bounds and evaluates expected, tolerated and
+prohibited outcomes. Lack of evidence is never success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger import store
+from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
+from proofline.conditions import build_arguments, holds
+from proofline.contracts import Contract, Verification, extract
+from proofline.envelope import Envelope
+from proofline.errors import ConditionError, McpUnavailable, ProoflineError, TransitionRefused
+from worker import calls
+from worker.execute import verification_key
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+READS_KEPT = 5
+
+
+@dataclass
+class Observation:
+    finding: VerificationFinding
+    after: dict[str, Any] | None = None
+    reads: int = 0
+    failed_reads: int = 0
+    last_error: str | None = None
+    kept: list[dict[str, Any]] = field(default_factory=list)
+
+
+def judge(verification: Verification, variables: dict[str, Any], *, settled: bool) -> VerificationFinding:
+    """Evaluate one read. ``settled`` is true once the expected consistency delay has passed.
+
+    Prohibited wins over everything; expected needs every condition true; a condition that cannot
+    be evaluated counts as not holding, never as holding.
+    """
+
+    def true(expr: str) -> bool:
+        try:
+            return holds(expr, variables)
+        except ConditionError:
+            return False
+
+    if any(true(expr) for expr in verification.prohibited):
+        return VerificationFinding.prohibited
+    if all(true(expr) for expr in verification.expected):
+        return VerificationFinding.expected
+    if verification.tolerated and any(true(expr) for expr in verification.tolerated):
+        return VerificationFinding.tolerated
+    if settled and verification.absent and true(verification.absent):
+        return VerificationFinding.absent
+    return VerificationFinding.not_reached
+
+
+def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str, Any]) -> Observation:
+    """Poll the read path until a decisive finding or the bound."""
+    v = contract.verification
+    server = rt.server(envelope.server.name)
+    read = contract.verification_read
+    started = time.monotonic()
+    bound = started + v.max_duration_seconds
+    obs = Observation(VerificationFinding.unavailable)
+    while True:
+        settled = time.monotonic() - started >= v.consistency_delay_seconds
+        try:
+            arguments = build_arguments(read.arguments, base)
+            result = rt.mcp.run(server, "read", lambda c, a=arguments: calls.read_tool(  # type: ignore[arg-type]
+                c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds))
+            if getattr(result, "is_error", False):
+                text = "".join(getattr(b, "text", "") for b in result.content or [])
+                raise McpUnavailable(f"read tool {read.tool} answered an error: {text[:200]}")
+            after = extract(result, read.extract)
+        except BaseException as exc:  # noqa: BLE001 - an unreadable system is "unavailable", not success
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            if not isinstance(exc, ProoflineError):
+                rt.mcp.discard(server, "read")
+            obs.failed_reads += 1
+            obs.last_error = repr(exc)[:300]
+            finding = None
+        else:
+            obs.reads += 1
+            obs.after = after
+            finding = judge(v, {**base, "after": after}, settled=settled)
+            if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
+                obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
+            if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):
+                obs.finding = finding
+                return obs
+        if time.monotonic() + v.poll_interval_seconds > bound:
+            # The bound passed: a read path that never answered is "unavailable"; one that answered
+            # but never showed the expected state is "not reached".
+            obs.finding = VerificationFinding.not_reached if obs.reads else VerificationFinding.unavailable
+            return obs
+        time.sleep(v.poll_interval_seconds)
+
+
+# finding -> (status, outcome or None to keep, idempotency status or None to keep, reason code)
+DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, IdempotencyStatus | None, str]] = {
+    VerificationFinding.expected: (ActionStatus.closed, Outcome.completed_verified, IdempotencyStatus.completed,
+                                   "verified"),
+    VerificationFinding.prohibited: (ActionStatus.recovery, Outcome.failed_after_side_effect,
+                                     IdempotencyStatus.completed, "verification_failed"),
+    VerificationFinding.not_reached: (ActionStatus.recovery, None, None, "verification_failed"),
+    VerificationFinding.absent: (ActionStatus.recovery, Outcome.failed_before_side_effect, IdempotencyStatus.failed,
+                                 "effect_absent"),
+    VerificationFinding.unavailable: (ActionStatus.escalated, Outcome.completed_unverified, None,
+                                      "verification_unavailable"),
+}
+
+
+def verify(rt: Runtime, action_id: str) -> dict[str, Any]:
+    conn = rt.conn
+    with store.transaction(conn) as cur:
+        action = store.get_action(cur, action_id)
+    if action is None or action.status != ActionStatus.verifying:
+        return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
+    envelope = Envelope.model_validate(action.envelope)
+    contract = rt.contract(envelope.action_type)
+    doc = envelope.model_dump(mode="json")
+    base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
+            "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
+    obs = observe(rt, envelope, contract, base)
+    status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+        outcome = None  # an unknown outcome stays unknown: we never learned more
+    if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
+        outcome = Outcome.partially_completed
+    evidence = {
+        "verification_key": verification_key(envelope), "finding": obs.finding.value, "reads": obs.reads,
+        "failed_reads": obs.failed_reads, "last_error": obs.last_error, "timeline": obs.kept,
+        "after": obs.after, "prior_outcome": action.outcome.value if action.outcome else None,
+        "read_tool": contract.verification_read.tool, "identity": "read",
+    }
+    recovered = None
+    if obs.finding == VerificationFinding.expected and not (action.result or {}).get("values"):
+        # The response was lost; the original result is recovered from the system of record.
+        recovered = {"values": obs.after, "recovered_by": "verification"}
+    try:
+        with store.transaction(conn) as cur:
+            events = [("verification_finished", evidence)]
+            if record_status is not None:
+                store.settle_idempotency_txn(cur, envelope.idempotency_key, record_status,
+                                             {"verified": obs.finding.value, "after": obs.after})
+            if status == ActionStatus.escalated:
+                events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
+            events.append(("final_state" if status == ActionStatus.closed else "handed_to_recovery",
+                            {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
+                             "reason_code": reason}))
+            store.append_events_txn(cur, action_id, rt.settings.worker_id, events, envelope.evidence.redact_fields)
+            store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
+                                 finding=obs.finding.value, reason_code=reason, result=recovered)
+    except TransitionRefused:
+        # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
+        with store.transaction(conn) as cur:
+            store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence)
+        return {"status": "superseded", "action_id": action_id}
+    log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
+    return {"status": status.value, "action_id": action_id, "finding": obs.finding.value}

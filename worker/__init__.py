@@ -1,0 +1,1 @@
+"""The Celery worker: validates envelopes, holds leases, calls MCP tools, classifies outcomes."""

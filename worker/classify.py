@@ -1,0 +1,108 @@
+"""Classify what one tool call did, from trusted facts only (never from a model's reading).
+
+The rules, in order:
+- nothing was sent (no session, refused connection) → failed before side effect;
+- the request was sent and then the response path failed (timeout, reset, lost connection,
+  output-schema error, cancellation) → unknown outcome: never retried blindly;
+- a tool error with a machine-readable class → the class the contract maps it to; without one
+  → the contract's default (unknown outcome unless the contract knows better);
+- a success from an asynchronous tool → accepted, with its downstream operation id;
+- any other success → completed but unverified, until verification says otherwise.
+MCP protocol errors and tool errors are different channels and are kept apart.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger.states import Outcome
+from proofline.conditions import evaluate
+from proofline.contracts import Contract, extract
+from proofline.errors import ConditionError, ExtractionFailed
+
+# JSON-RPC errors the server sends *before* running the tool: the request was refused outright.
+REFUSED_BEFORE_RUNNING = {-32700, -32600, -32601, -32602}
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """What the executor observed for one call."""
+
+    sent: bool
+    result: Any = None
+    error: BaseException | None = None
+    elapsed_seconds: float = 0.0
+    progress: tuple[dict[str, Any], ...] = ()
+    progress_total: int = 0
+
+
+@dataclass(frozen=True)
+class Classification:
+    outcome: Outcome
+    reason_code: str
+    values: dict[str, Any] | None = None
+    operation_id: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _error_summary(error: BaseException) -> dict[str, Any]:
+    summary: dict[str, Any] = {"type": type(error).__name__, "message": str(error)[:500]}
+    code = getattr(getattr(error, "error", None), "code", None) or getattr(error, "code", None)
+    if isinstance(code, int):
+        summary["code"] = code
+    if isinstance(error, BaseExceptionGroup):
+        summary["inner"] = [_error_summary(e) for e in error.exceptions[:5]]
+    return summary
+
+
+def _tool_error_class(result: Any, class_field: str) -> str | None:
+    data = getattr(result, "structured_content", None)
+    if isinstance(data, dict) and isinstance(data.get(class_field), str):
+        return data[class_field]
+    text = "".join(getattr(b, "text", "") for b in getattr(result, "content", []) or [])
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict) and isinstance(parsed.get(class_field), str):
+        return parsed[class_field]
+    return None
+
+
+def classify(report: CallReport, contract: Contract) -> Classification:
+    if not report.sent:
+        return Classification(Outcome.failed_before_side_effect, "not_sent",
+                              evidence={"error": _error_summary(report.error) if report.error else None})
+    if report.error is not None:
+        summary = _error_summary(report.error)
+        if summary.get("code") in REFUSED_BEFORE_RUNNING:
+            return Classification(Outcome.failed_before_side_effect, "protocol_refused", evidence={"error": summary})
+        return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})
+
+    result = report.result
+    if getattr(result, "is_error", False):
+        error_class = _tool_error_class(result, contract.tool_errors.class_field)
+        mapped = contract.tool_errors.classes.get(error_class or "", contract.tool_errors.default)
+        text = "".join(getattr(b, "text", "") for b in getattr(result, "content", []) or [])
+        return Classification(Outcome(mapped), f"tool_error:{error_class or 'unclassified'}",
+                              evidence={"error_class": error_class, "text": text[:500]})
+
+    try:
+        values = extract(result, contract.result)
+    except ExtractionFailed as exc:
+        # The tool ran and answered something we cannot read: whatever it did is not known.
+        return Classification(Outcome.unknown_outcome, exc.code, evidence=exc.as_evidence())
+    operation_id = None
+    if contract.operation_id:
+        try:
+            operation_id = evaluate(contract.operation_id, {"result": values})
+        except ConditionError as exc:
+            return Classification(Outcome.unknown_outcome, "operation_id_missing", values=values,
+                                  evidence=exc.as_evidence())
+    if contract.asynchronous:
+        return Classification(Outcome.accepted, "accepted", values=values,
+                              operation_id=str(operation_id) if operation_id is not None else None)
+    return Classification(Outcome.completed_unverified, "tool_reported_success", values=values,
+                          operation_id=str(operation_id) if operation_id is not None else None)

@@ -1,0 +1,472 @@
+"""The execute task's stages, in the seed's order, each recorded in the ledger with its evidence:
+
+validate envelope → revalidate → acquire the lease → check/claim the idempotency record →
+read the target and check preconditions → call the tool → classify → enqueue verification.
+
+Commits on the happy path: one for lease + claim + pre-call evidence, one for the classified
+result + lease release. Everything else is a read folded into those round trips.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ledger import store
+from ledger.states import ActionStatus, IdempotencyStatus, Outcome
+from proofline.conditions import build_arguments, holds
+from proofline.contracts import Contract, extract
+from proofline.envelope import Envelope
+from proofline.errors import (
+    ConditionError,
+    EnvelopeRefused,
+    IdempotencyConflict,
+    LeaseBusy,
+    McpUnavailable,
+    ProoflineError,
+    ReplayWindowExpired,
+    RevalidationFailed,
+    TargetReadFailed,
+)
+from worker import calls
+from worker.classify import CallReport, Classification, classify
+from worker.lease import (
+    Heartbeat,
+    Locks,
+    action_lock_name,
+    release_lease_txn,
+    target_lock_name,
+    try_lock_and_read,
+    unlock_sql,
+    write_lease_txn,
+)
+from worker.lease import unlock as unlock_locks
+from worker.runtime import Runtime
+from worker.servers import Server
+from worker.validate import (
+    claimed_fields,
+    refusal_chain_id,
+    revalidate_live,
+    revalidate_static,
+    validate_envelope,
+)
+
+log = logging.getLogger(__name__)
+
+# Read-only facts the revalidation needs, fetched in the same round trip that takes the locks.
+REVALIDATION_SQL = """
+SELECT clock_timestamp() AS now,
+       (SELECT array_agg(identity) FROM revoked_identities WHERE identity = ANY(%s)) AS revoked,
+       (SELECT json_agg(json_build_object('scope', scope, 'value', value, 'set_by', set_by, 'reason', reason))
+          FROM kill_switches WHERE cleared_at IS NULL AND (scope = 'global'
+            OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = %s)
+            OR (scope = 'tenant' AND value = %s))) AS kills,
+       (SELECT row_to_json(a) FROM (SELECT status, idempotency_key FROM actions WHERE action_id = %s) a) AS action
+"""
+
+# What the idempotency record becomes once a call has been classified.
+RECORD_AFTER_CALL = {
+    Outcome.completed_unverified: IdempotencyStatus.completed,
+    Outcome.accepted: IdempotencyStatus.completed,
+    Outcome.failed_after_side_effect: IdempotencyStatus.completed,
+    Outcome.failed_before_side_effect: IdempotencyStatus.failed,
+    Outcome.unknown_outcome: IdempotencyStatus.unknown,
+}
+
+
+class RetryLater(Exception):
+    """Ask Celery to deliver this message again after ``countdown`` seconds (same envelope, same key)."""
+
+    def __init__(self, countdown: float, reason: str) -> None:
+        super().__init__(countdown, reason)
+        self.countdown, self.reason = countdown, reason
+
+
+@dataclass
+class TaskSummary:
+    """The task's return value: small, JSON-serialisable, useful in Flower."""
+
+    status: str
+    reason_code: str | None = None
+    action_id: str | None = None
+    outcome: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dict[str, Any]) -> None:
+    """A refused message gets its own chain; it never touches a real action's state."""
+    with store.transaction(rt.conn) as cur:
+        store.append_event_txn(cur, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
+                               {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery})
+
+
+def _variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
+    doc = envelope.model_dump(mode="json")
+    return {"envelope": doc, "args": doc["arguments"], "target": doc["target"], **extra}
+
+
+def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envelope, role: str = "write") -> dict[str, Any]:
+    """One authoritative read through the contract's precondition read path."""
+    path = contract.precondition_read
+    arguments = build_arguments(path.arguments, _variables(envelope))
+    try:
+        result = rt.mcp.run(server, role, lambda c: calls.read_tool(  # type: ignore[arg-type]
+            c, tool=path.tool, arguments=arguments, timeout_seconds=contract.timeout_seconds))
+    except McpUnavailable:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any read failure means "no fresh snapshot"
+        rt.mcp.discard(server, role)  # type: ignore[arg-type]
+        raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500]) from None
+    if getattr(result, "is_error", False):
+        text = "".join(getattr(b, "text", "") for b in result.content or [])
+        raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")
+    return extract(result, path.extract)
+
+
+def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
+    """Evaluate every precondition; a condition that cannot be evaluated has failed."""
+    variables = _variables(envelope, before=before)
+    failures = []
+    conditions = [(c.name, c.expr, c.reason) for c in contract.preconditions]
+    conditions += [(f"envelope[{i}]", expr, "precondition_failed") for i, expr in enumerate(envelope.preconditions)]
+    for name, expr, reason in conditions:
+        try:
+            ok = holds(expr, variables)
+        except ConditionError as exc:
+            ok, reason = False, exc.code
+        if not ok:
+            failures.append({"name": name, "expr": expr, "reason": reason})
+    return failures
+
+
+def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify) -> dict[str, Any]:
+    """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
+    settings = rt.settings
+    actor = settings.worker_id
+    try:
+        envelope, contract = validate_envelope(message, settings, rt.contract)
+    except EnvelopeRefused as exc:
+        record_refusal(rt, message, exc, delivery)
+        log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})
+        return TaskSummary("refused", exc.code).as_dict()
+
+    aid = envelope.action_id
+    redact = envelope.evidence.redact_fields
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
+                       "contract": contract.action_type, "contract_version": contract.version,
+                       "contract_digest": contract.digest, "idempotency_key": envelope.idempotency_key,
+                       "arguments_hash": envelope.arguments_hash, **delivery}),
+    ]
+    locks = Locks(action_lock_name(aid), target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id))
+    conn = rt.conn
+    t0 = time.monotonic()
+    try:
+        facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
+            [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
+            envelope.tenant, aid))
+    except LeaseBusy as exc:
+        return _lease_busy(rt, envelope, exc, delivery)
+
+    locked = True
+    try:
+        existing = facts["action"]
+        if existing is not None:
+            if existing["idempotency_key"] != envelope.idempotency_key:
+                return _conflict(rt, envelope, events, f"action {aid} was published with a different idempotency "
+                                 "key (different arguments, target or approval)")
+            if existing["status"] in (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery):
+                return _already_settled(rt, envelope, existing["status"], delivery)
+            if existing["status"] == ActionStatus.verifying:
+                with store.transaction(conn) as cur:
+                    store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
+                _unlock_now(rt, envelope)
+                enqueue_verify(aid)
+                return TaskSummary("verifying", "redelivered", aid).as_dict()
+
+        server = rt.server(envelope.server.name)
+        try:
+            static = revalidate_static(envelope, settings, facts["now"], facts["revoked"] or [], facts["kills"] or [])
+            live_version = rt.mcp.server_version(server)
+            hashes = rt.mcp.run(server, "write", calls.live_tool_hashes)
+            live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+        except RevalidationFailed as exc:
+            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing)
+        events.append(("revalidated", {**static, **live}))
+
+        try:
+            before = read_target(rt, server, contract, envelope)
+        except (TargetReadFailed, McpUnavailable) as exc:
+            return _transient_before(rt, envelope, events, exc, existing)
+        failures = check_preconditions(contract, envelope, before)
+
+        with store.transaction(conn) as cur:
+            if existing is None:
+                store.insert_action_txn(cur, message["envelope"])
+            token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
+            events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
+                                              "ttl_seconds": settings.lease_ttl_seconds}))
+            if failures:
+                record = store.get_idempotency_txn(cur, envelope.idempotency_key)
+                if record is None:
+                    events.append(("preconditions_failed", {"failures": failures, "before": before}))
+                    store.append_events_txn(cur, aid, actor, events, redact)
+                    store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed,
+                                         outcome=Outcome.not_started, reason_code=failures[0]["reason"],
+                                         recovery_data={"before": before})
+                    release_lease_txn(cur, aid, token)
+                    cur.execute(*unlock_sql(locks))
+                    locked = False
+                    return TaskSummary("closed", failures[0]["reason"], aid, Outcome.not_started.value).as_dict()
+                claimed = False
+            else:
+                claimed, record = store.claim_idempotency_txn(
+                    cur, key=envelope.idempotency_key, action_id=aid, tenant=envelope.tenant,
+                    argument_hash=envelope.arguments_hash, contract_hash=envelope.tool.contract_hash,
+                    fencing_token=token, replay_window_seconds=settings.replay_window_seconds)
+            if not claimed:
+                decision = _dispatch_existing(cur, envelope, record, token, events, actor)
+                if decision != "retry":
+                    store.append_events_txn(cur, aid, actor, events, redact)
+                    _finish_dispatch(cur, aid, decision, record)
+                    release_lease_txn(cur, aid, token)
+                    cur.execute(*unlock_sql(locks))
+                    locked = False
+                    if decision == "reconcile":
+                        enqueue_verify(aid)
+                    return TaskSummary(decision, record.status.value, aid).as_dict()
+            else:
+                events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
+            events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
+                           else {}))
+            store.append_events_txn(cur, aid, actor, events, redact)
+            store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
+                                 recovery_data={"before": before})
+
+        report = _call(rt, server, envelope, contract, token, facts["now"], t0)
+        verdict = classify(report, contract)
+        locked = False  # the result transaction releases both locks as its last statement
+        return _record_result(rt, envelope, verdict, report, token, locks, enqueue_verify)
+    except BaseException:
+        if locked and not conn.closed and not conn.broken:
+            try:
+                unlock_locks(conn, locks)
+            except psycopg.Error:
+                rt.reset_connection()
+        raise
+
+
+# --- the branches ------------------------------------------------------------------------------
+
+
+def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[str, Any]) -> dict[str, Any]:
+    aid = envelope.action_id
+    with store.transaction(rt.conn) as cur:
+        if exc.context.get("which") == "action":
+            # A live worker is advancing this very action: this delivery is a duplicate. Ack, do nothing.
+            store.append_event_txn(cur, aid, "redelivery_ignored", rt.settings.worker_id,
+                                   {**exc.as_evidence(), **delivery})
+            return TaskSummary("ignored", exc.code, aid).as_dict()
+        store.append_event_txn(cur, aid, "target_busy", rt.settings.worker_id, {**exc.as_evidence(), **delivery})
+    raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
+
+
+def _conflict(rt: Runtime, envelope: Envelope, events: list, detail: str) -> dict[str, Any]:
+    exc = IdempotencyConflict(detail, idempotency_key=envelope.idempotency_key,
+                              arguments_hash=envelope.arguments_hash)
+    with store.transaction(rt.conn) as cur:
+        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
+                                [*events, ("idempotency_conflict", exc.as_evidence())], envelope.evidence.redact_fields)
+    _unlock_now(rt, envelope)
+    return TaskSummary("refused", exc.code, envelope.action_id).as_dict()
+
+
+def _already_settled(rt: Runtime, envelope: Envelope, status: str, delivery: dict[str, Any]) -> dict[str, Any]:
+    with store.transaction(rt.conn) as cur:
+        store.append_event_txn(cur, envelope.action_id, "duplicate_suppressed", rt.settings.worker_id,
+                               {"status": status, "reason": "action already settled", **delivery})
+    _unlock_now(rt, envelope)
+    return TaskSummary("duplicate_suppressed", status, envelope.action_id).as_dict()
+
+
+def _unlock_now(rt: Runtime, envelope: Envelope) -> None:
+    unlock_locks(rt.conn, Locks(action_lock_name(envelope.action_id),
+                                target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id)))
+
+
+def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: str, evidence: dict[str, Any],
+                         reason: str, existing: dict | None, outcome: Outcome) -> dict[str, Any]:
+    with store.transaction(rt.conn) as cur:
+        if existing is None:
+            store.insert_action_txn(cur, envelope.model_dump(mode="json"))
+        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)],
+                                envelope.evidence.redact_fields)
+        store.transition_txn(cur, envelope.action_id, [ActionStatus.published], ActionStatus.closed,
+                             outcome=outcome, reason_code=reason)
+    _unlock_now(rt, envelope)
+    return TaskSummary("closed", reason, envelope.action_id, outcome.value).as_dict()
+
+
+def _not_started(rt, envelope, events, event, evidence, reason, existing) -> dict[str, Any]:
+    return _close_before_effect(rt, envelope, events, event, evidence, reason, existing, Outcome.not_started)
+
+
+def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: ProoflineError,
+                      existing: dict | None) -> dict[str, Any]:
+    """Nothing was sent: retry the same envelope later while the deadline allows."""
+    remaining = envelope.deadline.timestamp() - time.time()
+    if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
+        with store.transaction(rt.conn) as cur:
+            store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
+                                    [*events, ("precheck_unavailable", exc.as_evidence())],
+                                    envelope.evidence.redact_fields)
+        _unlock_now(rt, envelope)
+        raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
+    return _close_before_effect(rt, envelope, events, "precheck_unavailable", exc.as_evidence(), exc.code, existing,
+                                Outcome.failed_before_side_effect)
+
+
+def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord, token: int, events: list,
+                       actor: str) -> str:
+    """Decide what a delivery does when the key already has a record (claim-first, then dispatch)."""
+    key = envelope.idempotency_key
+    if record.argument_hash != envelope.arguments_hash or record.contract_hash != envelope.tool.contract_hash:
+        exc = IdempotencyConflict("key reused with a different argument or contract hash", idempotency_key=key)
+        events.append(("idempotency_conflict", {**exc.as_evidence(), "recorded_argument_hash": record.argument_hash,
+                                                "recorded_contract_hash": record.contract_hash}))
+        return "conflict"
+    if record.expired:
+        events.append(("replay_window_expired", ReplayWindowExpired(f"record for {key} is past its window").as_evidence()))
+        return "refused"
+    if record.status == IdempotencyStatus.completed:
+        events.append(("duplicate_suppressed", {"key": key, "recorded_result": record.result}))
+        return "duplicate_suppressed"
+    if record.status == IdempotencyStatus.failed:
+        # Proven to have made no side effect: a retry may claim it again, with the same key.
+        store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.failed],
+                                     status=IdempotencyStatus.in_progress, new_token=token, count_attempt=True)
+        events.append(("idempotency_reclaimed", {"key": key, "attempt": record.attempts + 1, "fencing_token": token}))
+        return "retry"
+    # in_progress under a holder that is gone (we hold its lock), or already unknown: never call
+    # again before the downstream state is reconciled.
+    store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token,
+                                 allowed=[IdempotencyStatus.in_progress, IdempotencyStatus.unknown],
+                                 status=IdempotencyStatus.unknown, new_token=token)
+    events.append(("reconcile_required", {"key": key, "record_status": record.status.value,
+                                          "previous_fencing_token": record.fencing_token, "fencing_token": token}))
+    return "reconcile"
+
+
+def _finish_dispatch(cur, action_id: str, decision: str, record: store.IdempotencyRecord) -> None:
+    if decision == "reconcile":
+        store.transition_txn(cur, action_id, [ActionStatus.published, ActionStatus.executing, ActionStatus.verifying],
+                             ActionStatus.verifying, outcome=Outcome.unknown_outcome, reason_code="reconcile_required")
+
+
+def _sent(exc: BaseException) -> bool:
+    """False only when the failure proves the request never left (connection refused or not opened)."""
+    if isinstance(exc, McpUnavailable | ConnectionRefusedError):
+        return False
+    if type(exc).__name__ == "ConnectError":
+        return False
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_sent(e) for e in exc.exceptions)
+    cause = exc.__cause__ or exc.__context__
+    return _sent(cause) if cause is not None and cause is not exc else True
+
+
+def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float
+          ) -> CallReport:
+    settings = rt.settings
+    remaining = (envelope.deadline - db_now).total_seconds() - (time.monotonic() - t0)
+    deadline_monotonic = time.monotonic() + remaining
+    timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
+    progress = calls.ProgressLog(limit=settings.progress_events_limit)
+    started = time.monotonic()
+    with Heartbeat(settings.database_url, envelope.action_id, token, settings.lease_ttl_seconds,
+                   settings.heartbeat_seconds):
+        try:
+            result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
+                c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
+                action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
+                progress=progress))
+        except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            sent = _sent(exc)
+            if sent:
+                rt.mcp.discard(server, "write")
+            return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
+                              progress=tuple(progress.kept), progress_total=progress.total)
+    return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
+                      progress_total=progress.total)
+
+
+def _result_evidence(envelope: Envelope, verdict: Classification, report: CallReport) -> dict[str, Any]:
+    evidence: dict[str, Any] = {
+        "outcome": verdict.outcome.value, "reason_code": verdict.reason_code,
+        "elapsed_ms": round(report.elapsed_seconds * 1000, 1), "progress_total": report.progress_total,
+        "progress": list(report.progress), **verdict.evidence,
+    }
+    if verdict.operation_id:
+        evidence["downstream_operation_id"] = verdict.operation_id
+    if envelope.evidence.record_tool_result and verdict.values is not None:
+        evidence["result"] = verdict.values
+    return evidence
+
+
+def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, report: CallReport, token: int,
+                   locks: Locks, enqueue_verify) -> dict[str, Any]:
+    aid, actor = envelope.action_id, rt.settings.worker_id
+    evidence = _result_evidence(envelope, verdict, report)
+    record_status = RECORD_AFTER_CALL[verdict.outcome]
+    retry = False
+    if verdict.outcome == Outcome.failed_before_side_effect:
+        remaining = envelope.deadline.timestamp() - time.time()
+        retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
+    conn = rt.conn
+    try:
+        with store.transaction(conn) as cur:
+            attempts = store.update_idempotency_txn(
+                cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
+                status=record_status, result={"values": verdict.values, "operation_id": verdict.operation_id,
+                                              "outcome": verdict.outcome.value})
+            retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
+            events = [("tool_called", evidence)]
+            if verdict.outcome == Outcome.failed_before_side_effect:
+                status = ActionStatus.published if retry else ActionStatus.closed
+                events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
+            else:
+                status = ActionStatus.verifying
+                events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
+            store.append_events_txn(cur, aid, actor, events, envelope.evidence.redact_fields)
+            store.transition_txn(
+                cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
+                result={"values": verdict.values} if verdict.values is not None else None,
+                recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None)
+            release_lease_txn(cur, aid, token)
+            cur.execute(*unlock_sql(locks))
+    except ProoflineError as exc:
+        # Our fencing token is stale: another holder took over. Keep what we saw, change nothing else.
+        with store.transaction(conn) as cur:
+            store.append_event_txn(cur, aid, "stale_write_refused", actor, {**exc.as_evidence(), "observed": evidence},
+                                   envelope.evidence.redact_fields)
+        unlock_locks(conn, locks)
+        return TaskSummary("refused", exc.code, aid).as_dict()
+    if verdict.outcome == Outcome.failed_before_side_effect:
+        if retry:
+            raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
+        return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
+    enqueue_verify(aid)
+    return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
+
+
+def verification_key(envelope: Envelope) -> str:
+    """Verification has its own key, derived from the action's, so it is deduplicated separately."""
+    return "verify-" + envelope.idempotency_key

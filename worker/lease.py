@@ -1,0 +1,152 @@
+"""Execution leases: Postgres advisory locks on the action and on its target, plus a ``leases``
+row that names the owner, carries a fencing token and is renewed by heartbeats.
+
+Session-level advisory locks are held on the worker's own connection for the whole action, so a
+crashed worker's locks vanish with its session. The row and its fencing token are what other
+writers check: a write made under a token that is no longer current is refused. Lease expiry
+never re-executes anything by itself; the next holder reconciles first (``worker/execute.py``).
+All times come from the database clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ledger.store import Cursor
+from proofline.errors import LeaseBusy
+
+log = logging.getLogger(__name__)
+
+# Two-key locks would collide across namespaces; one 64-bit key per name keeps them apart.
+LOCK_SQL = "pg_try_advisory_lock(hashtextextended(%s, 0))"
+UNLOCK_SQL = "pg_advisory_unlock(hashtextextended(%s, 0))"
+
+
+def action_lock_name(action_id: str) -> str:
+    return f"proofline:action:{action_id}"
+
+
+def target_lock_name(tenant: str, target_type: str, target_id: str) -> str:
+    return f"proofline:target:{tenant}:{target_type}:{target_id}"
+
+
+@dataclass
+class Locks:
+    """The two advisory locks this session holds for one action."""
+
+    action: str
+    target: str
+
+
+def try_lock_and_read(
+    conn: psycopg.Connection[dict[str, Any]], locks: Locks, extra_sql: str = "SELECT 1 AS one", params: tuple = ()
+) -> dict[str, Any]:
+    """Take both locks in one round trip, together with a read-only query the caller needs.
+
+    Raises :class:`LeaseBusy` (and holds nothing) when either lock is taken by a live session.
+    """
+    with conn.cursor() as cur:
+        cur.execute(
+            f"SELECT {LOCK_SQL} AS got_action, {LOCK_SQL} AS got_target, extra.* FROM ({extra_sql}) AS extra",
+            (locks.action, locks.target, *params),
+        )
+        row = cur.fetchone()
+    assert row is not None
+    if row["got_action"] and row["got_target"]:
+        return row
+    unlock(conn, locks, action=row["got_action"], target=row["got_target"])
+    which = "action" if not row["got_action"] else "target"
+    raise LeaseBusy(f"{which} lock is held by another live worker", which=which)
+
+
+def unlock(conn: psycopg.Connection[dict[str, Any]], locks: Locks, *, action: bool = True, target: bool = True) -> None:
+    names = ([locks.action] if action else []) + ([locks.target] if target else [])
+    if not names or conn.closed:
+        return
+    with conn.cursor() as cur:
+        cur.execute("SELECT " + ", ".join([UNLOCK_SQL] * len(names)), names)
+
+
+def unlock_sql(locks: Locks) -> tuple[str, tuple[str, str]]:
+    """The statement that releases both locks; run it last in the final transaction."""
+    return f"SELECT {UNLOCK_SQL}, {UNLOCK_SQL}", (locks.target, locks.action)
+
+
+def write_lease_txn(cur: Cursor, action_id: str, target_key: str, worker_id: str, ttl_seconds: float) -> int:
+    """Record (or take over) the lease row; returns the new fencing token."""
+    cur.execute(
+        """INSERT INTO leases (action_id, target_key, owner_host, owner_pid, worker_id, fencing_token, expires_at)
+           VALUES (%(a)s, %(t)s, %(h)s, %(p)s, %(w)s, nextval('lease_fencing_seq'),
+                   clock_timestamp() + make_interval(secs => %(ttl)s))
+           ON CONFLICT (action_id) DO UPDATE SET target_key = EXCLUDED.target_key,
+               owner_host = EXCLUDED.owner_host, owner_pid = EXCLUDED.owner_pid,
+               worker_id = EXCLUDED.worker_id, fencing_token = EXCLUDED.fencing_token,
+               acquired_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
+               expires_at = EXCLUDED.expires_at, released_at = NULL
+           RETURNING fencing_token""",
+        {"a": action_id, "t": target_key, "h": socket.gethostname(), "p": os.getpid(), "w": worker_id,
+         "ttl": ttl_seconds},
+    )
+    row = cur.fetchone()
+    assert row is not None
+    return int(row["fencing_token"])
+
+
+def release_lease_txn(cur: Cursor, action_id: str, fencing_token: int) -> bool:
+    cur.execute(
+        "UPDATE leases SET released_at = clock_timestamp() WHERE action_id = %s AND fencing_token = %s "
+        "AND released_at IS NULL RETURNING action_id",
+        (action_id, fencing_token),
+    )
+    return cur.fetchone() is not None
+
+
+class Heartbeat:
+    """Renews the lease row while a tool call runs; notices when the lease is lost.
+
+    Runs on its own short-lived connection so it never interleaves with the task's statements.
+    """
+
+    def __init__(self, dsn: str, action_id: str, fencing_token: int, ttl: float, interval: float) -> None:
+        self.dsn, self.action_id, self.token, self.ttl, self.interval = dsn, action_id, fencing_token, ttl, interval
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{action_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 5)
+
+    def _run(self) -> None:
+        conn: psycopg.Connection | None = None
+        try:
+            while not self._stop.wait(self.interval):
+                if conn is None:
+                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                cur = conn.execute(
+                    "UPDATE leases SET heartbeat_at = clock_timestamp(), "
+                    "expires_at = clock_timestamp() + make_interval(secs => %s) "
+                    "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING 1",
+                    (self.ttl, self.action_id, self.token),
+                )
+                if cur.fetchone() is None:
+                    log.warning("lease lost", extra={"action_id": self.action_id, "event": "lease_lost"})
+                    self.lost.set()
+                    return
+        except psycopg.Error:
+            log.exception("heartbeat failed", extra={"action_id": self.action_id, "event": "heartbeat_failed"})
+            self.lost.set()
+        finally:
+            if conn is not None:
+                conn.close()

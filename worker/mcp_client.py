@@ -1,0 +1,161 @@
+"""MCP sessions kept per worker process and reused across tasks.
+
+Spawning a stdio server costs ~700 ms and a new HTTP client ~30 ms, so each pool child keeps one
+session per (server, identity) open. anyio requires a client context to be entered and exited
+by the same task, so each session lives in its own task on a blocking portal (an event-loop
+thread created lazily *after* fork, in the process that uses it); tasks hand it coroutines to run.
+A session that dies (server killed, connection lost) is replaced on the next call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from mcp import Client, StdioServerParameters
+
+from proofline.errors import McpUnavailable
+from worker.servers import Endpoint, Server
+
+T = TypeVar("T")
+Role = Literal["write", "read"]
+CONNECT_TIMEOUT_SECONDS = 15.0
+
+
+def endpoint_target(endpoint: Endpoint, base_dir: Path) -> Any:
+    """What ``mcp.Client`` connects to: a URL, or a stdio command with an explicit environment."""
+    if endpoint.transport == "http":
+        return endpoint.url
+    argv = endpoint.argv()
+    return StdioServerParameters(
+        command=argv[0], args=argv[1:], env=endpoint.stdio_environment(), cwd=endpoint.working_directory(base_dir),
+    )
+
+
+class _Session:
+    """One open MCP client, owned by one task on the portal's event loop."""
+
+    def __init__(self, endpoint: Endpoint, base_dir: Path) -> None:
+        self.endpoint = endpoint
+        self.base_dir = base_dir
+        self.client: Client | None = None
+        self.error: BaseException | None = None
+        self.dead = False
+        self._ready: anyio.Event | None = None
+        self._stop: anyio.Event | None = None
+
+    async def run(self) -> None:
+        self._ready, self._stop = anyio.Event(), anyio.Event()
+        try:
+            async with Client(endpoint_target(self.endpoint, self.base_dir)) as client:
+                self.client = client
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - a dead session is recorded, never raised here
+            self.error = exc
+        finally:
+            self.client = None
+            self.dead = True
+            self._ready.set()
+
+    async def wait_ready(self) -> None:
+        while self._ready is None:
+            await anyio.sleep(0.001)
+        with anyio.fail_after(CONNECT_TIMEOUT_SECONDS):
+            await self._ready.wait()
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+
+class McpSessions:
+    """The per-process registry of open MCP sessions."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.pid = os.getpid()
+        self._stack = ExitStack()
+        self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
+        self._sessions: dict[tuple[str, Role], _Session] = {}
+        self._lock = threading.Lock()
+
+    def _session(self, server: Server, role: Role) -> _Session:
+        key = (server.name, role)
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is not None and not session.dead:
+                return session
+            endpoint = server.write if role == "write" else server.read
+            session = _Session(endpoint, self.base_dir)
+            self._portal.start_task_soon(session.run)
+            try:
+                self._portal.call(session.wait_ready)
+            except TimeoutError as exc:
+                raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
+            if session.client is None:
+                raise McpUnavailable(f"{server.name}/{role}: cannot open a session: {session.error!r}")
+            self._sessions[key] = session
+            return session
+
+    def run(self, server: Server, role: Role, fn: Callable[[Client], Awaitable[T]]) -> T:
+        """Run ``fn(client)`` on the session's event loop and return its result.
+
+        Raises :class:`McpUnavailable` when no session can be opened: nothing was sent then.
+        """
+        session = self._session(server, role)
+        client = session.client
+        if client is None:  # died between lookup and use; nothing was sent
+            raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
+        return self._portal.call(fn, client)
+
+    def server_version(self, server: Server, role: Role = "write") -> str | None:
+        session = self._session(server, role)
+        info = session.client.server_info if session.client else None
+        return info.version if info else None
+
+    def discard(self, server: Server, role: Role) -> None:
+        """Drop a session after a transport failure so the next call reconnects."""
+        with self._lock:
+            session = self._sessions.pop((server.name, role), None)
+        if session is not None:
+            self._portal.call(session.stop)
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            try:
+                self._portal.call(session.stop)
+            except Exception:  # noqa: BLE001 - closing at exit must not raise
+                pass
+        self._stack.close()
+
+
+_current: McpSessions | None = None
+_current_lock = threading.Lock()
+
+
+def sessions(base_dir: Path) -> McpSessions:
+    """This process's sessions; a forked child never reuses its parent's event loop."""
+    global _current
+    with _current_lock:
+        if _current is None or _current.pid != os.getpid():
+            _current = McpSessions(base_dir)
+            atexit.register(_current.close)
+        return _current
+
+
+def close_sessions() -> None:
+    global _current
+    with _current_lock:
+        if _current is not None and _current.pid == os.getpid():
+            _current.close()
+        _current = None

@@ -1,0 +1,112 @@
+"""The servers file: how to reach each MCP server, for writes and for independent reads.
+
+Example (``servers.yaml``)::
+
+    servers:
+      sor:
+        transport: stdio                      # or http
+        command: ["{python}", "-m", "proofline.sor", "--transport", "stdio"]
+        env_allow: [SOR_DB]                   # copied from the worker's environment, nothing else is
+        env: {SOR_ROLE: writer}
+        cwd: var
+        expected_version: "1.0.0"
+        read_identity:                        # a separate read-only identity for verification
+          env: {SOR_ROLE: reader}
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proofline.errors import ConfigurationError
+
+#: A stdio server gets this PATH and nothing else unless the servers file allows a variable.
+MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class Endpoint(BaseModel):
+    """One identity on one server: a stdio command line or an HTTP URL."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    transport: Literal["stdio", "http"]
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    env_allow: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> Endpoint:
+        if self.transport == "stdio" and not self.command:
+            raise ValueError("a stdio endpoint needs a command")
+        if self.transport == "http" and not self.url:
+            raise ValueError("an http endpoint needs a url")
+        return self
+
+    def stdio_environment(self) -> dict[str, str]:
+        """An explicit, minimal environment: no inherited credentials."""
+        env = {"PATH": MINIMAL_PATH, "LANG": "C.UTF-8"}
+        for name in self.env_allow:
+            if name in os.environ:
+                env[name] = os.environ[name]
+        env.update(self.env)
+        return env
+
+    def argv(self) -> list[str]:
+        return [part.replace("{python}", sys.executable) for part in self.command]
+
+    def working_directory(self, base: Path) -> str:
+        path = (base / self.cwd) if self.cwd else base
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+
+class Server(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    write: Endpoint
+    read: Endpoint
+    expected_version: str | None = None
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = {**base, **override}
+    if "env" in base or "env" in override:
+        merged["env"] = {**base.get("env", {}), **override.get("env", {})}
+    return merged
+
+
+@lru_cache(maxsize=8)
+def load_servers(path: Path) -> dict[str, Server]:
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigurationError(f"servers file {path} does not exist") from exc
+    servers: dict[str, Server] = {}
+    for name, spec in (raw.get("servers") or {}).items():
+        spec = dict(spec)
+        read_override = spec.pop("read_identity", None)
+        expected = spec.pop("expected_version", None)
+        if read_override is None:
+            raise ConfigurationError(f"server {name}: a read_identity for verification is required")
+        servers[name] = Server(
+            name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
+            expected_version=expected,
+        )
+    return servers
+
+
+def server_named(path: Path, name: str) -> Server:
+    servers = load_servers(Path(path))
+    if name not in servers:
+        raise ConfigurationError(f"server {name!r} is not in {path}")
+    return servers[name]
