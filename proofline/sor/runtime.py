@@ -131,17 +131,22 @@ class Runner:
                 "failed_before_side_effect", "read-only identity", reason="read_only_identity"
             )
         key = idempotency_key(ctx)
-        fault = await in_thread(store.take_fault, self.config.db_path, tool)
-        await before_fault(ctx, fault)
-        mode = fault.mode if fault else None
-        if mode == "fail_before_commit":
-            return error_result("failed_before_side_effect", f"injected failure before commit in {tool}")
-        if mode == "lie":
-            return render(await in_thread(lie))
         try:
+            fault = await in_thread(store.take_fault, self.config.db_path, tool)
+            await before_fault(ctx, fault)
+            mode = fault.mode if fault else None
+            if mode == "fail_before_commit":
+                return error_result("failed_before_side_effect", f"injected failure before commit in {tool}")
+            if mode == "lie":
+                return render(await in_thread(lie))
             result = await apply(key)
         except store.Refused as refused:
             return error_result(refused.error_class, refused.message, reason=refused.reason)
+        except sqlite3.OperationalError as exc:
+            # A failed statement or COMMIT leaves the transaction rolled back: nothing was applied.
+            return error_result(
+                "failed_before_side_effect", f"store unavailable: {exc}", reason="store_unavailable"
+            )
         # From here on the effect is committed: the faults below only damage the answer.
         if mode == "drop_response":
             await anyio.sleep(fault.delay_seconds or DROP_RESPONSE_DEFAULT_SECONDS)

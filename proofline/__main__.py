@@ -1,0 +1,3 @@
+from proofline.cli import main
+
+main()
