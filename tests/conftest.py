@@ -1,0 +1,273 @@
+"""Fixtures that start real components: a fresh Postgres database per stack (migrated with
+Alembic), a Redis database, the system-of-record MCP server (stdio or streamable HTTP) and real
+Celery worker processes. Nothing here is mocked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+
+from ledger import store
+from ledger.migrate import upgrade
+from ledger.states import ActionStatus
+from proofline.controller import describe_server, prepare, publish, send_message, signed_message
+from proofline.envelope import Envelope
+from proofline.settings import ROOT, Settings
+from proofline.sor import store as sor
+
+ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> Any:
+    """Poll until ``predicate`` returns something truthy; fail the test with ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def create_database(prefix: str) -> tuple[str, str]:
+    """A new, migrated database; returns (admin url, runtime-role url)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = ADMIN_URL.rsplit("/", 1)[0]
+    admin = f"{base}/{name}"
+    upgrade(admin)
+    host_part = base.split("@", 1)[1]
+    return admin, f"postgresql://proofline_runtime@{host_part}/{name}"
+
+
+def drop_database(admin_url: str) -> None:
+    name = admin_url.rsplit("/", 1)[1]
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    handle = open(log, "ab")  # noqa: SIM115 - the child owns it for its life
+    return subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    def answers() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    wait_for(answers, timeout, what=f"port {port}")
+
+
+@dataclass
+class Stack:
+    """One running Proofline deployment: ledger database, broker, system of record, workers."""
+
+    transport: str
+    workdir: Path
+    admin_url: str
+    database_url: str
+    broker_url: str
+    sor_db: Path
+    servers_file: Path
+    settings: Settings
+    app: Celery
+    conn: psycopg.Connection
+    env: dict[str, str]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    _live: tuple[str | None, dict[str, str]] | None = None
+
+    # --- controller side ---------------------------------------------------------------------
+    def live(self) -> tuple[str | None, dict[str, str]]:
+        if self._live is None:
+            self._live = describe_server(self.settings, "sor")
+        return self._live
+
+    def envelope(self, action_type: str, **kw: Any) -> Envelope:
+        uid = uuid.uuid4().hex[:10]
+        kw.setdefault("run_id", f"run-{uid}")
+        kw.setdefault("action_id", f"act-{uid}")
+        kw.setdefault("tenant", "acme")
+        kw.setdefault("live", self.live())
+        return prepare(self.settings, action_type=action_type, **kw)
+
+    def publish(self, envelope: Envelope) -> dict[str, Any]:
+        return publish(self.settings, self.conn, self.app, envelope)
+
+    def deliver(self, message: Any) -> str:
+        """Put a raw message on the actions queue, as a duplicate or hostile delivery would."""
+        return send_message(self.app, message)
+
+    def message(self, envelope: Envelope) -> dict[str, Any]:
+        return signed_message(self.settings, envelope)
+
+    # --- observation ----------------------------------------------------------------------------
+    def action(self, action_id: str) -> store.ActionRow | None:
+        with self.conn.cursor() as cur:
+            return store.get_action(cur, action_id)
+
+    def events(self, action_id: str) -> list[str]:
+        with self.conn.cursor() as cur:
+            return [e["event"] for e in store.timeline(cur, action_id)]
+
+    def timeline(self, action_id: str) -> list[dict[str, Any]]:
+        with self.conn.cursor() as cur:
+            return store.timeline(cur, action_id)
+
+    def wait_settled(self, action_id: str, timeout: float = 40.0) -> store.ActionRow:
+        def settled() -> store.ActionRow | None:
+            row = self.action(action_id)
+            return row if row is not None and row.status in SETTLED else None
+
+        return wait_for(settled, timeout, what=f"{action_id} to settle (now {self.action(action_id)})")
+
+    def wait_event(self, action_id: str, event: str, timeout: float = 30.0) -> None:
+        wait_for(lambda: event in self.events(action_id), timeout, what=f"{event} on {action_id}")
+
+    def refusals(self) -> list[dict[str, Any]]:
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT action_id, evidence FROM ledger_events WHERE event = 'envelope_refused' ORDER BY id")
+            return list(cur.fetchall())
+
+    def effects(self, key: str) -> int:
+        return sor.count_effects(self.sor_db, key)
+
+    def workers_alive(self) -> bool:
+        return all(w.poll() is None for w in self.workers)
+
+
+def _servers_yaml(transport: str, write_port: int | None, read_port: int | None) -> str:
+    if transport == "stdio":
+        return (ROOT / "servers.yaml").read_text()
+    return (
+        "servers:\n  sor:\n    transport: http\n"
+        f"    url: http://127.0.0.1:{write_port}/mcp\n    expected_version: \"1.0.0\"\n"
+        f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
+    )
+
+
+def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w") -> list[subprocess.Popen]:
+    started = []
+    for i in range(count):
+        argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify",
+                "-c", str(concurrency), "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
+        proc = start_process(argv, stack.env, stack.workdir / f"worker-{name}{i}.log")
+        started.append(proc)
+    stack.workers.extend(started)
+    client = redis.Redis.from_url(stack.broker_url)
+    # A worker is ready when it has subscribed to its queues (it then shows in the broker's bindings).
+    wait_for(lambda: client.exists("_kombu.binding.actions") and all(p.poll() is None for p in started), 30,
+             what="workers to start")
+    time.sleep(1.0)
+    return started
+
+
+def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, str] | None = None) -> Stack:
+    admin, runtime_url = create_database(f"pl_{transport}")
+    broker = f"{REDIS_URL}/{redis_db}"
+    redis.Redis.from_url(broker).flushdb()
+    sor_db = tmp / "sor.sqlite3"
+    sor.init_db(sor_db)
+    sor.seed_demo(sor_db)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
+    env.update({
+        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker,
+        "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
+        "SOR_DB": str(sor_db), "SOR_RESTART_SECONDS": "0.6", "PYTHONPATH": str(ROOT),
+    })
+    processes = []
+    write_port = read_port = None
+    if transport == "http":
+        write_port, read_port = free_port(), free_port()
+        for role, port in (("writer", write_port), ("reader", read_port)):
+            processes.append(start_process(
+                [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
+                 "--db", str(sor_db), "--sse"], env, tmp / f"sor-{role}.log"))
+        wait_port(write_port)
+        wait_port(read_port)
+    servers_file = tmp / "servers.yaml"
+    servers_file.write_text(_servers_yaml(transport, write_port, read_port))
+    env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
+    env.update(extra_env or {})
+    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file)
+    app = Celery("proofline-test-controller", broker=broker)
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    conn = store.connect(runtime_url)
+    stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
+                  processes)
+    # The controller probes the live server with the same environment the workers get.
+    os.environ["SOR_DB"] = str(sor_db)
+    return stack
+
+
+def teardown_stack(stack: Stack) -> None:
+    for proc in stack.workers + stack.processes:
+        stop_process(proc)
+    stack.conn.close()
+    stack.app.close()
+    drop_database(stack.admin_url)
+
+
+_REDIS_DBS = iter(range(6, 16))
+
+
+@pytest.fixture(scope="session", params=["stdio"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A running deployment with one Celery worker (two prefork processes). ``indirect``
+    parametrisation with "http" gives the same deployment over streamable HTTP."""
+    transport = request.param
+    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}"), next(_REDIS_DBS))
+    try:
+        start_workers(s)
+        yield s
+    finally:
+        teardown_stack(s)
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "stack" in request.fixturenames:
+        s: Stack = request.getfixturevalue("stack")
+        sor.clear_faults(s.sor_db)
