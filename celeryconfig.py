@@ -16,7 +16,13 @@ _settings = get_settings()
 
 broker_url = _settings.broker_url
 broker_connection_retry_on_startup = True
-broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+if broker_url.startswith("sqla+"):
+    # kombu's SQLAlchemy transport (the embedded default) hands its options to create_engine and
+    # has no visibility timeout: an unacknowledged message stays with its consumer.
+    broker_transport_options = {"pool_pre_ping": True}
+    broker_pool_limit = 2
+else:
+    broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
 
 task_serializer = "json"
 accept_content = ["json"]

