@@ -12,8 +12,9 @@ CREATE OR REPLACE FUNCTION ledger_event_hash(
     p_prev text, p_action text, p_seq integer, p_event text, p_actor text,
     p_at timestamptz, p_evidence jsonb) RETURNS text
 LANGUAGE sql IMMUTABLE AS $$
-  SELECT encode(sha256(convert_to(concat_ws('|', p_prev, p_action, p_seq::text, p_event, p_actor,
-      to_char(p_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), p_evidence::text), 'UTF8')), 'hex')
+  -- A JSON array is an unambiguous encoding: no text can move between fields unnoticed.
+  SELECT encode(sha256(convert_to(jsonb_build_array(p_prev, p_action, p_seq, p_event, p_actor,
+      to_char(p_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), p_evidence)::text, 'UTF8')), 'hex')
 $$;
 """
 
@@ -23,6 +24,8 @@ LANGUAGE plpgsql AS $$
 DECLARE
   last record;
 BEGIN
+  -- Appends to one chain are serialised (until commit), so two writers never both take seq n.
+  PERFORM pg_advisory_xact_lock(hashtextextended('proofline:ledger:' || NEW.action_id, 0));
   SELECT seq, hash INTO last FROM ledger_events
    WHERE action_id = NEW.action_id ORDER BY seq DESC LIMIT 1;
   NEW.seq := COALESCE(last.seq, 0) + 1;
@@ -30,6 +33,8 @@ BEGIN
   NEW.at := clock_timestamp();
   NEW.hash := ledger_event_hash(NEW.prev_hash, NEW.action_id, NEW.seq, NEW.event, NEW.actor,
                                 NEW.at, NEW.evidence);
+  -- Anchor the chain's head outside the chain, so removing its last events is detectable too.
+  UPDATE actions SET ledger_seq = NEW.seq, ledger_head = NEW.hash WHERE action_id = NEW.action_id;
   RETURN NEW;
 END $$;
 

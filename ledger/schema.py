@@ -72,6 +72,9 @@ actions = Table(
     # What recovery needs later: created ids, prior versions, downstream operation ids.
     Column("recovery_data", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("deadline", DateTime(timezone=True), nullable=False),
+    # The head of this action's ledger chain, kept by the chain trigger (detects a removed tail).
+    Column("ledger_seq", Integer, nullable=False, server_default=text("0")),
+    Column("ledger_head", Text, nullable=False, server_default=text("''")),
     Column("published_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
 )

@@ -30,6 +30,7 @@ def check_chains(conn: Any) -> tuple[int, int, list[BrokenLink]]:
     """Returns (chains, events, first broken link of each broken chain)."""
     broken: dict[str, BrokenLink] = {}
     chains: set[str] = set()
+    heads: dict[str, tuple[int, str]] = {}
     events = 0
     with conn.cursor() as cur:
         cur.execute(CHECK_SQL)
@@ -37,6 +38,7 @@ def check_chains(conn: Any) -> tuple[int, int, list[BrokenLink]]:
             events += 1
             action_id = row["action_id"]
             chains.add(action_id)
+            heads[action_id] = (row["seq"], row["hash"])
             if action_id in broken:
                 continue
             expected_seq = (row["previous_seq"] or 0) + 1
@@ -50,4 +52,16 @@ def check_chains(conn: Any) -> tuple[int, int, list[BrokenLink]]:
                 problem = "content does not match its hash (the event was altered)"
             if problem:
                 broken[action_id] = BrokenLink(action_id, row["seq"], problem)
+        # Each action row anchors its chain's head: a chain that ends early lost its last events.
+        cur.execute("SELECT action_id, ledger_seq, ledger_head FROM actions WHERE ledger_seq > 0")
+        for row in cur:
+            action_id = row["action_id"]
+            if action_id in broken:
+                continue
+            seq, head = heads.get(action_id, (0, ""))
+            if seq < row["ledger_seq"]:
+                broken[action_id] = BrokenLink(action_id, seq + 1, f"events {seq + 1}..{row['ledger_seq']} were "
+                                               "removed (the chain ends before its anchored head)")
+            elif seq == row["ledger_seq"] and head != row["ledger_head"]:
+                broken[action_id] = BrokenLink(action_id, seq, "the last event differs from the anchored head")
     return len(chains), events, sorted(broken.values(), key=lambda b: b.action_id)

@@ -30,6 +30,7 @@ from proofline.errors import (
     ProoflineError,
     ReplayWindowExpired,
     RevalidationFailed,
+    StaleLease,
     TargetReadFailed,
 )
 from worker import calls
@@ -389,8 +390,11 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
     timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
     progress = calls.ProgressLog(limit=settings.progress_events_limit)
     started = time.monotonic()
-    with Heartbeat(settings.database_url, envelope.action_id, token, settings.lease_ttl_seconds,
-                   settings.heartbeat_seconds):
+    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
+                   touch=rt.touch) as heartbeat:
+        if not heartbeat.valid():
+            # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
+            return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
         try:
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
@@ -423,41 +427,22 @@ def _result_evidence(envelope: Envelope, verdict: Classification, report: CallRe
 
 def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, report: CallReport, token: int,
                    locks: Locks, enqueue_verify) -> dict[str, Any]:
-    aid, actor = envelope.action_id, rt.settings.worker_id
+    aid = envelope.action_id
     evidence = _result_evidence(envelope, verdict, report)
-    record_status = RECORD_AFTER_CALL[verdict.outcome]
-    retry = False
-    if verdict.outcome == Outcome.failed_before_side_effect:
-        remaining = envelope.deadline.timestamp() - time.time()
-        retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
-    conn = rt.conn
     try:
-        with store.transaction(conn) as cur:
-            attempts = store.update_idempotency_txn(
-                cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
-                status=record_status, result={"values": verdict.values, "operation_id": verdict.operation_id,
-                                              "outcome": verdict.outcome.value})
-            retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
-            events = [("tool_called", evidence)]
-            if verdict.outcome == Outcome.failed_before_side_effect:
-                status = ActionStatus.published if retry else ActionStatus.closed
-                events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
-            else:
-                status = ActionStatus.verifying
-                events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
-            store.append_events_txn(cur, aid, actor, events, envelope.evidence.redact_fields)
-            store.transition_txn(
-                cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
-                result={"values": verdict.values} if verdict.values is not None else None,
-                recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None)
-            release_lease_txn(cur, aid, token)
-            cur.execute(*unlock_sql(locks))
-    except ProoflineError as exc:
-        # Our fencing token is stale: another holder took over. Keep what we saw, change nothing else.
-        with store.transaction(conn) as cur:
-            store.append_event_txn(cur, aid, "stale_write_refused", actor, {**exc.as_evidence(), "observed": evidence},
-                                   envelope.evidence.redact_fields)
-        unlock_locks(conn, locks)
+        try:
+            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks)
+        except psycopg.OperationalError:
+            # The session died while we called (and its locks with it). Write again on a new
+            # session: the fencing token still decides whether this worker may record the result.
+            rt.reset_connection()
+            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks)
+    except StaleLease as exc:
+        # Another holder took over: keep what we saw as evidence, change nothing else.
+        with store.transaction(rt.conn) as cur:
+            store.append_event_txn(cur, aid, "stale_write_refused", rt.settings.worker_id,
+                                   {**exc.as_evidence(), "observed": evidence}, envelope.evidence.redact_fields)
+        unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
     if verdict.outcome == Outcome.failed_before_side_effect:
         if retry:
@@ -465,6 +450,40 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
     enqueue_verify(aid)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
+
+
+def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, evidence: dict[str, Any],
+                      token: int, locks: Locks) -> bool:
+    """Record the classified call, settle the idempotency record, release the lease: one commit.
+
+    Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
+    """
+    aid, actor = envelope.action_id, rt.settings.worker_id
+    retry = False
+    if verdict.outcome == Outcome.failed_before_side_effect:
+        remaining = envelope.deadline.timestamp() - time.time()
+        retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
+    with store.transaction(rt.conn) as cur:
+        attempts = store.update_idempotency_txn(
+            cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
+            status=RECORD_AFTER_CALL[verdict.outcome],
+            result={"values": verdict.values, "operation_id": verdict.operation_id, "outcome": verdict.outcome.value})
+        retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
+        events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
+        if verdict.outcome == Outcome.failed_before_side_effect:
+            status = ActionStatus.published if retry else ActionStatus.closed
+            events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
+        else:
+            status = ActionStatus.verifying
+            events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
+        store.append_events_txn(cur, aid, actor, events, envelope.evidence.redact_fields)
+        store.transition_txn(
+            cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
+            result={"values": verdict.values} if verdict.values is not None else None,
+            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None)
+        release_lease_txn(cur, aid, token)
+        cur.execute(*unlock_sql(locks))
+    return retry
 
 
 def verification_key(envelope: Envelope) -> str:

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,14 +110,20 @@ def release_lease_txn(cur: Cursor, action_id: str, fencing_token: int) -> bool:
 
 
 class Heartbeat:
-    """Renews the lease row while a tool call runs; notices when the lease is lost.
+    """Renews the lease row while a tool call runs, on the worker's own connection.
 
-    Runs on its own short-lived connection so it never interleaves with the task's statements.
+    Using the lock-holding connection matters: it keeps that session busy, so Postgres's
+    ``idle_session_timeout`` only ends the session (and frees the locks) of a worker that has stopped
+    running. :meth:`valid` lets the caller refuse to send a request once the lease may have lapsed,
+    judged on the local monotonic clock so a worker that was frozen notices on waking.
     """
 
-    def __init__(self, dsn: str, action_id: str, fencing_token: int, ttl: float, interval: float) -> None:
-        self.dsn, self.action_id, self.token, self.ttl, self.interval = dsn, action_id, fencing_token, ttl, interval
+    def __init__(self, conn: psycopg.Connection, action_id: str, fencing_token: int, ttl: float, interval: float,
+                 touch=lambda: None) -> None:
+        self.conn, self.action_id, self.token, self.ttl, self.interval = conn, action_id, fencing_token, ttl, interval
+        self.touch = touch
         self.lost = threading.Event()
+        self.renewed_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{action_id}", daemon=True)
 
@@ -128,25 +135,28 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=self.interval + 5)
 
+    def valid(self) -> bool:
+        """True while the lease is certainly ours: renewed within the TTL, never reported lost."""
+        return not self.lost.is_set() and time.monotonic() - self.renewed_at < self.ttl * 0.8
+
     def _run(self) -> None:
-        conn: psycopg.Connection | None = None
         try:
             while not self._stop.wait(self.interval):
-                if conn is None:
-                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
-                cur = conn.execute(
-                    "UPDATE leases SET heartbeat_at = clock_timestamp(), "
-                    "expires_at = clock_timestamp() + make_interval(secs => %s) "
-                    "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING 1",
-                    (self.ttl, self.action_id, self.token),
-                )
-                if cur.fetchone() is None:
+                before = time.monotonic()
+                with self.conn.cursor() as cur:
+                    cur.execute(
+                        "UPDATE leases SET heartbeat_at = clock_timestamp(), "
+                        "expires_at = clock_timestamp() + make_interval(secs => %s) "
+                        "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING 1",
+                        (self.ttl, self.action_id, self.token),
+                    )
+                    renewed = cur.fetchone() is not None
+                self.touch()
+                if not renewed:
                     log.warning("lease lost", extra={"action_id": self.action_id, "event": "lease_lost"})
                     self.lost.set()
                     return
+                self.renewed_at = before
         except psycopg.Error:
             log.exception("heartbeat failed", extra={"action_id": self.action_id, "event": "heartbeat_failed"})
             self.lost.set()
-        finally:
-            if conn is not None:
-                conn.close()

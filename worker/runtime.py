@@ -6,6 +6,7 @@ Everything is created lazily in the process that uses it (never inherited across
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,25 +31,47 @@ class Runtime:
         return sessions(ROOT / "var")
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
+    _last_used: float = 0.0
+
+    @property
+    def idle_timeout(self) -> float:
+        """Postgres ends this connection's session after this long without a statement.
+
+        That is what frees the advisory locks of a worker that is frozen (SIGSTOP, a stuck VM): a
+        live worker's heartbeat keeps the session busy while it holds a lease, a frozen one's cannot.
+        """
+        return self.settings.lease_ttl_seconds
 
     @property
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
-        """The process's connection; a broken one is replaced before the next task uses it."""
-        if self._conn is None or self._conn.closed or self._conn.broken:
+        """The process's connection. A broken one, or one the server has probably ended for being
+        idle, is replaced before use (never while a lease is held: the heartbeat keeps it in use)."""
+        now = time.monotonic()
+        stale = self._conn is not None and now - self._last_used > self.idle_timeout * 0.8
+        if self._conn is None or self._conn.closed or self._conn.broken or stale:
+            self.reset_connection()
             self._conn = connect(
                 self.settings.database_url,
                 application_name=f"proofline-worker-{os.getpid()}",
                 # A silent database must not hold a worker (and its locks) forever.
                 keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
                 tcp_user_timeout=15000, connect_timeout=10,
-                options="-c idle_in_transaction_session_timeout=30000",
+                options=(f"-c idle_in_transaction_session_timeout={int(self.idle_timeout * 1000)} "
+                         f"-c idle_session_timeout={int(self.idle_timeout * 1000)}"),
             )
+        self._last_used = now
         return self._conn
+
+    def touch(self) -> None:
+        """Record that the connection was just used (by the heartbeat thread)."""
+        self._last_used = time.monotonic()
 
     def reset_connection(self) -> None:
         if self._conn is not None:
             try:
                 self._conn.close()
+            except psycopg.Error:
+                pass
             finally:
                 self._conn = None
 

@@ -68,6 +68,8 @@ def upgrade() -> None:
         sa.Column("result", postgresql.JSONB, nullable=True),
         sa.Column("recovery_data", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
         _ts("deadline", default=False),
+        sa.Column("ledger_seq", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("ledger_head", sa.Text, nullable=False, server_default=sa.text("''")),
         _ts("published_at"),
         _ts("updated_at"),
     )

@@ -1,0 +1,1 @@
+"""Operational tools that are not part of the runtime: benchmarks and their helpers."""

@@ -1,0 +1,763 @@
+"""Throughput and cost of the full Proofline path against a bare-Celery baseline, in one run.
+
+    .venv/bin/python -m ops.bench [--actions N] [--transport http] [--json PATH]
+
+What it does, in order:
+
+1. builds a stack (``tests.conftest.build_stack``): a migrated Postgres database, a Redis database,
+   the system-of-record MCP server (writer and reader identities) and one Proofline worker with two
+   prefork processes;
+2. warms the full path up (``--warmup`` actions, excluded from every figure);
+3. runs the **baseline** (``ops.baseline_tasks``): a bare Celery task, no durability, the same two MCP
+   calls against the same server, its own worker with two prefork processes on its own Redis
+   database. It runs while the ledger database is idle, which also lets Postgres flush the warm-up's
+   statistics (see "Commits" below);
+4. runs the **full path**: publishes N ``ticket.create`` envelopes (``Stack.publish``: ledger
+   ``published`` + signed message), waits until every one is settled, then stops the worker so
+   that Postgres flushes its statistics, and reads the figures;
+5. runs an **accounting pass** (``--accounting-actions``, default 50) with a fresh worker whose
+   database connections go through a counting wire-protocol proxy (``ops.pgwire``), to count
+   statements, round trips and transactions per action exactly (``pg_stat_statements`` is not
+   loaded on this server; loading it needs a restart). The proxy adds latency and CPU, so it is
+   kept out of the timed window;
+6. prints the table and the two targets, optionally writes JSON, and tears everything down.
+
+Figures
+-------
+- actions/s: verified actions / (last ``final_state`` ``at`` - first ``published`` ``at``), both
+  ledger timestamps (database clock). Baseline: tasks / (last completion - first publish).
+- latency: per action, ``final_state.at - published.at`` from ``ledger_events``.
+- CPU-ms per action: user+system CPU of the worker's process tree (Celery main process and pool
+  children, via psutil), delta over the window, divided by N. Also shown: the MCP servers, the
+  Postgres backends of the bench database, Redis and the bench process itself (controller side).
+
+Commits (how they are counted)
+------------------------------
+- ``pg_stat_database.xact_commit`` for the bench database, read from a connection to the
+  ``postgres`` database (so reading it adds nothing). Postgres 15 backends flush their counters at
+  most once a second, and an idle backend may hold them up to 10 s, so: the start value is read
+  more than 10.5 s after the warm-up went quiet; the end value is read after the worker, the
+  controller connection and the bench's probe connection have closed (a backend flushes on exit).
+  The delta therefore covers exactly the timed window. It counts every top-level transaction,
+  read-only autocommit statements included, from every client: the controller's ``published``
+  transaction (one per action), the worker's, new connections (each runs one internal
+  transaction), autovacuum, and the bench's own completion checks, which are counted and removed.
+- write transactions: (a) distinct ``xmin`` over the ``ledger_events`` rows of the measured actions.
+  Every write transaction on the happy path appends at least one event, the table is insert-only,
+  and a row's ``xmin`` is the id of the transaction that inserted it; this reads no counter and
+  nothing else can inflate it. (b) the growth of ``pg_snapshot_xmax(pg_current_snapshot())`` over
+  the window (reading a snapshot assigns no transaction id), which is cluster-wide: any other
+  database's writes on this server land in it too.
+- the accounting pass counts transactions on the wire per client role (ReadyForQuery status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+import psycopg
+import redis
+from celery import Celery
+from psycopg.rows import dict_row
+
+from ledger import store
+from ops import baseline_tasks
+from ops.pgwire import CountingProxy, Counts, per_role_delta
+from tests.conftest import (
+    ADMIN_URL,
+    REDIS_URL,
+    Stack,
+    build_stack,
+    start_process,
+    start_workers,
+    stop_process,
+    teardown_stack,
+    wait_for,
+)
+
+TARGET_COMMITS = 3.0
+TARGET_RATIO = 0.5
+#: Postgres 15 holds an idle backend's pending statistics for up to PGSTAT_IDLE_INTERVAL (10 s).
+STATS_FLUSH_SECONDS = 10.5
+#: kombu's Redis transport keeps priorities 3, 6 and 9 in lists suffixed with "\x06\x16<n>".
+PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+FULL_QUEUES = ("actions", "verify")
+CONTROLLER_APP = "proofline-bench-controller"
+
+
+# --- small helpers ------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def per(value: float | None, n: int) -> float | None:
+    return None if value is None or n <= 0 else value / n
+
+
+def free_redis_db(preferred: Iterable[int], exclude: set[int]) -> int:
+    """The first of ``preferred`` (then 15..1) that is empty and not excluded."""
+    candidates = [*preferred, *range(15, 0, -1)]
+    for db in candidates:
+        if db in exclude:
+            continue
+        if redis.Redis.from_url(f"{REDIS_URL}/{db}").dbsize() == 0:
+            return db
+    raise RuntimeError("no empty Redis database found; pass --redis-db / --baseline-redis-db")
+
+
+def with_port(url: str, port: int) -> str:
+    """``url`` pointing at 127.0.0.1:``port``, TLS off (the counting proxy cannot read TLS)."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    return f"{parts.scheme}://{user}127.0.0.1:{port}{parts.path}?sslmode=disable&gssencmode=disable"
+
+
+# --- CPU accounting ---------------------------------------------------------------------------------
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
+    """user+system CPU of each live process, by pid."""
+    out: dict[int, float] = {}
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU spent between two samples; a process born in between counts from zero."""
+    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
+
+
+def redis_server_pids() -> list[int]:
+    pids = []
+    for proc in psutil.process_iter(["name"]):
+        if (proc.info.get("name") or "").startswith("redis-server"):
+            pids.append(proc.pid)
+    return pids
+
+
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine spent not idle (all processes, all cores)."""
+    t = psutil.cpu_times()
+    return sum(getattr(t, name) for name in t._fields if name not in ("idle", "iowait", "guest", "guest_nice"))
+
+
+def foreign_load(busy0: float, busy1: float, ours_ms: float, seconds: float) -> dict[str, float]:
+    """CPU used outside the measured processes during a window (other users of this machine)."""
+    other = max(0.0, (busy1 - busy0) - ours_ms / 1000)
+    return {"other_cpu_seconds": other, "other_share_of_machine": other / (seconds * (os.cpu_count() or 1))}
+
+
+@dataclass
+class CpuGroups:
+    """Named groups of processes whose CPU is sampled together."""
+
+    groups: dict[str, Callable[[], list[psutil.Process]]]
+
+    def sample(self) -> dict[str, dict[int, float]]:
+        return {name: cpu_seconds(procs()) for name, procs in self.groups.items()}
+
+    @staticmethod
+    def delta_ms(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict[str, float]:
+        return {name: cpu_delta(before.get(name, {}), after[name]) * 1000 for name in after}
+
+
+# --- the bench ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    stack: Stack
+    admin: psycopg.Connection  # to the "postgres" database: statistics, activity, xids
+    dbname: str
+    probe_queries: int = 0
+    baseline_proc: Any = None
+    proxy: CountingProxy | None = None
+    results: dict[str, Any] = field(default_factory=dict)
+
+    # --- database probes -----------------------------------------------------------------------
+    def pg_stats(self) -> dict[str, int]:
+        row = self.admin.execute(
+            "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted, blks_read, blks_hit "
+            "FROM pg_stat_database WHERE datname = %s", (self.dbname,)).fetchone()
+        return dict(row)
+
+    def xid_horizon(self) -> int:
+        return int(self.admin.execute(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS x").fetchone()["x"])
+
+    def maintenance_runs(self, conn: psycopg.Connection) -> int:
+        """Autovacuum and autoanalyze runs so far in the bench database (each is a transaction there)."""
+        row = conn.execute("SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)::int AS n "
+                           "FROM pg_stat_user_tables").fetchone()
+        return int(row["n"])
+
+    def backend_pids(self) -> list[int]:
+        rows = self.admin.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                                  (self.dbname,)).fetchall()
+        return [r["pid"] for r in rows]
+
+    def wait_no_backends(self, timeout: float = 15.0) -> None:
+        wait_for(lambda: not self.backend_pids(), timeout, 0.05, what="bench database backends to exit")
+
+    def connect_probe(self) -> psycopg.Connection:
+        return psycopg.connect(self.stack.admin_url, autocommit=True, row_factory=dict_row,
+                               application_name="proofline-bench-probe")
+
+    # --- Redis -----------------------------------------------------------------------------------
+    def broker_pending(self, client: redis.Redis) -> int:
+        pipe = client.pipeline(transaction=False)
+        for queue in FULL_QUEUES:
+            for suffix in PRIORITY_SUFFIXES:
+                pipe.llen(queue + suffix)
+        pipe.hlen("unacked")
+        return sum(pipe.execute())
+
+    def wait_full_path(self, action_ids: list[str], probe: psycopg.Connection, timeout: float) -> float:
+        """Wait until the broker holds nothing for the workers and every action is settled.
+
+        The broker is polled first (no database statement); the ledger is then read once to
+        confirm (and again only if something is still moving). Returns the monotonic time it ended.
+        """
+        client = redis.Redis.from_url(self.stack.broker_url)
+        deadline = time.monotonic() + timeout
+        quiet_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"{len(action_ids)} actions did not settle within {timeout:.0f}s")
+            if self.broker_pending(client) == 0:
+                quiet_since = quiet_since or now
+                if now - quiet_since >= 0.1:
+                    self.probe_queries += 1
+                    row = probe.execute(
+                        "SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) "
+                        "AND status IN ('closed', 'escalated', 'recovery')", (action_ids,)).fetchone()
+                    if row["n"] == len(action_ids):
+                        client.close()
+                        return time.monotonic()
+                    quiet_since = None
+                    time.sleep(0.2)
+            else:
+                quiet_since = None
+            time.sleep(0.01)
+
+    # --- full path ------------------------------------------------------------------------------
+    def envelopes(self, count: int, label: str) -> list[Any]:
+        run = uuid.uuid4().hex[:8]
+        out = []
+        for i in range(count):
+            target = f"acme-{label}-{run}-{i}" if self.args.targets <= 0 else f"acme-q{i % self.args.targets}"
+            out.append(self.stack.envelope(
+                "ticket.create", arguments={"tenant": "acme", "title": f"bench {label} {i}", "owner": "ops"},
+                target={"type": "ticket_queue", "id": target}))
+        return out
+
+    def publish_all(self, envelopes: list[Any]) -> tuple[float, float]:
+        started = time.monotonic()
+        for envelope in envelopes:
+            self.stack.publish(envelope)
+        return started, time.monotonic()
+
+    def warm_full(self, probe: psycopg.Connection) -> None:
+        envs = self.envelopes(self.args.warmup, "warm")
+        self.publish_all(envs)
+        self.wait_full_path([e.action_id for e in envs], probe, timeout=90)
+
+    def full_cpu_groups(self, worker_pid: int) -> CpuGroups:
+        stack = self.stack
+        pg_pids = self.backend_pids()
+        return CpuGroups({
+            "worker": lambda: process_tree(worker_pid),
+            "mcp_servers": lambda: [p for proc in stack.processes for p in process_tree(proc.pid)],
+            "postgres_backends": lambda: [p for pid in sorted(set(pg_pids) | set(self.backend_pids()))
+                                          for p in process_tree(pid)],
+            "redis": lambda: [p for pid in redis_server_pids() for p in process_tree(pid)],
+            "bench": lambda: [psutil.Process()],
+        })
+
+    def run_full(self, worker: Any, probe: psycopg.Connection, quiet_since: float) -> dict[str, Any]:
+        args, stack = self.args, self.stack
+        n = args.actions
+        envs = self.envelopes(n, "run")
+        ids = [e.action_id for e in envs]
+        # The warm-up's statistics must have reached pg_stat_database before the start value is read.
+        remaining = quiet_since + STATS_FLUSH_SECONDS - time.monotonic()
+        if remaining > 0:
+            log(f"waiting {remaining:.1f}s for Postgres to flush the warm-up's statistics")
+            time.sleep(remaining)
+        groups = self.full_cpu_groups(worker.pid)
+        stats0, xid0, probes0 = self.pg_stats(), self.xid_horizon(), self.probe_queries
+        maintenance0 = self.maintenance_runs(probe)
+        self.probe_queries += 1  # that read is a transaction in the window too
+        cpu0, busy0 = groups.sample(), machine_busy_seconds()
+        log(f"full path: publishing {n} ticket.create actions")
+        t_pub0, t_pub1 = self.publish_all(envs)
+        t_done = self.wait_full_path(ids, probe, timeout=60 + n * 0.5)
+        cpu1, busy1 = groups.sample(), machine_busy_seconds()
+        probes = self.probe_queries - probes0
+        xid1 = self.xid_horizon()
+        # Stop everything that talks to the bench database so its counters are flushed (on exit).
+        stop_process(worker)
+        stack.conn.close()
+        probe.close()
+        self.wait_no_backends()
+        stats1 = self.pg_stats()
+        log(f"full path: {n} settled in {t_done - t_pub0:.1f}s (publishing took {t_pub1 - t_pub0:.1f}s)")
+
+        with self.connect_probe() as conn:
+            maintenance = self.maintenance_runs(conn) - maintenance0
+            outcomes = conn.execute(
+                "SELECT status::text, outcome::text, count(*) AS n FROM actions WHERE action_id = ANY(%s) "
+                "GROUP BY 1, 2 ORDER BY 3 DESC", (ids,)).fetchall()
+            timing = conn.execute(
+                """SELECT p.action_id, extract(epoch FROM p.at)::float8 AS published,
+                          extract(epoch FROM f.at)::float8 AS verified
+                   FROM ledger_events p
+                   JOIN ledger_events f ON f.action_id = p.action_id AND f.event = 'final_state'
+                   WHERE p.event = 'published' AND p.action_id = ANY(%s)""", (ids,)).fetchall()
+            xmins = conn.execute(
+                """SELECT count(DISTINCT xmin::text) AS all_txns,
+                          count(DISTINCT xmin::text) FILTER (WHERE event <> 'published') AS worker_txns,
+                          count(*) AS events
+                   FROM ledger_events WHERE action_id = ANY(%s)""", (ids,)).fetchone()
+            leases = conn.execute(
+                """SELECT count(*) FILTER (WHERE heartbeat_at > acquired_at + interval '0.5 s') AS heartbeats,
+                          percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM released_at - acquired_at))
+                              * 1000 AS held_ms_p50
+                   FROM leases WHERE action_id = ANY(%s)""", (ids,)).fetchone()
+            stages = conn.execute(
+                """WITH e AS (SELECT action_id, event, extract(epoch FROM at) AS t FROM ledger_events
+                              WHERE action_id = ANY(%s) AND event IN
+                                ('published', 'validated', 'tool_called', 'verification_finished', 'final_state')),
+                        p AS (SELECT action_id, max(t) FILTER (WHERE event = 'published') AS published,
+                                     max(t) FILTER (WHERE event = 'validated') AS validated,
+                                     max(t) FILTER (WHERE event = 'tool_called') AS called,
+                                     max(t) FILTER (WHERE event = 'final_state') AS final
+                              FROM e GROUP BY action_id)
+                   SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY validated - published) * 1000
+                              AS queue_to_execute_ms,
+                          percentile_cont(0.5) WITHIN GROUP (ORDER BY called - validated) * 1000
+                              AS execute_to_tool_called_ms,
+                          percentile_cont(0.5) WITHIN GROUP (ORDER BY final - called) * 1000
+                              AS tool_called_to_verified_ms
+                   FROM p""", (ids,)).fetchone()
+            calls = conn.execute(
+                """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY (evidence->>'elapsed_ms')::float8) AS p50,
+                          percentile_cont(0.99) WITHIN GROUP (ORDER BY (evidence->>'elapsed_ms')::float8) AS p99
+                   FROM ledger_events WHERE action_id = ANY(%s) AND event = 'tool_called'""", (ids,)).fetchone()
+            events = conn.execute(
+                "SELECT event, count(*) AS n FROM ledger_events WHERE action_id = ANY(%s) GROUP BY 1 ORDER BY 2 DESC",
+                (ids,)).fetchall()
+
+        verified = [r for r in timing]
+        latencies_ms = [(r["verified"] - r["published"]) * 1000 for r in verified]
+        window = (max(r["verified"] for r in verified) - min(r["published"] for r in verified)) if verified else None
+        cpu_ms = CpuGroups.delta_ms(cpu0, cpu1)
+        commits = stats1["xact_commit"] - stats0["xact_commit"]
+        rollbacks = stats1["xact_rollback"] - stats0["xact_rollback"]
+        closed_verified = sum(r["n"] for r in outcomes if r["status"] == "closed" and r["outcome"] == "completed_verified")
+        db_commits = commits - probes  # the bench's own completion checks are autocommit reads
+        return {
+            "actions": n,
+            "verified": closed_verified,
+            "outcomes": [dict(r) for r in outcomes],
+            "actions_per_second": per(len(verified), window) if window else None,
+            "window_seconds": window,
+            "publish_seconds": t_pub1 - t_pub0,
+            "wall_seconds_to_settled": t_done - t_pub0,
+            "latency_ms": {"p50": percentile(latencies_ms, 50), "p95": percentile(latencies_ms, 95),
+                           "p99": percentile(latencies_ms, 99), "max": max(latencies_ms, default=None)},
+            "cpu_ms": cpu_ms,
+            "cpu_ms_per_action": {k: per(v, n) for k, v in cpu_ms.items()},
+            "cpu_ms_per_action_all": per(sum(cpu_ms.values()), n),
+            "foreign_load": foreign_load(busy0, busy1, sum(cpu_ms.values()), t_done - t_pub0),
+            "pg_stat_database": {"before": stats0, "after": stats1},
+            "xact_commit_delta": commits,
+            "xact_rollback_delta": rollbacks,
+            "bench_probe_queries": probes,
+            "autovacuum_runs_in_window": maintenance,
+            "commits_per_action": per(db_commits, n),
+            "controller_commits_per_action": 1.0,  # Stack.publish: one transaction per action
+            "worker_commits_per_action": per(db_commits - n, n),
+            "write_txns_per_action_ledger_xmin": per(xmins["all_txns"], n),
+            "worker_write_txns_per_action_ledger_xmin": per(xmins["worker_txns"], n),
+            "write_txns_per_action_cluster_xids": per(xid1 - xid0, n),
+            "ledger_events_per_action": per(xmins["events"], n),
+            "events": {r["event"]: r["n"] for r in events},
+            "lease_heartbeats": leases["heartbeats"],
+            "lease_held_ms_p50": leases["held_ms_p50"],
+            "stage_medians_ms": dict(stages),
+            "tool_call_ms": {"p50": calls["p50"], "p99": calls["p99"]},
+        }
+
+    # --- baseline -------------------------------------------------------------------------------
+    def run_baseline(self, broker: str) -> dict[str, Any]:
+        args, stack = self.args, self.stack
+        n = args.actions
+        client = redis.Redis.from_url(broker)
+        client.flushdb()
+        env = {**stack.env, "BENCH_BASELINE_BROKER": broker}
+        argv = [sys.executable, "-m", "celery", "-A", "ops.baseline_tasks", "worker", "-Q", baseline_tasks.QUEUE,
+                "-c", str(args.concurrency), "-P", "prefork", "-l", "WARNING", "--without-gossip",
+                "--without-mingle", "--without-heartbeat", "-n", f"bare-{uuid.uuid4().hex[:6]}@%h"]
+        self.baseline_proc = start_process(argv, env, stack.workdir / "worker-baseline.log")
+        wait_for(lambda: client.exists(f"_kombu.binding.{baseline_tasks.QUEUE}") and self.baseline_proc.poll() is None,
+                 30, what="baseline worker to start")
+        app = Celery("proofline-bench-baseline-client", broker=broker)
+        app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+        run = uuid.uuid4().hex[:8]
+
+        def send(i: int, label: str) -> None:
+            app.send_task(baseline_tasks.TASK, queue=baseline_tasks.QUEUE, args=[
+                i, f"bare-{run}-{label}-{i}", {"tenant": "acme", "title": f"bare {label} {i}", "owner": "ops"},
+                time.time()])
+
+        def wait_done(count: int, timeout: float) -> None:
+            wait_for(lambda: client.llen(baseline_tasks.DONE_KEY) >= count or self.baseline_proc.poll() is not None,
+                     timeout, 0.01, what=f"{count} baseline tasks")
+            if self.baseline_proc.poll() is not None:
+                raise RuntimeError("the baseline worker exited; see worker-baseline.log")
+
+        try:
+            for i in range(args.warmup):
+                send(i, "warm")
+            wait_done(args.warmup, 60)
+            client.delete(baseline_tasks.DONE_KEY)
+            groups = CpuGroups({
+                "worker": lambda: process_tree(self.baseline_proc.pid),
+                "mcp_servers": lambda: [p for proc in stack.processes for p in process_tree(proc.pid)],
+                "redis": lambda: [p for pid in redis_server_pids() for p in process_tree(pid)],
+                "bench": lambda: [psutil.Process()],
+            })
+            log(f"baseline: publishing {n} bare tasks")
+            cpu0, busy0 = groups.sample(), machine_busy_seconds()
+            t0_wall, t0 = time.time(), time.monotonic()
+            for i in range(n):
+                send(i, "run")
+            t_pub = time.monotonic()
+            wait_done(n, 60 + n * 0.2)
+            cpu1, busy1, t1 = groups.sample(), machine_busy_seconds(), time.monotonic()
+            log(f"baseline: {n} done in {t1 - t0:.1f}s")
+        finally:
+            stop_process(self.baseline_proc)
+            app.close()
+        done = [json.loads(x) for x in client.lrange(baseline_tasks.DONE_KEY, 0, -1)]
+        client.close()
+        latencies_ms = [(d[2] - d[1]) * 1000 for d in done]
+        window = max(d[2] for d in done) - t0_wall
+        cpu_ms = CpuGroups.delta_ms(cpu0, cpu1)
+        return {
+            "tasks": n,
+            "ok": sum(1 for d in done if d[3]),
+            "actions_per_second": per(len(done), window),
+            "window_seconds": window,
+            "publish_seconds": t_pub - t0,
+            "latency_ms": {"p50": percentile(latencies_ms, 50), "p95": percentile(latencies_ms, 95),
+                           "p99": percentile(latencies_ms, 99), "max": max(latencies_ms, default=None)},
+            "cpu_ms": cpu_ms,
+            "cpu_ms_per_action": {k: per(v, n) for k, v in cpu_ms.items()},
+            "cpu_ms_per_action_all": per(sum(cpu_ms.values()), n),
+            "foreign_load": foreign_load(busy0, busy1, sum(cpu_ms.values()), t1 - t0),
+        }
+
+    # --- accounting pass --------------------------------------------------------------------------
+    def run_accounting(self) -> dict[str, Any]:
+        args, stack = self.args, self.stack
+        m = args.accounting_actions
+
+        def classify(app_name: str) -> str:
+            if app_name.startswith("proofline-worker"):
+                return "worker"
+            if app_name == CONTROLLER_APP:
+                return "controller"
+            return "other (heartbeat)" if not app_name else app_name
+
+        host = urlsplit(stack.database_url)
+        self.proxy = CountingProxy(host.hostname or "127.0.0.1", host.port or 5432, classify)
+        port = self.proxy.start()
+        proxied = with_port(stack.database_url, port)
+        stack.env = {**stack.env, "PROOFLINE_DATABASE_URL": proxied}
+        stack.conn = store.connect(proxied, application_name=CONTROLLER_APP)
+        worker = start_workers(stack, count=1, concurrency=args.concurrency, name="acct")[0]
+        probe = self.connect_probe()
+        try:
+            self.warm_full(probe)
+            envs = self.envelopes(m, "acct")
+            before = self.proxy.snapshot()
+            log(f"accounting pass: {m} actions through the counting proxy")
+            self.publish_all(envs)
+            self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + m * 0.5)
+            after = self.proxy.snapshot()
+            # One more action alone, traced statement by statement.
+            traced = self.envelopes(1, "trace")
+            self.proxy.start_trace()
+            self.publish_all(traced)
+            self.wait_full_path([traced[0].action_id], probe, timeout=30)
+            trace = self.proxy.stop_trace()
+        finally:
+            probe.close()
+            stop_process(worker)
+        delta = per_role_delta(after, before)
+        total = Counts()
+        for counts in delta.values():
+            total.add(counts)
+        return {
+            "actions": m,
+            "per_role_per_action": {role: {k: v / m for k, v in c.as_dict().items()} for role, c in delta.items()},
+            "total_per_action": {k: v / m for k, v in total.as_dict().items()},
+            "trace_one_action": trace,
+        }
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    full, bare, acct = results.get("full"), results.get("baseline"), results.get("accounting")
+    lines: list[str] = []
+    ratio = None
+    if full and bare and full["actions_per_second"] and bare["actions_per_second"]:
+        ratio = full["actions_per_second"] / bare["actions_per_second"]
+    results["throughput_ratio_full_over_bare"] = ratio
+    role = (acct or {}).get("per_role_per_action", {})
+    worker_wire = role.get("worker", {})
+    total_wire = (acct or {}).get("total_per_action", {})
+
+    def row(label: str, f: Any, b: Any, digits: int = 1) -> None:
+        lines.append(f"  {label:<54} {fmt(f, digits):>12} {fmt(b, digits):>12}")
+
+    lines.append(f"Proofline bench: {args.actions} ticket.create actions, transport {args.transport}, "
+                 f"1 worker x {args.concurrency} prefork processes, {os.cpu_count()} CPUs")
+    lines.append(f"  {'':<54} {'full path':>12} {'bare Celery':>12}")
+    row("actions/s (verified / finished)", full and full["actions_per_second"], bare and bare["actions_per_second"])
+    row("CPU-ms per action, worker process tree", full and full["cpu_ms_per_action"]["worker"],
+        bare and bare["cpu_ms_per_action"]["worker"], 2)
+    row("CPU-ms per action, MCP servers", full and full["cpu_ms_per_action"]["mcp_servers"],
+        bare and bare["cpu_ms_per_action"]["mcp_servers"], 2)
+    row("CPU-ms per action, Postgres backends", full and full["cpu_ms_per_action"]["postgres_backends"], None, 2)
+    row("CPU-ms per action, Redis server", full and full["cpu_ms_per_action"]["redis"],
+        bare and bare["cpu_ms_per_action"]["redis"], 2)
+    row("CPU-ms per action, bench process (publisher)", full and full["cpu_ms_per_action"]["bench"],
+        bare and bare["cpu_ms_per_action"]["bench"], 2)
+    row("CPU-ms per action, all of the above", full and full["cpu_ms_per_action_all"],
+        bare and bare["cpu_ms_per_action_all"], 2)
+    for p in ("p50", "p95", "p99"):
+        row(f"{p} publish -> verified/finished (ms)", full and full["latency_ms"][p], bare and bare["latency_ms"][p])
+    if full:
+        row("Postgres commits/action (xact_commit delta, all clients)", full["commits_per_action"], None, 2)
+        row("  of which controller 'published' txn", full["controller_commits_per_action"], None, 2)
+        row("  of which worker (+ new connections, autovacuum)", full["worker_commits_per_action"], None, 2)
+        row("write txns/action (distinct xmin of ledger events)", full["write_txns_per_action_ledger_xmin"], None, 2)
+        row("  of which worker", full["worker_write_txns_per_action_ledger_xmin"], None, 2)
+        row("write txns/action (xid growth, cluster-wide)", full["write_txns_per_action_cluster_xids"], None, 2)
+        row("ledger events/action", full["ledger_events_per_action"], None, 2)
+    if acct:
+        row(f"round trips/action, all clients (wire, {acct['actions']}-action pass)", total_wire.get("round_trips"),
+            None, 2)
+        row("  of which worker", worker_wire.get("round_trips"), None, 2)
+        row("statements/action, all clients (wire)", total_wire.get("statements"), None, 2)
+        row("  of which worker", worker_wire.get("statements"), None, 2)
+        row("transactions/action on the wire (all / worker)", total_wire.get("transactions"), None, 2)
+        lines[-1] += f"   worker {fmt(worker_wire.get('transactions'), 2)}"
+        row("write transactions/action on the wire (all / worker)", total_wire.get("write_transactions"), None, 2)
+        lines[-1] += f"   worker {fmt(worker_wire.get('write_transactions'), 2)}"
+    else:
+        lines.append("  round trips/action: not measured (pg_stat_statements is not loaded; accounting pass disabled)")
+    lines.append(f"  {'throughput ratio full / bare':<54} {fmt(ratio, 2):>12}")
+    if full:
+        unexpected = {k: v for k, v in full["events"].items() if k not in HAPPY_EVENTS}
+        if unexpected:
+            lines.append(f"  note: events off the happy path in the window: {unexpected}")
+        lines.append(f"  window: full {fmt(full['window_seconds'], 2)}s (publishing {fmt(full['publish_seconds'], 2)}s), "
+                     f"bare {fmt(bare and bare['window_seconds'], 2)}s; bench completion checks in the window: "
+                     f"{full['bench_probe_queries']} (removed from commits); autovacuum/analyze runs in the "
+                     f"window: {full['autovacuum_runs_in_window']} (left in)")
+
+    if full and bare:
+        lines.append(f"  CPU used by other processes on this machine during the windows: full path "
+                     f"{full['foreign_load']['other_share_of_machine']:.0%}, bare "
+                     f"{bare['foreign_load']['other_share_of_machine']:.0%} of all cores (noise: rerun if high)")
+    if full:
+        st = full["stage_medians_ms"]
+        lines.append(f"  full-path stage medians (ms): queue->validated {fmt(st['queue_to_execute_ms'])}, "
+                     f"validated->tool_called {fmt(st['execute_to_tool_called_ms'])}, tool_called->final_state "
+                     f"{fmt(st['tool_called_to_verified_ms'])}; tool call p50 {fmt(full['tool_call_ms']['p50'])} "
+                     f"p99 {fmt(full['tool_call_ms']['p99'])}; lease heartbeats {full['lease_heartbeats']}")
+    lines.append("Targets (informational):")
+    checks = []
+    if full:
+        commits = full["commits_per_action"]
+        checks.append(("at most 3 commits per verified action (xact_commit delta / N)", commits,
+                       commits is not None and commits <= TARGET_COMMITS))
+    if ratio is not None:
+        checks.append(("at least half the bare-Celery throughput (full / bare)", ratio, ratio >= TARGET_RATIO))
+    for label, value, ok in checks:
+        lines.append(f"  {'PASS' if ok else 'MISS'}  {label}: {fmt(value, 2)}")
+    if full:
+        worker_commits = full["worker_commits_per_action"]
+        worker_writes = full["worker_write_txns_per_action_ledger_xmin"]
+        lines.append(f"        other readings of 'commits': worker only (no publish) {fmt(worker_commits, 2)} "
+                     f"{'PASS' if worker_commits <= TARGET_COMMITS else 'MISS'}; write txns incl. publish "
+                     f"{fmt(full['write_txns_per_action_ledger_xmin'], 2)}; worker write txns {fmt(worker_writes, 2)} "
+                     f"{'PASS' if worker_writes <= TARGET_COMMITS else 'MISS'}")
+    results["targets"] = [{"target": label, "value": value, "pass": ok} for label, value, ok in checks]
+    return lines
+
+
+HAPPY_EVENTS = {"published", "validated", "revalidated", "lease_acquired", "idempotency_claimed",
+                "preconditions_passed", "tool_called", "verification_enqueued", "verification_finished",
+                "final_state"}
+
+
+def print_trace(trace: list[dict[str, Any]]) -> None:
+    print("Statements of one action on the wire (E = extended-protocol execute, Q = simple query, "
+          "Z = transaction end):")
+    for t in trace:
+        extra = " (wrote)" if t.get("wrote") else ""
+        print(f"  {t['role']:<18} #{t['conn']:<6} {t['kind']}  {t['sql'][:110]}{extra}")
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ops.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--actions", type=int, default=300, help="actions (and bare tasks) in each timed window")
+    parser.add_argument("--transport", choices=("http", "stdio"), default="http")
+    parser.add_argument("--warmup", type=int, default=10, help="warm-up actions, excluded from the figures")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork processes per worker")
+    parser.add_argument("--accounting-actions", type=int, default=50,
+                        help="actions counted on the wire through the proxy after the timed window (0: skip)")
+    parser.add_argument("--targets", type=int, default=0,
+                        help="spread actions over this many ticket queues (0: one queue per action, no lock contention)")
+    parser.add_argument("--redis-db", type=int, default=None, help="Redis database of the full path (default: a free one)")
+    parser.add_argument("--baseline-redis-db", type=int, default=None, help="Redis database of the baseline")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
+    parser.add_argument("--trace", action="store_true", help="print the statements of one action on the wire")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
+    args = parser.parse_args(argv)
+    if args.actions < 1 or args.warmup < 1:
+        parser.error("--actions and --warmup must be at least 1")
+    return args
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    workdir = Path(tempfile.mkdtemp(prefix="proofline-bench-"))
+    full_db = args.redis_db if args.redis_db is not None else free_redis_db([14, 13, 12], set())
+    bare_db = (args.baseline_redis_db if args.baseline_redis_db is not None
+               else free_redis_db([15, 11, 10], {full_db}))
+    stack: Stack | None = None
+    bench: Bench | None = None
+    failed = True
+    try:
+        log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
+        stack = build_stack(args.transport, workdir, redis_db=full_db)
+        admin = psycopg.connect(ADMIN_URL, autocommit=True, row_factory=dict_row)
+        bench = Bench(args, stack, admin, stack.admin_url.rsplit("/", 1)[1])
+        stack.live()
+        worker = start_workers(stack, count=1, concurrency=args.concurrency)[0]
+        probe = bench.connect_probe()
+        log(f"warming up the full path ({args.warmup} actions)")
+        bench.warm_full(probe)
+        quiet_since = time.monotonic()
+        bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}")
+        bench.results["full"] = bench.run_full(worker, probe, quiet_since)
+        if args.accounting_actions > 0:
+            bench.results["accounting"] = bench.run_accounting()
+        lines = report(bench.results, args)
+        print("\n".join(lines))
+        if args.trace and "accounting" in bench.results:
+            print_trace(bench.results["accounting"]["trace_one_action"])
+        bench.results["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        bench.results["config"].update({"cpus": os.cpu_count(), "redis_db": full_db, "baseline_redis_db": bare_db})
+        if args.json:
+            args.json.write_text(json.dumps(bench.results, indent=2, default=str))
+            log(f"wrote {args.json}")
+        full = bench.results["full"]
+        bad = full["actions"] - full["verified"]
+        bare_bad = bench.results["baseline"]["tasks"] - bench.results["baseline"]["ok"]
+        if bad or bare_bad:
+            log(f"ERROR: {bad} actions did not end closed/completed_verified; {bare_bad} bare tasks failed")
+            return 1
+        failed = False
+        return 0
+    finally:
+        if bench is not None:
+            if bench.baseline_proc is not None:
+                stop_process(bench.baseline_proc)
+            if bench.proxy is not None:
+                bench.proxy.stop()
+            bench.admin.close()
+        if stack is not None:
+            try:
+                teardown_stack(stack)
+            except Exception as exc:  # noqa: BLE001 - report, keep cleaning up
+                log(f"teardown failed: {exc!r}")
+        for db in {full_db, bare_db}:
+            try:
+                redis.Redis.from_url(f"{REDIS_URL}/{db}").flushdb()
+            except redis.RedisError:
+                pass
+        if failed or args.keep:
+            log(f"work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
