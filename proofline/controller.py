@@ -18,7 +18,7 @@ from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
 from proofline.envelope import Envelope, build_envelope
 from proofline.errors import IdempotencyConflict
-from proofline.settings import ROOT, Settings
+from proofline.settings import Settings
 from proofline.signing import sign
 from worker.mcp_client import endpoint_target
 from worker.servers import server_named
@@ -31,7 +31,7 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     server = server_named(Path(settings.servers_file), server_name)
 
     async def probe() -> tuple[str | None, dict[str, str]]:
-        async with Client(endpoint_target(server.write, ROOT / "var")) as client:
+        async with Client(endpoint_target(server.write, Path(settings.servers_file).resolve().parent)) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = client.server_info.version if client.server_info else None
             return version, {t.name: tool_contract_hash(t) for t in tools.tools}

@@ -31,6 +31,7 @@ from proofline.sor import store as sor
 
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+CANARY_SECRET = "canary-must-never-reach-a-tool"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery)
 
 
@@ -215,6 +216,9 @@ def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, s
         "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker,
         "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
         "SOR_DB": str(sor_db), "SOR_RESTART_SECONDS": "0.6", "PYTHONPATH": str(ROOT),
+        "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
+        # A credential in the worker's environment that no MCP server may inherit.
+        "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
     })
     processes = []
     write_port = read_port = None

@@ -130,6 +130,21 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
     return extract(result, path.extract)
 
 
+def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:
+    """The live server version and tool hashes. Listing tools has no side effect, so a session
+    that turns out to be dead is replaced and asked once more before giving up."""
+    for attempt in (1, 2):
+        try:
+            return rt.mcp.server_version(server), rt.mcp.run(server, "write", calls.live_tool_hashes)
+        except McpUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken session, reported as unavailable
+            rt.mcp.discard(server, "write")
+            if attempt == 2:
+                raise McpUnavailable(f"tools/list on {server.name} failed: {exc!r}"[:500]) from None
+    raise AssertionError("unreachable")
+
+
 def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
     """Evaluate every precondition; a condition that cannot be evaluated has failed."""
     variables = _variables(envelope, before=before)
@@ -194,11 +209,12 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify)
         server = rt.server(envelope.server.name)
         try:
             static = revalidate_static(envelope, settings, facts["now"], facts["revoked"] or [], facts["kills"] or [])
-            live_version = rt.mcp.server_version(server)
-            hashes = rt.mcp.run(server, "write", calls.live_tool_hashes)
+            live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
         except RevalidationFailed as exc:
             return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing)
+        except McpUnavailable as exc:
+            return _transient_before(rt, envelope, events, exc, existing)
         events.append(("revalidated", {**static, **live}))
 
         try:

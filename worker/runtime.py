@@ -16,7 +16,7 @@ import psycopg
 
 from ledger.store import connect
 from proofline.contracts import Contract, contract_for
-from proofline.settings import ROOT, Settings, get_settings
+from proofline.settings import Settings, get_settings
 from worker.mcp_client import McpSessions, sessions
 from worker.servers import Server, server_named
 
@@ -28,7 +28,8 @@ class Runtime:
 
     @cached_property
     def mcp(self) -> McpSessions:
-        return sessions(ROOT / "var")
+        # Relative working directories in the servers file are relative to that file.
+        return sessions(Path(self.settings.servers_file).resolve().parent)
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
     _last_used: float = 0.0

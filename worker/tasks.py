@@ -16,6 +16,8 @@ from worker.runtime import runtime
 log = logging.getLogger(__name__)
 
 EXECUTE = "proofline.execute"
+#: Deliveries of one message after unexpected errors; past this, the reconciler re-drives it.
+UNEXPECTED_RETRIES = 5
 VERIFY = "proofline.verify"
 
 app = Celery("proofline")
@@ -61,6 +63,11 @@ def execute_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         rt.reset_connection()
         log.warning("database unavailable; retrying", extra={"event": "db_unavailable"})
         raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
+    except Exception as exc:
+        # A defect or an unforeseen failure must not lose the action: the claim-first idempotency
+        # record makes running the same envelope again safe, so deliver it again (bounded).
+        log.exception("execute failed; retrying", extra={"event": "execute_error"})
+        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
 
 
 @app.task(name=VERIFY, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -73,6 +80,9 @@ def verify_task(self, action_id: str) -> dict[str, Any]:
     except psycopg.OperationalError as exc:
         rt.reset_connection()
         raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
+    except Exception as exc:
+        log.exception("verify failed; retrying", extra={"event": "verify_error", "action_id": action_id})
+        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
 
 
 _init_sentry()

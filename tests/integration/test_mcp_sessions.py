@@ -1,0 +1,132 @@
+"""MCP sessions in the worker: minimal environment for stdio servers, reuse across tasks,
+replacement of a dead session, bounded progress records, and a worker killed mid-call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from ledger.states import ActionStatus, Outcome
+from proofline.sor import store as sor
+from tests.conftest import CANARY_SECRET, Stack, wait_for
+
+
+def sor_processes(stack: Stack) -> list[psutil.Process]:
+    found = []
+    for worker in stack.workers:
+        for child in psutil.Process(worker.pid).children(recursive=True):
+            try:
+                if "proofline.sor" in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+    return found
+
+
+def ticket(stack: Stack, title: str = "disk full"):
+    return stack.envelope("ticket.create", arguments={"tenant": "acme", "title": title, "owner": "ops"},
+                          target={"type": "ticket_queue", "id": "acme-ops"})
+
+
+def run_one(stack: Stack, env) -> None:
+    stack.publish(env)
+    assert stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+
+
+def test_stdio_servers_start_with_a_minimal_environment(stack: Stack) -> None:
+    run_one(stack, ticket(stack))
+    processes = sor_processes(stack)
+    assert processes, "the worker should hold stdio sessions open"
+    for proc in processes:
+        environ = proc.environ()
+        assert CANARY_SECRET not in environ.values()
+        assert "AWS_SECRET_ACCESS_KEY" not in environ
+        assert environ["SOR_ROLE"] in ("writer", "reader")
+        assert set(environ) <= {"PATH", "LANG", "SOR_ROLE", "SOR_DB", "SOR_VERSION", "SOR_CONTRACT_VARIANT",
+                                "SOR_RESTART_SECONDS", "PYTHONPATH", "HOME", "LOGNAME", "SHELL", "TERM", "USER"}
+        assert proc.cwd() == str(stack.servers_file.parent / "var")
+    roles = sorted(p.environ()["SOR_ROLE"] for p in processes)
+    assert "reader" in roles, "verification must use its own read-only identity"
+
+
+def test_sessions_are_reused_across_tasks(stack: Stack) -> None:
+    run_one(stack, ticket(stack))
+    before = {p.pid for p in sor_processes(stack)}
+    for n in range(6):
+        run_one(stack, ticket(stack, f"batch {n}"))
+    after = {p.pid for p in sor_processes(stack)}
+    # Two pool processes, each with at most a writer and a reader session: never one per task.
+    assert len(after) <= 4
+    assert before & after, "sessions opened earlier should still be serving"
+
+
+def test_a_dead_stdio_session_is_replaced(stack: Stack) -> None:
+    run_one(stack, ticket(stack))
+    for proc in sor_processes(stack):
+        proc.kill()
+    wait_for(lambda: not sor_processes(stack) or all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+                                                     for p in sor_processes(stack)), 10, what="servers gone")
+    # The next actions find their session dead and open a new one; nothing is lost.
+    for n in range(3):
+        env = ticket(stack, f"after kill {n}")
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id)
+        if row.outcome != Outcome.completed_verified:
+            # A dead session noticed only when the request is sent is an unknown outcome, which
+            # verification settles by reading: the ticket was never created, so nothing exists.
+            assert (row.status, row.outcome) == (ActionStatus.recovery, Outcome.failed_before_side_effect)
+            assert stack.effects(env.idempotency_key) == 0
+        else:
+            assert stack.effects(env.idempotency_key) == 1
+    env = ticket(stack, "steady again")
+    run_one(stack, env)
+
+
+def test_progress_is_recorded_but_bounded(stack: Stack) -> None:
+    name = f"svc-{time.monotonic_ns()}"
+    sor.put_service(stack.sor_db, name, "acme")
+    gen = sor.get_service(stack.sor_db, name)["generation"]
+    env = stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
+                         target={"type": "service", "id": name, "expected_version": gen})
+    sor.set_fault(stack.sor_db, "restart_service", "progress_flood", remaining=1, delay_seconds=2.0)
+    stack.publish(env)
+    row = stack.wait_settled(env.action_id)
+    assert row.outcome == Outcome.completed_verified
+    called = next(e for e in stack.timeline(env.action_id) if e["event"] == "tool_called")["evidence"]
+    assert called["progress_total"] >= 100
+    assert len(called["progress"]) == 5  # PROOFLINE_PROGRESS_EVENTS_LIMIT in the test stack
+    assert stack.effects(env.idempotency_key) == 1
+
+
+@pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)
+def test_worker_killed_mid_call_is_reconciled_not_called_again(stack: Stack) -> None:
+    account = f"acct-{time.monotonic_ns()}"
+    sor.put_account(stack.sor_db, account, "acme", 100_000)
+    version = sor.get_account(stack.sor_db, account)["account"]["version"]
+    env = stack.envelope("refund.issue",
+                         arguments={"account": account, "tenant": "acme", "amount_cents": 700, "reason": "sla"},
+                         target={"type": "account", "id": account, "expected_version": version})
+    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=2.0)
+    stack.publish(env)
+    stack.wait_event(env.action_id, "preconditions_passed")
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT owner_pid FROM leases WHERE action_id = %s", (env.action_id,))
+        owner = cur.fetchone()["owner_pid"]
+    os.kill(owner, signal.SIGKILL)
+    # Celery requeues the message (acks_late, reject_on_worker_lost); the next holder finds the
+    # claim in progress under a dead lease and reconciles instead of calling again.
+    stack.wait_event(env.action_id, "reconcile_required", timeout=60)
+    row = stack.wait_settled(env.action_id)
+    events = stack.events(env.action_id)
+    assert events.count("tool_called") == 0  # the killed worker never recorded a result
+    effects = stack.effects(env.idempotency_key)
+    assert effects <= 1
+    if effects == 1:
+        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    else:
+        assert row.finding == "absent" and row.outcome == Outcome.failed_before_side_effect
+    wait_for(stack.workers_alive, 10, what="Celery to replace the killed pool process")
