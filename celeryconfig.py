@@ -46,3 +46,13 @@ task_routes = {
     "proofline.reconcile": {"queue": "reconcile"},
 }
 imports = ("worker.tasks",)
+
+# The reconciler re-drives work from the ledger; beat only triggers it (any number of workers may
+# run a sweep at once: rows are taken with SKIP LOCKED).
+beat_schedule = {
+    "proofline-reconcile": {
+        "task": "proofline.reconcile",
+        "schedule": _settings.reconcile_interval_seconds,
+        "options": {"queue": "reconcile", "expires": _settings.reconcile_interval_seconds},
+    },
+}

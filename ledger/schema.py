@@ -19,7 +19,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
+from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome, RecoveryKind
 
 metadata = MetaData()
 
@@ -32,6 +32,7 @@ outcome_type = _enum(Outcome, "outcome_class")
 status_type = _enum(ActionStatus, "action_status")
 idem_status_type = _enum(IdempotencyStatus, "idempotency_status")
 scope_type = _enum(KillSwitchScope, "kill_switch_scope")
+recovery_kind_type = _enum(RecoveryKind, "recovery_kind")
 
 NOW = text("clock_timestamp()")
 
@@ -77,9 +78,26 @@ actions = Table(
     Column("ledger_head", Text, nullable=False, server_default=text("''")),
     Column("published_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    # "action", or "compensation" of parent_action_id.
+    Column("kind", Text, nullable=False, server_default=text("'action'")),
+    Column("parent_action_id", Text, nullable=True),
+    # The controller's signature, so the reconciler can re-drive the original authority unchanged.
+    Column("key_id", Text, nullable=True),
+    Column("signature", Text, nullable=True),
+    Column("task_id", Text, nullable=True),
+    Column("recovery_kind", recovery_kind_type, nullable=True),
+    Column("cancel_requested_at", DateTime(timezone=True), nullable=True),
+    Column("cancel_requested_by", Text, nullable=True),
+    Column("cancel_reason", Text, nullable=True),
+    # When the reconciler may next look at this action.
+    Column("next_check_at", DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 Index("actions_status_idx", actions.c.status)
 Index("actions_run_idx", actions.c.run_id, actions.c.step)
+Index("actions_parent_idx", actions.c.parent_action_id)
+Index("actions_next_check_idx", actions.c.status, actions.c.next_check_at)
+Index("actions_one_compensation_uq", actions.c.parent_action_id, unique=True,
+      postgresql_where=actions.c.kind == "compensation")
 
 idempotency_records = Table(
     "idempotency_records",

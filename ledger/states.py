@@ -36,6 +36,8 @@ class Outcome(str, Enum):
 class ActionStatus(str, Enum):
     """Where an action is in its lifecycle (independent of what is known about its effect)."""
 
+    #: A later step of a run, recorded and waiting for the steps before it to be verified.
+    pending = "pending"
     #: Recorded by the controller and sent to the broker.
     published = "published"
     #: A worker holds the lease and is running the pre-call stages or the call.
@@ -48,6 +50,8 @@ class ActionStatus(str, Enum):
     escalated = "escalated"
     #: Final: the outcome column holds the proven class.
     closed = "closed"
+    #: Final: cancelled, and the external state is known (the outcome column says what it is).
+    cancelled = "cancelled"
 
 
 class IdempotencyStatus(str, Enum):
@@ -91,6 +95,28 @@ class KillSwitchScope(str, Enum):
     tool = "tool"
     #: One tenant.
     tenant = "tenant"
+    #: One tool for one tenant (value ``tool@tenant``): what containment sets.
+    tool_tenant = "tool_tenant"
 
 
-FINAL_STATUSES = frozenset({ActionStatus.closed})
+class RecoveryKind(str, Enum):
+    """The one recovery a recorded outcome leads to (chosen by policy, never by a model)."""
+
+    #: Run the same envelope again with the same idempotency key.
+    retry = "retry"
+    #: Use the platform's own mechanism to restore the prior state.
+    native_rollback = "native_rollback"
+    #: A new, separately governed action that offsets the original.
+    compensation = "compensation"
+    #: Move forward from the intermediate state to a valid one without undoing.
+    forward_recovery = "forward_recovery"
+    #: Stop further damage (kill switch for the tool and tenant) and preserve the state.
+    containment = "containment"
+    #: Hand to an operator with the evidence.
+    manual_intervention = "manual_intervention"
+
+
+FINAL_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled})
+#: Statuses in which no worker will advance the action without an operator or the reconciler.
+SETTLED_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled, ActionStatus.escalated,
+                              ActionStatus.recovery})

@@ -91,6 +91,19 @@ class ActionRow:
     deadline: datetime
     published_at: datetime
     updated_at: datetime
+    kind: str = "action"
+    parent_action_id: str | None = None
+    key_id: str | None = None
+    signature: str | None = None
+    recovery_kind: str | None = None
+    cancel_requested_at: datetime | None = None
+
+    @property
+    def signed_message(self) -> dict[str, Any] | None:
+        """The controller's original signed message, when it was recorded."""
+        if not self.signature:
+            return None
+        return {"envelope": self.envelope, "key_id": self.key_id, "signature": self.signature}
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> ActionRow:
@@ -101,18 +114,27 @@ class ActionRow:
             finding=row["finding"], reason_code=row["reason_code"], envelope=row["envelope"],
             result=row["result"], recovery_data=row["recovery_data"], deadline=row["deadline"],
             published_at=row["published_at"], updated_at=row["updated_at"],
+            kind=row.get("kind", "action"), parent_action_id=row.get("parent_action_id"),
+            key_id=row.get("key_id"), signature=row.get("signature"), recovery_kind=row.get("recovery_kind"),
+            cancel_requested_at=row.get("cancel_requested_at"),
         )
 
 
-def insert_action_txn(cur: Cursor, envelope: dict[str, Any]) -> bool:
+def insert_action_txn(cur: Cursor, envelope: dict[str, Any], *, key_id: str | None = None,
+                      signature: str | None = None, task_id: str | None = None,
+                      status: ActionStatus = ActionStatus.published, kind: str = "action",
+                      parent_action_id: str | None = None) -> bool:
     """Record a newly published action; False when the action id is already known."""
     cur.execute(
         """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool,
-                               idempotency_key, status, envelope, deadline)
+                               idempotency_key, status, envelope, deadline, key_id, signature, task_id,
+                               kind, parent_action_id)
            VALUES (%(action_id)s, %(run_id)s, %(step)s, %(tenant)s, %(action_type)s, %(server)s,
-                   %(tool)s, %(idempotency_key)s, 'published', %(envelope)s, %(deadline)s)
+                   %(tool)s, %(idempotency_key)s, %(status)s, %(envelope)s, %(deadline)s, %(key_id)s,
+                   %(signature)s, %(task_id)s, %(kind)s, %(parent)s)
            ON CONFLICT (action_id) DO NOTHING RETURNING action_id""",
-        {
+        {"key_id": key_id, "signature": signature, "task_id": task_id, "status": status.value, "kind": kind,
+         "parent": parent_action_id,
             "action_id": envelope["action_id"], "run_id": envelope["run_id"], "step": envelope.get("step", 0),
             "tenant": envelope["tenant"], "action_type": envelope["action_type"],
             "server": envelope["server"]["name"], "tool": envelope["tool"]["name"],
@@ -134,6 +156,7 @@ def transition_txn(
     reason_code: str | None = None,
     result: dict[str, Any] | None = None,
     recovery_data: dict[str, Any] | None = None,
+    recovery_kind: Any = None,
 ) -> ActionRow:
     """Move an action to ``status`` only from one of ``allowed``; raise when no row moved."""
     allowed_values = [s.value for s in allowed]
@@ -144,6 +167,7 @@ def transition_txn(
                reason_code = COALESCE(%(reason)s, reason_code),
                result = COALESCE(%(result)s, result),
                recovery_data = recovery_data || %(recovery)s,
+               recovery_kind = COALESCE(%(kind)s::recovery_kind, recovery_kind),
                updated_at = clock_timestamp()
            WHERE action_id = %(id)s AND status = ANY(%(allowed)s::action_status[])
            RETURNING *""",
@@ -151,6 +175,7 @@ def transition_txn(
             "status": status.value, "outcome": outcome.value if outcome else None, "finding": finding,
             "reason": reason_code, "result": _json(result) if result is not None else None,
             "recovery": _json(recovery_data or {}), "id": action_id, "allowed": allowed_values,
+            "kind": recovery_kind.value if recovery_kind is not None else None,
         },
     )
     row = cur.fetchone()

@@ -253,7 +253,7 @@ class Bench:
         pipe.hlen("unacked")
         return sum(pipe.execute())
 
-    def wait_full_path(self, action_ids: list[str], probe: psycopg.Connection, timeout: float) -> float:
+    def wait_full_path(self, action_ids: list[str], probe: psycopg.Connection, timeout: float, worker: Any) -> float:
         """Wait until the broker holds nothing for the workers and every action is settled.
 
         The broker is polled first (no database statement); the ledger is then read once to
@@ -262,11 +262,20 @@ class Bench:
         client = redis.Redis.from_url(self.stack.broker_url)
         deadline = time.monotonic() + timeout
         quiet_since: float | None = None
+        last_pending, moved_at = -1, time.monotonic()
         while True:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"{len(action_ids)} actions did not settle within {timeout:.0f}s")
-            if self.broker_pending(client) == 0:
+            if worker.poll() is not None:
+                raise RuntimeError("the Proofline worker exited; see its log in the work directory")
+            pending = self.broker_pending(client)
+            if pending != last_pending:
+                last_pending, moved_at = pending, now
+            elif pending and now - moved_at > self.args.stall_seconds:
+                raise TimeoutError(f"no progress for {self.args.stall_seconds:.0f}s with {pending} messages "
+                                   "pending (is the worker failing? see its log in the work directory)")
+            if pending == 0:
                 quiet_since = quiet_since or now
                 if now - quiet_since >= 0.1:
                     self.probe_queries += 1
@@ -299,10 +308,10 @@ class Bench:
             self.stack.publish(envelope)
         return started, time.monotonic()
 
-    def warm_full(self, probe: psycopg.Connection) -> None:
+    def warm_full(self, probe: psycopg.Connection, worker: Any) -> None:
         envs = self.envelopes(self.args.warmup, "warm")
         self.publish_all(envs)
-        self.wait_full_path([e.action_id for e in envs], probe, timeout=90)
+        self.wait_full_path([e.action_id for e in envs], probe, timeout=90, worker=worker)
 
     def full_cpu_groups(self, worker_pid: int) -> CpuGroups:
         stack = self.stack
@@ -333,7 +342,7 @@ class Bench:
         cpu0, busy0 = groups.sample(), machine_busy_seconds()
         log(f"full path: publishing {n} ticket.create actions")
         t_pub0, t_pub1 = self.publish_all(envs)
-        t_done = self.wait_full_path(ids, probe, timeout=60 + n * 0.5)
+        t_done = self.wait_full_path(ids, probe, timeout=60 + n * 0.5, worker=worker)
         cpu1, busy1 = groups.sample(), machine_busy_seconds()
         probes = self.probe_queries - probes0
         xid1 = self.xid_horizon()
@@ -522,18 +531,18 @@ class Bench:
         worker = start_workers(stack, count=1, concurrency=args.concurrency, name="acct")[0]
         probe = self.connect_probe()
         try:
-            self.warm_full(probe)
+            self.warm_full(probe, worker)
             envs = self.envelopes(m, "acct")
             before = self.proxy.snapshot()
             log(f"accounting pass: {m} actions through the counting proxy")
             self.publish_all(envs)
-            self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + m * 0.5)
+            self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + m * 0.5, worker=worker)
             after = self.proxy.snapshot()
             # One more action alone, traced statement by statement.
             traced = self.envelopes(1, "trace")
             self.proxy.start_trace()
             self.publish_all(traced)
-            self.wait_full_path([traced[0].action_id], probe, timeout=30)
+            self.wait_full_path([traced[0].action_id], probe, timeout=30, worker=worker)
             trace = self.proxy.stop_trace()
         finally:
             probe.close()
@@ -683,6 +692,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-redis-db", type=int, default=None, help="Redis database of the baseline")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
     parser.add_argument("--trace", action="store_true", help="print the statements of one action on the wire")
+    parser.add_argument("--stall-seconds", type=float, default=30.0,
+                        help="give up when the broker's pending messages stay unchanged this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
     args = parser.parse_args(argv)
     if args.actions < 1 or args.warmup < 1:
@@ -713,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = start_workers(stack, count=1, concurrency=args.concurrency)[0]
         probe = bench.connect_probe()
         log(f"warming up the full path ({args.warmup} actions)")
-        bench.warm_full(probe)
+        bench.warm_full(probe, worker)
         quiet_since = time.monotonic()
         bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}")
         bench.results["full"] = bench.run_full(worker, probe, quiet_since)
@@ -753,6 +764,10 @@ def main(argv: list[str] | None = None) -> int:
                 redis.Redis.from_url(f"{REDIS_URL}/{db}").flushdb()
             except redis.RedisError:
                 pass
+        if failed:
+            for worker_log in sorted(workdir.glob("worker-*.log")):
+                tail = worker_log.read_text(errors="replace").splitlines()[-8:]
+                log(f"last lines of {worker_log.name}:\n    " + "\n    ".join(line[:240] for line in tail))
         if failed or args.keep:
             log(f"work directory kept: {workdir}")
         else:

@@ -253,8 +253,10 @@ class CountingProxy:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
@@ -329,6 +331,7 @@ class CountingProxy:
         except asyncio.CancelledError:  # the proxy is stopping
             for writer in (client_writer, server_writer):
                 writer.close()
+            raise
 
 
 def per_role_delta(after: dict[str, Counts], before: dict[str, Counts]) -> dict[str, Counts]:

@@ -114,7 +114,7 @@ def envelope_schema(out: Path) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--queues", default="actions,verify")
+@click.option("--queues", default="actions,verify,compensate,reconcile")
 @click.option("--concurrency", default=2)
 @click.pass_context
 def worker(ctx: click.Context, queues: str, concurrency: int) -> None:

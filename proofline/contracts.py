@@ -92,12 +92,30 @@ class ToolErrors(_Model):
     default: OutcomeName = "unknown_outcome"
 
 
+class DerivedAction(_Model):
+    """How to build a recovery action (compensation, rollback, forward fix) from recorded facts.
+
+    Every value is a CEL expression over ``envelope``, ``args``, ``target``, ``before`` (the
+    precondition snapshot), ``after`` (the last verification read) and ``result``: the recovery
+    data recorded at execution time, never anything reconstructed from a transcript.
+    """
+
+    action_type: str
+    target: dict[str, str]
+    arguments: dict[str, str]
+
+
 class Recovery(_Model):
-    transient_failure: str = "retry_same_idempotency_key"
-    unknown_outcome: str = "reconcile"
-    partial_completion: str = "contain_then_evaluate"
-    verification_failure: str = "manual_or_compensate"
-    compensation_workflow: str | None = None
+    """The contract's recovery policy (the seed's ``recovery:`` block)."""
+
+    transient_failure: Literal["retry_same_idempotency_key", "manual"] = "retry_same_idempotency_key"
+    unknown_outcome: Literal["reconcile"] = "reconcile"
+    partial_completion: Literal["contain_then_evaluate", "compensate", "manual"] = "contain_then_evaluate"
+    verification_failure: Literal["manual_or_compensate", "compensate", "native_rollback", "forward_recovery",
+                                  "manual", "contain"] = "manual_or_compensate"
+    compensation: DerivedAction | None = None
+    rollback: DerivedAction | None = None
+    forward: DerivedAction | None = None
 
 
 class Contract(_Model):
@@ -138,6 +156,9 @@ class Contract(_Model):
                 compile_expression(expr)
         if self.operation_id:
             compile_expression(self.operation_id)
+        for derived in (self.recovery.compensation, self.recovery.rollback, self.recovery.forward):
+            for expr in ((*derived.target.values(), *derived.arguments.values()) if derived else ()):
+                compile_expression(expr)
         return self
 
     @property

@@ -7,6 +7,7 @@ broker message is still visible as an action that was published and never starte
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -14,16 +15,16 @@ from typing import Any
 from mcp import Client
 
 from ledger import store
+from ledger.states import ActionStatus
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
 from proofline.envelope import Envelope, build_envelope
 from proofline.errors import IdempotencyConflict
 from proofline.settings import Settings
 from proofline.signing import sign
+from worker.dispatch import CeleryDispatch
 from worker.mcp_client import endpoint_target
 from worker.servers import server_named
-
-EXECUTE_TASK = "proofline.execute"
 
 
 def describe_server(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str]]:
@@ -80,32 +81,59 @@ def signed_message(settings: Settings, envelope: Envelope) -> dict[str, Any]:
     return sign(envelope, settings.signing_keys, settings.active_key_id)
 
 
-def send_message(app: Any, message: Any) -> str:
-    """Put one message on the actions queue by the stable task name (JSON only)."""
-    result = app.send_task(EXECUTE_TASK, args=[message], queue="actions", serializer="json")
-    return str(result.id)
+def send_message(app: Any, message: Any, queue: str = "actions", task_id: str | None = None) -> str:
+    """Put one message on a queue by the stable task name (JSON only)."""
+    return CeleryDispatch(app).execute(message, queue=queue, task_id=task_id)
 
 
-def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope) -> dict[str, Any]:
-    """Record ``published`` (or ``republished``) and send the signed envelope to the workers."""
-    message = signed_message(settings, envelope)
+def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **options: Any) -> dict[str, Any]:
+    """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
+    return publish_message(conn, CeleryDispatch(app), signed_message(settings, envelope), envelope, **options)
+
+
+def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
+                    queue: str = "actions", kind: str = "action", parent_action_id: str | None = None,
+                    hold: bool = False, actor: str | None = None) -> dict[str, Any]:
+    """Record a signed message in the ledger, then send it (unless held).
+
+    The signed message is stored with the action, so the reconciler can re-drive exactly the
+    authority the controller signed if the broker loses the message.
+    """
+    task_id = str(uuid.uuid4())
     conflict: IdempotencyConflict | None = None
     with store.transaction(conn) as cur:
-        inserted = store.insert_action_txn(cur, message["envelope"])
+        inserted = store.insert_action_txn(
+            cur, message["envelope"], key_id=message["key_id"], signature=message["signature"], task_id=task_id,
+            status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
+            parent_action_id=parent_action_id)
         current = None if inserted else store.get_action(cur, envelope.action_id)
         if current is not None and current.idempotency_key != envelope.idempotency_key:
             conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
                                            idempotency_key=envelope.idempotency_key)
-            store.append_event_txn(cur, envelope.action_id, "publish_refused", envelope.requester,
+            store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
                                    conflict.as_evidence())
         else:
-            store.append_event_txn(cur, envelope.action_id, "published" if inserted else "republished",
-                                   envelope.requester, _publication_evidence(envelope, message["key_id"]),
+            name = ("pending" if hold else "published") if inserted else "republished"
+            store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
+                                   {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
+                                    "parent_action_id": parent_action_id, "task_id": task_id},
                                    envelope.evidence.redact_fields)
     if conflict is not None:
         raise conflict
-    task_id = send_message(app, message)
-    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted}
+    if not hold:
+        dispatch.execute(message, queue=queue, task_id=task_id)
+    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}
+
+
+def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelope]) -> list[dict[str, Any]]:
+    """Publish a multi-step run: every step is recorded now, only the first is sent. Each later step
+    is released by the runtime once the step before it is verified (``recovery/runs.py``)."""
+    run_ids = {e.run_id for e in envelopes}
+    steps = [e.step for e in envelopes]
+    if len(run_ids) != 1 or steps != list(range(len(envelopes))) or any(e.run_steps != len(envelopes)
+                                                                           for e in envelopes):
+        raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
+    return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
 
 
 def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 
 WORKDIR = ROOT / "var" / "demo"
-SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery)
+SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
 
 
 def _embedded_postgres(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
@@ -68,7 +68,7 @@ def _services(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
 
 
 def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify", "-c", "2",
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify,compensate,reconcile", "-c", "2",
             "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,

@@ -95,6 +95,8 @@ class Envelope(_Frozen):
     action_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
     #: Position of this action in its run (multi-step runs), starting at 0.
     step: int = Field(default=0, ge=0)
+    #: How many steps the run has; steps run in order, each only after the previous one is verified.
+    run_steps: int = Field(default=1, ge=1, le=100)
     workflow_type: str = Field(min_length=1, max_length=200)
     #: Names the action contract (``contracts/<action_type>.yaml``).
     action_type: str = Field(min_length=1, max_length=200)
@@ -121,6 +123,8 @@ class Envelope(_Frozen):
     retry_policy: RetryPolicy = RetryPolicy()
     cancellation: CancellationBehaviour = CancellationBehaviour.reconcile
     compensation_ref: str | None = None
+    #: Set on a recovery action (compensation, rollback, forward fix): the action it recovers.
+    recovers: str | None = None
     evidence: EvidenceRequirements = EvidenceRequirements()
     irreversible: bool = False
 

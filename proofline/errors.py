@@ -141,6 +141,12 @@ class ToolContractChanged(RevalidationFailed):
     code = "tool_contract_changed"
 
 
+class PointOfNoReturnRefused(RevalidationFailed):
+    """An irreversible action is not cleared to pass its point of no return."""
+
+    code = "point_of_no_return_refused"
+
+
 class KillSwitchEngaged(RevalidationFailed):
     """A kill switch covers this action."""
 

@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     #: At most this many progress notifications per call are recorded in the ledger.
     progress_events_limit: int = 20
 
+    #: How often Celery beat runs the reconciler.
+    reconcile_interval_seconds: float = 10.0
+    #: A published action not started (or a recovery not decided) after this long is re-driven.
+    redrive_after_seconds: float = 60.0
+    #: A verification with no progress for this long is started again.
+    verify_stall_seconds: float = 180.0
+
     #: Errors go to Sentry when set.
     sentry_dsn: str | None = None
 

@@ -17,9 +17,10 @@ from ledger import store
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
-from proofline.envelope import Envelope
+from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, TransitionRefused
 from worker import calls
+from worker.dispatch import Dispatch
 from worker.execute import verification_key
 from worker.runtime import Runtime
 
@@ -119,7 +120,20 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
 }
 
 
-def verify(rt: Runtime, action_id: str) -> dict[str, Any]:
+def _cancel_disposition(action, envelope: Envelope, finding: VerificationFinding, current):
+    """A cancelled action's final disposition, once verification knows the external state."""
+    status, outcome, record_status, reason = current
+    if finding == VerificationFinding.absent:
+        return ActionStatus.cancelled, Outcome.failed_before_side_effect, IdempotencyStatus.failed, "cancelled"
+    if finding == VerificationFinding.expected:
+        if envelope.cancellation == CancellationBehaviour.reconcile_then_compensate:
+            return ActionStatus.recovery, Outcome.completed_verified, IdempotencyStatus.completed, "cancel_after_effect"
+        # The server ignored the cancellation and the effect is proven: that is the final state.
+        return ActionStatus.closed, Outcome.completed_verified, IdempotencyStatus.completed, "cancel_too_late"
+    return status, outcome, record_status, reason
+
+
+def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     conn = rt.conn
     with store.transaction(conn) as cur:
         action = store.get_action(cur, action_id)
@@ -132,6 +146,9 @@ def verify(rt: Runtime, action_id: str) -> dict[str, Any]:
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     obs = observe(rt, envelope, contract, base)
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    if action.cancel_requested_at is not None:
+        status, outcome, record_status, reason = _cancel_disposition(
+            action, envelope, obs.finding, (status, outcome, record_status, reason))
     if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
         outcome = None  # an unknown outcome stays unknown: we never learned more
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
@@ -154,16 +171,22 @@ def verify(rt: Runtime, action_id: str) -> dict[str, Any]:
                                              {"verified": obs.finding.value, "after": obs.after})
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
-            events.append(("final_state" if status == ActionStatus.closed else "handed_to_recovery",
+            events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)
+                           else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
                              "reason_code": reason}))
             store.append_events_txn(cur, action_id, rt.settings.worker_id, events, envelope.evidence.redact_fields)
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
-                                 finding=obs.finding.value, reason_code=reason, result=recovered)
+                                 finding=obs.finding.value, reason_code=reason, result=recovered,
+                                 recovery_data={"after": obs.after} if obs.after is not None else None)
     except TransitionRefused:
         # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:
             store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence)
         return {"status": "superseded", "action_id": action_id}
     log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
+    from recovery.settle import after_settle
+
+    after_settle(rt.conn, rt.settings.worker_id, action_id, dispatch, envelope=envelope, status=status,
+                 outcome=outcome or action.outcome)
     return {"status": status.value, "action_id": action_id, "finding": obs.finding.value}

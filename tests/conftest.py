@@ -32,7 +32,7 @@ from proofline.sor import store as sor
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 CANARY_SECRET = "canary-must-never-reach-a-tool"
-SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery)
+SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
 
 
 def free_port() -> int:
@@ -187,12 +187,16 @@ def _servers_yaml(transport: str, write_port: int | None, read_port: int | None)
     )
 
 
-def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w") -> list[subprocess.Popen]:
+def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w",
+                  beat: bool = True) -> list[subprocess.Popen]:
+    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to."""
     started = []
     for i in range(count):
-        argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify",
-                "-c", str(concurrency), "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle",
-                "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
+        argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
+                "-Q", "actions,verify,compensate,reconcile", "-c", str(concurrency), "-P", "prefork", "-l", "INFO",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
+        if beat and i == 0:
+            argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
         proc = start_process(argv, stack.env, stack.workdir / f"worker-{name}{i}.log")
         started.append(proc)
     stack.workers.extend(started)
@@ -217,6 +221,9 @@ def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, s
         "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
         "SOR_DB": str(sor_db), "SOR_RESTART_SECONDS": "0.6", "PYTHONPATH": str(ROOT),
         "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
+        # The reconciler runs often and re-drives quickly, so tests see it work in seconds.
+        "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
+        "PROOFLINE_VERIFY_STALL_SECONDS": "30",
         # A credential in the worker's environment that no MCP server may inherit.
         "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
     })
@@ -250,7 +257,8 @@ def teardown_stack(stack: Stack) -> None:
         stop_process(proc)
     stack.conn.close()
     stack.app.close()
-    drop_database(stack.admin_url)
+    if not os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):  # keep them to read a failure's ledger
+        drop_database(stack.admin_url)
 
 
 _REDIS_DBS = iter(range(6, 16))

@@ -77,6 +77,9 @@ def classify(report: CallReport, contract: Contract) -> Classification:
                               evidence={"error": _error_summary(report.error) if report.error else None})
     if report.error is not None:
         summary = _error_summary(report.error)
+        if type(report.error).__name__ == "CallCancelled":
+            # We cancelled it on an operator's request; the server may or may not have stopped.
+            return Classification(Outcome.unknown_outcome, "cancelled_in_flight", evidence={"error": summary})
         if summary.get("code") in REFUSED_BEFORE_RUNNING:
             return Classification(Outcome.failed_before_side_effect, "protocol_refused", evidence={"error": summary})
         return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})

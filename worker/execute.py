@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 
 from ledger import store
-from ledger.states import ActionStatus, IdempotencyStatus, Outcome
+from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
 from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, extract
 from proofline.envelope import Envelope
@@ -35,6 +35,7 @@ from proofline.errors import (
 )
 from worker import calls
 from worker.classify import CallReport, Classification, classify
+from worker.dispatch import Dispatch
 from worker.lease import (
     Heartbeat,
     Locks,
@@ -46,6 +47,7 @@ from worker.lease import (
     write_lease_txn,
 )
 from worker.lease import unlock as unlock_locks
+from worker.mcp_client import CancelHandle
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.validate import (
@@ -65,8 +67,9 @@ SELECT clock_timestamp() AS now,
        (SELECT json_agg(json_build_object('scope', scope, 'value', value, 'set_by', set_by, 'reason', reason))
           FROM kill_switches WHERE cleared_at IS NULL AND (scope = 'global'
             OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = %s)
-            OR (scope = 'tenant' AND value = %s))) AS kills,
-       (SELECT row_to_json(a) FROM (SELECT status, idempotency_key FROM actions WHERE action_id = %s) a) AS action
+            OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = %s))) AS kills,
+       (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id
+                                      FROM actions WHERE action_id = %s) a) AS action
 """
 
 # What the idempotency record becomes once a call has been classified.
@@ -161,7 +164,7 @@ def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str
     return failures
 
 
-def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify) -> dict[str, Any]:
+def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
     settings = rt.settings
     actor = settings.worker_id
@@ -173,7 +176,6 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify)
         return TaskSummary("refused", exc.code).as_dict()
 
     aid = envelope.action_id
-    redact = envelope.evidence.redact_fields
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
@@ -186,7 +188,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify)
     try:
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
-            envelope.tenant, aid))
+            envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid))
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -197,79 +199,66 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], enqueue_verify)
             if existing["idempotency_key"] != envelope.idempotency_key:
                 return _conflict(rt, envelope, events, f"action {aid} was published with a different idempotency "
                                  "key (different arguments, target or approval)")
-            if existing["status"] in (ActionStatus.closed, ActionStatus.escalated, ActionStatus.recovery):
+            if existing["status"] in SETTLED_STATUSES:
                 return _already_settled(rt, envelope, existing["status"], delivery)
+            if existing["status"] == ActionStatus.pending:
+                # A later step delivered before the runtime released it: it waits its turn.
+                return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
+            if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
+                return _close_before_effect(rt, envelope, events, "cancelled_before_start",
+                                            {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
+                                            existing, Outcome.not_started, dispatch, status=ActionStatus.cancelled)
             if existing["status"] == ActionStatus.verifying:
                 with store.transaction(conn) as cur:
                     store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
                 _unlock_now(rt, envelope)
-                enqueue_verify(aid)
+                dispatch.verify(aid)
                 return TaskSummary("verifying", "redelivered", aid).as_dict()
 
         server = rt.server(envelope.server.name)
         try:
             static = revalidate_static(envelope, settings, facts["now"], facts["revoked"] or [], facts["kills"] or [])
+            if envelope.irreversible:
+                static["point_of_no_return"] = check_point_of_no_return(conn, envelope)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
         except RevalidationFailed as exc:
-            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing)
+            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing,
+                                dispatch)
         except McpUnavailable as exc:
-            return _transient_before(rt, envelope, events, exc, existing)
+            return _transient_before(rt, envelope, events, exc, existing, dispatch)
         events.append(("revalidated", {**static, **live}))
 
         try:
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
-            return _transient_before(rt, envelope, events, exc, existing)
+            return _transient_before(rt, envelope, events, exc, existing, dispatch)
         failures = check_preconditions(contract, envelope, before)
 
         with store.transaction(conn) as cur:
             if existing is None:
-                store.insert_action_txn(cur, message["envelope"])
+                store.insert_action_txn(cur, message["envelope"], key_id=message.get("key_id"),
+                                        signature=message.get("signature"))
             token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
             events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                               "ttl_seconds": settings.lease_ttl_seconds}))
-            if failures:
-                record = store.get_idempotency_txn(cur, envelope.idempotency_key)
-                if record is None:
-                    events.append(("preconditions_failed", {"failures": failures, "before": before}))
-                    store.append_events_txn(cur, aid, actor, events, redact)
-                    store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed,
-                                         outcome=Outcome.not_started, reason_code=failures[0]["reason"],
-                                         recovery_data={"before": before})
-                    release_lease_txn(cur, aid, token)
-                    cur.execute(*unlock_sql(locks))
-                    locked = False
-                    return TaskSummary("closed", failures[0]["reason"], aid, Outcome.not_started.value).as_dict()
-                claimed = False
-            else:
-                claimed, record = store.claim_idempotency_txn(
-                    cur, key=envelope.idempotency_key, action_id=aid, tenant=envelope.tenant,
-                    argument_hash=envelope.arguments_hash, contract_hash=envelope.tool.contract_hash,
-                    fencing_token=token, replay_window_seconds=settings.replay_window_seconds)
-            if not claimed:
-                decision = _dispatch_existing(cur, envelope, record, token, events, actor)
-                if decision != "retry":
-                    store.append_events_txn(cur, aid, actor, events, redact)
-                    _finish_dispatch(cur, aid, decision, record)
-                    release_lease_txn(cur, aid, token)
-                    cur.execute(*unlock_sql(locks))
-                    locked = False
-                    if decision == "reconcile":
-                        enqueue_verify(aid)
-                    return TaskSummary(decision, record.status.value, aid).as_dict()
-            else:
-                events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
-            events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
-                           else {}))
-            store.append_events_txn(cur, aid, actor, events, redact)
-            store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
-                                 recovery_data={"before": before})
+            step = _claim_txn(cur, envelope, events, failures, before, token, actor, settings.replay_window_seconds)
+            if step != "call":
+                release_lease_txn(cur, aid, token)
+                cur.execute(*unlock_sql(locks))
+                locked = False
+        if step == "not_started":
+            closed_hook(rt, envelope, ActionStatus.closed, Outcome.not_started, dispatch)
+            return TaskSummary("closed", failures[0]["reason"], aid, Outcome.not_started.value).as_dict()
+        if step == "reconcile":
+            dispatch.verify(aid)
+        if step != "call":
+            return TaskSummary(step, None, aid).as_dict()
 
         report = _call(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract)
         locked = False  # the result transaction releases both locks as its last statement
-        return _record_result(rt, envelope, verdict, report, token, locks, enqueue_verify)
+        return _record_result(rt, envelope, verdict, report, token, locks, dispatch)
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
@@ -304,9 +293,10 @@ def _conflict(rt: Runtime, envelope: Envelope, events: list, detail: str) -> dic
     return TaskSummary("refused", exc.code, envelope.action_id).as_dict()
 
 
-def _already_settled(rt: Runtime, envelope: Envelope, status: str, delivery: dict[str, Any]) -> dict[str, Any]:
+def _already_settled(rt: Runtime, envelope: Envelope, status: str, delivery: dict[str, Any],
+                     event: str = "duplicate_suppressed") -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
-        store.append_event_txn(cur, envelope.action_id, "duplicate_suppressed", rt.settings.worker_id,
+        store.append_event_txn(cur, envelope.action_id, event, rt.settings.worker_id,
                                {"status": status, "reason": "action already settled", **delivery})
     _unlock_now(rt, envelope)
     return TaskSummary("duplicate_suppressed", status, envelope.action_id).as_dict()
@@ -318,24 +308,58 @@ def _unlock_now(rt: Runtime, envelope: Envelope) -> None:
 
 
 def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: str, evidence: dict[str, Any],
-                         reason: str, existing: dict | None, outcome: Outcome) -> dict[str, Any]:
+                         reason: str, existing: dict | None, outcome: Outcome, dispatch: Dispatch,
+                         status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
         if existing is None:
             store.insert_action_txn(cur, envelope.model_dump(mode="json"))
         store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)],
                                 envelope.evidence.redact_fields)
-        store.transition_txn(cur, envelope.action_id, [ActionStatus.published], ActionStatus.closed,
+        store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
                              outcome=outcome, reason_code=reason)
     _unlock_now(rt, envelope)
-    return TaskSummary("closed", reason, envelope.action_id, outcome.value).as_dict()
+    closed_hook(rt, envelope, status, outcome, dispatch)
+    return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
 
 
-def _not_started(rt, envelope, events, event, evidence, reason, existing) -> dict[str, Any]:
-    return _close_before_effect(rt, envelope, events, event, evidence, reason, existing, Outcome.not_started)
+def _not_started(rt, envelope, events, event, evidence, reason, existing, dispatch) -> dict[str, Any]:
+    return _close_before_effect(rt, envelope, events, event, evidence, reason, existing, Outcome.not_started,
+                                dispatch)
+
+
+def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: Outcome | None,
+                dispatch: Dispatch) -> None:
+    """What a settled action means for others: its run, or the action it compensates."""
+    from recovery.settle import after_settle
+
+    after_settle(rt.conn, rt.settings.worker_id, envelope.action_id, dispatch, envelope=envelope, status=status,
+                 outcome=outcome)
+
+
+def check_point_of_no_return(conn: Any, envelope: Envelope) -> dict[str, Any]:
+    """An irreversible action runs only with an approval that covers irreversibility, as the last
+    step of its run, and only after every earlier step is verified."""
+    from proofline.errors import PointOfNoReturnRefused
+
+    if not envelope.approval.covers_irreversible:
+        raise PointOfNoReturnRefused("the approval does not cover an irreversible action",
+                                     compensation="not available")
+    if envelope.step != envelope.run_steps - 1:
+        raise PointOfNoReturnRefused(f"irreversible step {envelope.step} is not the last of {envelope.run_steps}",
+                                     compensation="not available")
+    with conn.cursor() as cur:
+        cur.execute("""SELECT action_id, status, outcome FROM actions WHERE run_id = %s AND step < %s
+                       AND NOT (status = 'closed' AND outcome = 'completed_verified')""",
+                    (envelope.run_id, envelope.step))
+        unverified = [r["action_id"] for r in cur.fetchall()]
+    if unverified:
+        raise PointOfNoReturnRefused(f"earlier steps are not verified: {', '.join(unverified)}",
+                                     compensation="not available")
+    return {"covers_irreversible": True, "earlier_steps_verified": envelope.step, "compensation": "not available"}
 
 
 def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: ProoflineError,
-                      existing: dict | None) -> dict[str, Any]:
+                      existing: dict | None, dispatch: Dispatch) -> dict[str, Any]:
     """Nothing was sent: retry the same envelope later while the deadline allows."""
     remaining = envelope.deadline.timestamp() - time.time()
     if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
@@ -346,7 +370,44 @@ def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: Proofl
         _unlock_now(rt, envelope)
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
     return _close_before_effect(rt, envelope, events, "precheck_unavailable", exc.as_evidence(), exc.code, existing,
-                                Outcome.failed_before_side_effect)
+                                Outcome.failed_before_side_effect, dispatch)
+
+
+def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, str]], before: dict[str, Any],
+               token: int, actor: str, replay_window: float) -> str:
+    """Claim the idempotency record (or dispatch on the one that exists) and record the pre-call
+    evidence, all in the lease's transaction. Returns "call", "not_started" or a dispatch decision."""
+    aid = envelope.action_id
+    redact = envelope.evidence.redact_fields
+    if failures:
+        record = store.get_idempotency_txn(cur, envelope.idempotency_key)
+        if record is None:
+            # A failed precondition ends the action unstarted; it is never adapted to the new state.
+            events.append(("preconditions_failed", {"failures": failures, "before": before}))
+            store.append_events_txn(cur, aid, actor, events, redact)
+            store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
+                                 reason_code=failures[0]["reason"], recovery_data={"before": before})
+            return "not_started"
+        claimed = False  # the read reflects our own earlier effect: dispatch on the record instead
+    else:
+        claimed, record = store.claim_idempotency_txn(
+            cur, key=envelope.idempotency_key, action_id=aid, tenant=envelope.tenant,
+            argument_hash=envelope.arguments_hash, contract_hash=envelope.tool.contract_hash,
+            fencing_token=token, replay_window_seconds=replay_window)
+    if not claimed:
+        decision = _dispatch_existing(cur, envelope, record, token, events, actor)
+        if decision != "retry":
+            store.append_events_txn(cur, aid, actor, events, redact)
+            _finish_dispatch(cur, aid, decision, record)
+            return decision
+    else:
+        events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
+    events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
+                   else {}))
+    store.append_events_txn(cur, aid, actor, events, redact)
+    store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
+                         recovery_data={"before": before})
+    return "call"
 
 
 def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord, token: int, events: list,
@@ -406,8 +467,9 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
     timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
     progress = calls.ProgressLog(limit=settings.progress_events_limit)
     started = time.monotonic()
+    handle = CancelHandle()
     with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch) as heartbeat:
+                   touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
         if not heartbeat.valid():
             # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
@@ -415,7 +477,7 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
                 action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
-                progress=progress))
+                progress=progress), cancel_handle=handle)
         except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
@@ -442,7 +504,7 @@ def _result_evidence(envelope: Envelope, verdict: Classification, report: CallRe
 
 
 def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, report: CallReport, token: int,
-                   locks: Locks, enqueue_verify) -> dict[str, Any]:
+                   locks: Locks, dispatch) -> dict[str, Any]:
     aid = envelope.action_id
     evidence = _result_evidence(envelope, verdict, report)
     try:
@@ -463,8 +525,9 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
     if verdict.outcome == Outcome.failed_before_side_effect:
         if retry:
             raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
+        closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
-    enqueue_verify(aid)
+    dispatch.verify(aid)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
 
 

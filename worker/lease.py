@@ -119,9 +119,12 @@ class Heartbeat:
     """
 
     def __init__(self, conn: psycopg.Connection, action_id: str, fencing_token: int, ttl: float, interval: float,
-                 touch=lambda: None) -> None:
+                 touch=lambda: None, on_cancel=lambda: None) -> None:
         self.conn, self.action_id, self.token, self.ttl, self.interval = conn, action_id, fencing_token, ttl, interval
         self.touch = touch
+        #: Called once when an operator's cancellation is seen on a heartbeat.
+        self.on_cancel = on_cancel
+        self.cancel_seen = False
         self.lost = threading.Event()
         self.renewed_at = time.monotonic()
         self._stop = threading.Event()
@@ -147,11 +150,16 @@ class Heartbeat:
                     cur.execute(
                         "UPDATE leases SET heartbeat_at = clock_timestamp(), "
                         "expires_at = clock_timestamp() + make_interval(secs => %s) "
-                        "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING 1",
-                        (self.ttl, self.action_id, self.token),
+                        "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING "
+                        "(SELECT cancel_requested_at IS NOT NULL FROM actions WHERE action_id = %s) AS cancel",
+                        (self.ttl, self.action_id, self.token, self.action_id),
                     )
-                    renewed = cur.fetchone() is not None
+                    row = cur.fetchone()
+                    renewed = row is not None
                 self.touch()
+                if renewed and row["cancel"] and not self.cancel_seen:
+                    self.cancel_seen = True
+                    self.on_cancel()
                 if not renewed:
                     log.warning("lease lost", extra={"action_id": self.action_id, "event": "lease_lost"})
                     self.lost.set()

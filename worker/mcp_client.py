@@ -76,6 +76,33 @@ class _Session:
             self._stop.set()
 
 
+class CallCancelled(Exception):
+    """The call was cancelled on purpose (an operator's cancellation), after it may have been sent."""
+
+
+class CancelHandle:
+    """Lets one thread cancel a call that another thread is waiting on."""
+
+    def __init__(self) -> None:
+        self.portal: BlockingPortal | None = None
+        self.scope: anyio.CancelScope | None = None
+        self.requested = False
+
+    def cancel(self) -> None:
+        self.requested = True
+        if self.portal is not None and self.scope is not None:
+            self.portal.call(self.scope.cancel)
+
+
+async def _cancellable(fn: Callable[[Client], Awaitable[T]], client: Client, handle: CancelHandle) -> T:
+    with anyio.CancelScope() as scope:
+        handle.scope = scope
+        if handle.requested:
+            scope.cancel()
+        return await fn(client)
+    raise CallCancelled("call cancelled at the operator's request")
+
+
 class McpSessions:
     """The per-process registry of open MCP sessions."""
 
@@ -105,16 +132,22 @@ class McpSessions:
             self._sessions[key] = session
             return session
 
-    def run(self, server: Server, role: Role, fn: Callable[[Client], Awaitable[T]]) -> T:
+    def run(self, server: Server, role: Role, fn: Callable[[Client], Awaitable[T]],
+            cancel_handle: CancelHandle | None = None) -> T:
         """Run ``fn(client)`` on the session's event loop and return its result.
 
-        Raises :class:`McpUnavailable` when no session can be opened: nothing was sent then.
+        Raises :class:`McpUnavailable` when no session can be opened: nothing was sent then. With a
+        ``cancel_handle``, another thread may cancel the call; the SDK then sends the server
+        ``notifications/cancelled`` and this raises :class:`CallCancelled`.
         """
         session = self._session(server, role)
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
-        return self._portal.call(fn, client)
+        if cancel_handle is None:
+            return self._portal.call(fn, client)
+        cancel_handle.portal = self._portal
+        return self._portal.call(_cancellable, fn, client, cancel_handle)
 
     def server_version(self, server: Server, role: Role = "write") -> str | None:
         session = self._session(server, role)

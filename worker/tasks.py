@@ -9,6 +9,7 @@ import psycopg
 from celery import Celery, signals
 
 from proofline.settings import get_settings
+from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.runtime import runtime
@@ -16,6 +17,7 @@ from worker.runtime import runtime
 log = logging.getLogger(__name__)
 
 EXECUTE = "proofline.execute"
+COMPENSATE = "proofline.compensate"
 #: Deliveries of one message after unexpected errors; past this, the reconciler re-drives it.
 UNEXPECTED_RETRIES = 5
 VERIFY = "proofline.verify"
@@ -37,8 +39,7 @@ def _close(**_: Any) -> None:
     close_sessions()
 
 
-def enqueue_verify(action_id: str) -> None:
-    app.send_task(VERIFY, args=[action_id], queue="verify")
+dispatch = CeleryDispatch(app)
 
 
 def _delivery(task: Any) -> dict[str, Any]:
@@ -49,12 +50,22 @@ def _delivery(task: Any) -> dict[str, Any]:
 
 @app.task(name=EXECUTE, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def execute_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return _execute(self, args, kwargs)
+
+
+@app.task(name=COMPENSATE, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def compensate_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A recovery action: the same governed path as any action, on its own queue."""
+    return _execute(self, args, kwargs)
+
+
+def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Execute one envelope. Any argument shape is accepted so that malformed input is refused
     and recorded by the runtime instead of failing inside Celery."""
     message = args[0] if len(args) == 1 and not kwargs else {"args": list(args), "kwargs": kwargs}
     rt = runtime()
     try:
-        return execute(rt, message, _delivery(self), enqueue_verify)
+        return execute(rt, message, _delivery(self), dispatch)
     except RetryLater as later:
         raise self.retry(countdown=later.countdown, max_retries=None) from None
     except psycopg.OperationalError as exc:
@@ -76,13 +87,44 @@ def verify_task(self, action_id: str) -> dict[str, Any]:
 
     rt = runtime()
     try:
-        return verify(rt, action_id)
+        return verify(rt, action_id, dispatch)
     except psycopg.OperationalError as exc:
         rt.reset_connection()
         raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
     except Exception as exc:
         log.exception("verify failed; retrying", extra={"event": "verify_error", "action_id": action_id})
         raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
+
+
+
+
+@app.task(name="proofline.recover", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def recover_task(self, action_id: str) -> dict[str, Any]:
+    from recovery.recover import recover
+
+    rt = runtime()
+    try:
+        return recover(rt, action_id, dispatch)
+    except psycopg.OperationalError as exc:
+        rt.reset_connection()
+        raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
+    except Exception as exc:
+        log.exception("recover failed; retrying", extra={"event": "recover_error", "action_id": action_id})
+        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
+
+
+@app.task(name="proofline.reconcile", ignore_result=True)
+def reconcile_task() -> dict[str, int]:
+    from recovery.reconciler import sweep
+
+    rt = runtime()
+    s = rt.settings
+    try:
+        return sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
+                     verify_stale_seconds=s.verify_stall_seconds)
+    except psycopg.OperationalError:
+        rt.reset_connection()
+        raise
 
 
 _init_sentry()

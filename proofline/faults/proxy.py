@@ -12,10 +12,13 @@ Modes (``FaultProxy.set_mode(mode, **params)``):
 ``delay`` (``seconds=1.0``, ``direction="both"|"request"|"response"``)
     hold every chunk ``seconds`` after it arrived before forwarding it. The hold is computed
     when the chunk is due, so changing the mode releases (or holds) chunks already waiting.
-``blackhole``
+``blackhole`` (``forward_close=True``)
     keep forwarding client→server bytes (the request reaches the server, which acts) and
     silently drop every server→client byte, including a close by the server; the client's
-    connection stays open.
+    connection stays open. With ``forward_close=False`` the client's close (FIN or RST) is held
+    back too, as a real partition would lose it: the server is not told the client gave up
+    until the mode changes (an event-stream MCP server cancels a running tool when the client
+    disconnects; a plain-JSON one does not).
 ``reset`` (``after_request=False``)
     abort connections with a TCP RST (``SO_LINGER`` 0, then close): every open connection at
     once and every new one on accept. With ``after_request=True`` client→server bytes are
@@ -72,7 +75,7 @@ DIRECTIONS = ("both", "request", "response")
 _PARAMS: dict[str, frozenset[str]] = {
     "pass": frozenset(),
     "delay": frozenset({"seconds", "direction"}),
-    "blackhole": frozenset(),
+    "blackhole": frozenset({"forward_close"}),
     "reset": frozenset({"after_request"}),
     "refuse": frozenset({"reset_open"}),
 }
@@ -97,6 +100,7 @@ class Mode:
     direction: str = "both"
     after_request: bool = False
     reset_open: bool = False
+    forward_close: bool = True
 
     def delay_for(self, upstream: bool) -> float:
         """Seconds to hold a chunk travelling client→server (``upstream``) or server→client."""
@@ -114,6 +118,8 @@ class Mode:
             return {"after_request": self.after_request}
         if self.name == "refuse":
             return {"reset_open": self.reset_open}
+        if self.name == "blackhole":
+            return {"forward_close": self.forward_close}
         return {}
 
 
@@ -144,6 +150,8 @@ def make_mode(mode: str, **params: Any) -> Mode:
         return Mode("reset", after_request=_flag(mode, "after_request", params.get("after_request", False)))
     if mode == "refuse":
         return Mode("refuse", reset_open=_flag(mode, "reset_open", params.get("reset_open", False)))
+    if mode == "blackhole":
+        return Mode("blackhole", forward_close=_flag(mode, "forward_close", params.get("forward_close", True)))
     return Mode(mode)
 
 
@@ -407,7 +415,15 @@ class FaultProxy:
                 raise RuntimeError("fault proxy did not apply the mode change within 5 s")
 
     def stats(self) -> dict[str, Any]:
-        """Counters plus the current mode, its parameters, the port and whether it is listening."""
+        """Counters plus the current mode, its parameters, the port and whether it is listening.
+
+        ``bytes_client_to_server`` / ``bytes_server_to_client`` count bytes forwarded;
+        ``bytes_dropped`` server→client bytes discarded by ``blackhole``; ``responses_dropped``
+        bursts of server→client data discarded after the client had sent something (about one
+        per HTTP response); ``resets_sent`` connections aborted by ``reset`` (or
+        ``refuse`` with ``reset_open``); ``upstream_connect_failures`` accepted connections
+        reset because the target could not be reached.
+        """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
         out["connections_open"] = len(self._conns)
@@ -716,9 +732,11 @@ class FaultProxy:
         if conn.closed:
             return
         up, down = conn.up, conn.down
-        hide = self._mode.name == "blackhole"
+        mode = self._mode
+        hide = mode.name == "blackhole"
+        hold_close = hide and not mode.forward_close
         try:
-            if up.eof and not up.queue and not up.shut and not conn.connecting:
+            if up.eof and not up.queue and not up.shut and not conn.connecting and not hold_close:
                 if up.error:
                     self._abort(conn)
                     return
@@ -726,7 +744,7 @@ class FaultProxy:
                 up.shut = True
             if down.eof and not down.queue and not down.shut:
                 if hide:
-                    if up.shut:
+                    if up.eof and not up.queue:
                         self._close(conn)  # both ends are gone: nothing left to hide
                         return
                 elif down.error:

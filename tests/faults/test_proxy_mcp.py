@@ -136,12 +136,31 @@ def test_blackhole_switched_while_the_call_is_in_flight(sor: Sor, proxy: FaultPr
                     await anyio.sleep(0.005)
                 proxy.set_mode("blackhole")
 
-            with pytest.raises(MCPError) as info:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(flip_when_request_forwarded)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(flip_when_request_forwarded)
+                with pytest.raises(MCPError) as info:
                     await client.call_tool("create_ticket", ARGS, meta=key("fl"))
             assert info.value.error.code == TIMEOUT_CODE
             wait_for(lambda: sor.effects("fl") == 1, what="the effect")
+
+    anyio.run(main)
+
+
+def test_blackhole_holding_the_clients_close_lets_a_slow_write_finish(sor: Sor, proxy: FaultProxy) -> None:
+    # The client gives up (timeout) and closes its connection while the server is still working.
+    # An event-stream server would cancel the tool on that close; a partition loses the close.
+    async def main() -> None:
+        async with Client(url(proxy), read_timeout_seconds=0.3) as client:
+            await client.call_tool("create_ticket", ARGS, meta=key("hc-warm"))
+            store.set_fault(sor.db, "create_ticket", "delay", delay_seconds=0.8)
+            proxy.set_mode("blackhole", forward_close=False)
+            with pytest.raises(MCPError) as info:
+                await client.call_tool("create_ticket", ARGS, meta=key("hc"))
+            assert info.value.error.code == TIMEOUT_CODE
+            wait_for(lambda: sor.effects("hc") == 1, what="the slow write to be applied")
+            proxy.set_mode("pass")
+            retry = await client.call_tool("create_ticket", ARGS, meta=key("hc"))
+            assert retry.structured_content["deduplicated"] is True
 
     anyio.run(main)
 

@@ -40,6 +40,7 @@ class EchoServer:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.received = bytearray()
+        self.eofs = 0
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.conns: list[socket.socket] = []
@@ -63,6 +64,8 @@ class EchoServer:
                 try:
                     data = conn.recv(65536)
                     if not data:
+                        with self.lock:
+                            self.eofs += 1
                         return
                     with self.lock:
                         self.received += data
@@ -170,6 +173,27 @@ def test_blackhole_hides_the_server_closing(proxy: FaultProxy, echo: EchoServer)
         with pytest.raises(TimeoutError):
             s.recv(100)
         assert proxy.stats()["connections_open"] == 1
+
+
+def test_blackhole_passes_the_clients_close_unless_told_not_to(proxy: FaultProxy, echo: EchoServer) -> None:
+    with connect(proxy) as s:
+        assert roundtrip(s, b"a") == b"a"
+        proxy.set_mode("blackhole")
+    wait_for(lambda: echo.eofs == 1, what="the client's close to reach the server")
+
+    proxy.set_mode("pass")
+    s = connect(proxy)
+    assert roundtrip(s, b"b") == b"b"
+    proxy.set_mode("blackhole", forward_close=False)
+    s.sendall(b"last-words")
+    wait_for(lambda: echo.got(b"last-words"), what="the request")
+    s.close()
+    time.sleep(0.2)
+    assert echo.eofs == 1  # the second close is held back, as a partition would lose it
+    assert proxy.stats()["connections_open"] == 1
+    proxy.set_mode("pass")  # healed: the close is passed on
+    wait_for(lambda: echo.eofs == 2, what="the held close to reach the server")
+    wait_for(lambda: proxy.stats()["connections_open"] == 0, what="the connection to be closed")
 
 
 def test_reset_aborts_open_and_new_connections(proxy: FaultProxy) -> None:

@@ -1,0 +1,58 @@
+"""Build a recovery action's envelope (compensation, native rollback, forward fix) from the
+recovery data the ledger recorded for the original action: its precondition snapshot, its
+result and its last verification read. Never from a transcript or a model's memory."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ledger.store import ActionRow
+from proofline.conditions import build_arguments
+from proofline.contracts import Contract, DerivedAction, contract_for
+from proofline.envelope import Envelope, build_envelope
+from worker.execute import live_contract
+from worker.runtime import Runtime
+
+RECOVERY_IDENTITY = "proofline:recovery"
+
+
+def recovery_variables(action: ActionRow, envelope: Envelope) -> dict[str, Any]:
+    doc = envelope.model_dump(mode="json")
+    data = action.recovery_data or {}
+    return {"envelope": doc, "args": doc["arguments"], "target": doc["target"], "before": data.get("before") or {},
+            "after": data.get("after") or {}, "result": (action.result or {}).get("values") or {}}
+
+
+def recovery_action_id(action_id: str, kind: str) -> str:
+    # Deterministic, so deciding twice never creates a second recovery action.
+    return f"{action_id}.{kind}"
+
+
+def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: DerivedAction, kind: str,
+                    deadline: timedelta = timedelta(minutes=10)) -> tuple[Envelope, Contract]:
+    """The recovery action: its own id, key, lease, preconditions, verification and evidence."""
+    contract = contract_for(Path(rt.settings.contracts_dir), spec.action_type)
+    variables = recovery_variables(action, envelope)
+    target = {"type": contract.target_type, **build_arguments(spec.target, variables)}
+    target["type"] = contract.target_type
+    arguments = build_arguments(spec.arguments, variables)
+    version, hashes = live_contract(rt, rt.server(contract.server))
+    now = datetime.now(UTC)
+    derived = build_envelope(
+        run_id=f"{envelope.run_id}/recovery", action_id=recovery_action_id(action.action_id, kind), step=0,
+        run_steps=1, workflow_type="proofline.recovery", action_type=contract.action_type,
+        requester=RECOVERY_IDENTITY, workload_identity=RECOVERY_IDENTITY, tenant=envelope.tenant,
+        environment=envelope.environment, target=target, operation=contract.operation, arguments=arguments,
+        server={"name": contract.server, "version": version or "unknown"},
+        tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
+        policy_version=envelope.policy_version,
+        # Authority: the original approval's compensation reference under the recovery policy.
+        approval={"id": f"{envelope.approval.id}/{kind}", "version": envelope.approval.version,
+                  "expires_at": now + deadline},
+        timeout_seconds=contract.timeout_seconds, deadline=now + deadline,
+        compensation_ref=envelope.compensation_ref or envelope.action_id, recovers=envelope.action_id,
+        evidence=envelope.evidence,
+    )
+    return derived, contract

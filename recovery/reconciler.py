@@ -1,0 +1,89 @@
+"""The reconciler: re-drives work from the ledger, not from the broker.
+
+Run periodically by Celery beat on the ``reconcile`` queue. Each sweep looks for:
+- actions published but never started (the broker lost the message) → re-send the stored signed
+  message; the idempotency record makes a duplicate harmless;
+- actions executing under an expired lease (the worker died) → re-send; the next holder finds the
+  claim in progress and reconciles the downstream state before anything else;
+- verifications that stalled (accepted operations to poll, unverified completions) → verify again;
+- actions in recovery with no decision taken → recover again;
+- run steps and compensated parents whose follow-up was lost between a commit and its hook.
+Safe on several workers at once: rows are taken with ``FOR UPDATE SKIP LOCKED`` and pushed back
+by ``next_check_at`` in the same statement, so two sweepers never re-drive the same action twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ledger import store
+from recovery.settle import after_settle
+from worker.dispatch import Dispatch
+
+log = logging.getLogger(__name__)
+
+CLAIM_SQL = """
+WITH due AS (
+    SELECT a.action_id FROM actions a
+    LEFT JOIN leases l ON l.action_id = a.action_id
+    WHERE a.next_check_at < clock_timestamp() AND ({condition})
+    ORDER BY a.next_check_at LIMIT %(limit)s
+    FOR UPDATE OF a SKIP LOCKED
+)
+UPDATE actions a SET next_check_at = clock_timestamp() + make_interval(secs => %(backoff)s)
+FROM due WHERE a.action_id = due.action_id
+RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature
+"""
+
+#: (name, condition on a / l, what to do)
+SWEEPS = (
+    ("not_started", "a.status = 'published' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) "
+                    "AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp())",
+     "execute"),
+    ("lease_expired", "a.status = 'executing' AND l.released_at IS NULL AND l.expires_at < clock_timestamp()",
+     "execute"),
+    ("verification_stalled", "a.status = 'verifying' AND a.updated_at < clock_timestamp() - "
+                             "make_interval(secs => %(verify_stale)s)", "verify"),
+    ("recovery_pending", "a.status = 'recovery' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s)",
+     "recover"),
+    ("follow_up", "a.status IN ('closed', 'escalated', 'cancelled') AND a.updated_at > clock_timestamp() - "
+                  "interval '1 day' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) AND ("
+                  "(a.kind <> 'action' AND EXISTS (SELECT 1 FROM actions p WHERE p.action_id = a.parent_action_id "
+                  "AND p.status = 'recovery')) OR EXISTS (SELECT 1 FROM actions n WHERE n.run_id = a.run_id "
+                  "AND n.step = a.step + 1 AND n.status = 'pending'))", "settle"),
+)
+
+
+def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, verify_stale_seconds: float,
+          limit: int = 200) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, condition, action in SWEEPS:
+        with store.transaction(conn) as cur:
+            cur.execute(CLAIM_SQL.format(condition=condition),
+                        {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
+                         "verify_stale": verify_stale_seconds})
+            rows = list(cur.fetchall())
+            for row in rows:
+                store.append_event_txn(cur, row["action_id"], "redriven", actor,
+                                       {"reason": name, "status": row["status"], "by": "reconciler"})
+        for row in rows:
+            _redrive(conn, dispatch, actor, row, action)
+        counts[name] = len(rows)
+    if any(counts.values()):
+        log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **counts})
+    return counts
+
+
+def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], action: str) -> None:
+    if action == "execute":
+        if row["signature"]:
+            queue = "compensate" if row["kind"] != "action" else "actions"
+            dispatch.execute({"envelope": row["envelope"], "key_id": row["key_id"], "signature": row["signature"]},
+                             queue=queue)
+    elif action == "verify":
+        dispatch.verify(row["action_id"])
+    elif action == "recover":
+        dispatch.recover(row["action_id"])
+    else:
+        after_settle(conn, actor, row["action_id"], dispatch)

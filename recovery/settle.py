@@ -1,0 +1,83 @@
+"""What one action settling means for others: the action it compensates, and its run.
+
+Called right after the commit that settles an action. It is idempotent, and the reconciler calls
+it again for anything a crash left between the commit and this hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ledger import store
+from ledger.states import ActionStatus, KillSwitchScope, Outcome
+from proofline.envelope import Envelope
+from worker.dispatch import Dispatch
+
+log = logging.getLogger(__name__)
+
+DONE = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
+
+
+def after_settle(conn: Any, actor: str, action_id: str, dispatch: Dispatch, *, envelope: Envelope | None = None,
+                 status: ActionStatus | None = None, outcome: Outcome | None = None) -> None:
+    if envelope is None or status is None:
+        with store.transaction(conn) as cur:
+            row = store.get_action(cur, action_id)
+        if row is None:
+            return
+        envelope, status, outcome = Envelope.model_validate(row.envelope), row.status, row.outcome
+    if status == ActionStatus.recovery:
+        dispatch.recover(action_id)
+        return
+    if envelope.recovers and status in DONE:
+        settle_parent(conn, actor, envelope, status, outcome, dispatch)
+    if envelope.run_steps > 1 and status in DONE:
+        from recovery.runs import on_step_settled
+
+        on_step_settled(conn, actor, envelope, status, outcome, dispatch)
+
+
+def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionStatus, outcome: Outcome | None,
+                  dispatch: Dispatch) -> None:
+    """A recovery action has settled: close the action it recovers as compensated, or as
+    compensation_failed (escalated, with automation contained for that tool and tenant)."""
+    parent_id = recovery_env.recovers
+    assert parent_id is not None
+    succeeded = status == ActionStatus.closed and outcome == Outcome.completed_verified
+    with store.transaction(conn) as cur:
+        parent = store.get_action(cur, parent_id)
+        if parent is None or parent.status != ActionStatus.recovery:
+            return  # already settled by an earlier call of this hook
+        evidence: dict[str, Any] = {"recovery_action": recovery_env.action_id, "recovery_status": status.value,
+                                    "recovery_outcome": outcome.value if outcome else None}
+        if succeeded:
+            final = ActionStatus.cancelled if parent.cancel_requested_at else ActionStatus.closed
+            store.append_event_txn(cur, parent_id, "compensated", actor, evidence)
+            store.transition_txn(cur, parent_id, [ActionStatus.recovery], final, outcome=Outcome.compensated,
+                                 reason_code="compensated")
+        else:
+            value = f"{parent.tool}@{parent.tenant}"
+            engaged = set_kill_switch_txn(cur, KillSwitchScope.tool_tenant, value, actor,
+                                          f"compensation of {parent_id} failed ({recovery_env.action_id})")
+            store.append_event_txn(cur, parent_id, "compensation_failed", actor,
+                                   {**evidence, "contained": value, "kill_switch_set": engaged,
+                                    "escalated_to": "manual intervention queue"})
+            store.transition_txn(cur, parent_id, [ActionStatus.recovery], ActionStatus.escalated,
+                                 outcome=Outcome.compensation_failed, reason_code="compensation_failed")
+    log.info("recovery settled", extra={"action_id": parent_id, "event": "recovery_settled", "ok": succeeded})
+    after_settle(conn, actor, parent_id, dispatch)
+
+
+def set_kill_switch_txn(cur: Any, scope: KillSwitchScope, value: str, by: str, reason: str) -> bool:
+    """Engage a kill switch (no-op when one is already active) and record it in its own chain."""
+    cur.execute(
+        """INSERT INTO kill_switches (scope, value, set_by, reason) VALUES (%s, %s, %s, %s)
+           ON CONFLICT (scope, value) WHERE cleared_at IS NULL DO NOTHING RETURNING id""",
+        (scope.value, value, by, reason),
+    )
+    engaged = cur.fetchone() is not None
+    if engaged:
+        store.append_event_txn(cur, f"killswitch:{scope.value}:{value}", "kill_switch_set", by,
+                               {"scope": scope.value, "value": value, "reason": reason})
+    return engaged

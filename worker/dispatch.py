@@ -1,0 +1,35 @@
+"""How runtime code puts follow-up work on the queues, without importing the Celery app."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Dispatch(Protocol):
+    def verify(self, action_id: str) -> None: ...
+
+    def recover(self, action_id: str) -> None: ...
+
+    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str: ...
+
+    def revoke(self, task_id: str) -> None: ...
+
+
+class CeleryDispatch:
+    """The production dispatcher: stable task names, JSON only, one queue per kind of work."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def verify(self, action_id: str) -> None:
+        self.app.send_task("proofline.verify", args=[action_id], queue="verify", serializer="json")
+
+    def recover(self, action_id: str) -> None:
+        self.app.send_task("proofline.recover", args=[action_id], queue="reconcile", serializer="json")
+
+    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str:
+        name = "proofline.compensate" if queue == "compensate" else "proofline.execute"
+        return str(self.app.send_task(name, args=[message], queue=queue, serializer="json", task_id=task_id).id)
+
+    def revoke(self, task_id: str) -> None:
+        self.app.control.revoke(task_id)
