@@ -59,6 +59,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +79,7 @@ from psycopg.rows import dict_row
 from ledger import store
 from ops import baseline_tasks
 from ops.pgwire import CountingProxy, Counts, per_role_delta
+from proofline.settings import ROOT, Settings
 from tests.conftest import (
     ADMIN_URL,
     REDIS_URL,
@@ -96,8 +98,19 @@ TARGET_RATIO = 0.5
 STATS_FLUSH_SECONDS = 10.5
 #: kombu's Redis transport keeps priorities 3, 6 and 9 in lists suffixed with "\x06\x16<n>".
 PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-FULL_QUEUES = ("actions", "verify")
+FULL_QUEUES = ("actions", "verify", "compensate")
 CONTROLLER_APP = "proofline-bench-controller"
+#: Settings the test stack shortens so tests see leases lapse and the reconciler act within seconds.
+#: The bench puts them back to the runtime's defaults unless --test-timings is given: with a
+#: 3-second re-drive, any backlog longer than that is re-sent and measured as duplicate work.
+TEST_TIMINGS = {
+    "PROOFLINE_LEASE_TTL_SECONDS": "lease_ttl_seconds",
+    "PROOFLINE_HEARTBEAT_SECONDS": "heartbeat_seconds",
+    "PROOFLINE_PROGRESS_EVENTS_LIMIT": "progress_events_limit",
+    "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "reconcile_interval_seconds",
+    "PROOFLINE_REDRIVE_AFTER_SECONDS": "redrive_after_seconds",
+    "PROOFLINE_VERIFY_STALL_SECONDS": "verify_stall_seconds",
+}
 
 
 # --- small helpers ------------------------------------------------------------------------------
@@ -140,6 +153,25 @@ def with_port(url: str, port: int) -> str:
 
 
 # --- CPU accounting ---------------------------------------------------------------------------------
+
+
+def runtime_defaults() -> dict[str, str]:
+    """The runtime's own defaults for the settings the test stack shortens (those that exist)."""
+    fields = Settings.model_fields
+    return {env: str(fields[name].default) for env, name in TEST_TIMINGS.items()
+            if name in fields and fields[name].default is not None}
+
+
+def source_state() -> str:
+    """The commit the run measured, and whether the work tree differed from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head}{f' + {len(dirty)} modified files' if dirty else ''}"
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -378,7 +410,7 @@ class Bench:
             stages = conn.execute(
                 """WITH e AS (SELECT action_id, event, extract(epoch FROM at) AS t FROM ledger_events
                               WHERE action_id = ANY(%s) AND event IN
-                                ('published', 'validated', 'tool_called', 'verification_finished', 'final_state')),
+                                ('published', 'validated', 'tool_called', 'final_state')),
                         p AS (SELECT action_id, max(t) FILTER (WHERE event = 'published') AS published,
                                      max(t) FILTER (WHERE event = 'validated') AS validated,
                                      max(t) FILTER (WHERE event = 'tool_called') AS called,
@@ -399,9 +431,8 @@ class Bench:
                 "SELECT event, count(*) AS n FROM ledger_events WHERE action_id = ANY(%s) GROUP BY 1 ORDER BY 2 DESC",
                 (ids,)).fetchall()
 
-        verified = [r for r in timing]
-        latencies_ms = [(r["verified"] - r["published"]) * 1000 for r in verified]
-        window = (max(r["verified"] for r in verified) - min(r["published"] for r in verified)) if verified else None
+        latencies_ms = [(r["verified"] - r["published"]) * 1000 for r in timing]
+        window = (max(r["verified"] for r in timing) - min(r["published"] for r in timing)) if timing else None
         cpu_ms = CpuGroups.delta_ms(cpu0, cpu1)
         commits = stats1["xact_commit"] - stats0["xact_commit"]
         rollbacks = stats1["xact_rollback"] - stats0["xact_rollback"]
@@ -411,7 +442,7 @@ class Bench:
             "actions": n,
             "verified": closed_verified,
             "outcomes": [dict(r) for r in outcomes],
-            "actions_per_second": per(len(verified), window) if window else None,
+            "actions_per_second": per(len(timing), window) if window else None,
             "window_seconds": window,
             "publish_seconds": t_pub1 - t_pub0,
             "wall_seconds_to_settled": t_done - t_pub0,
@@ -427,7 +458,8 @@ class Bench:
             "bench_probe_queries": probes,
             "autovacuum_runs_in_window": maintenance,
             "commits_per_action": per(db_commits, n),
-            "controller_commits_per_action": 1.0,  # Stack.publish: one transaction per action
+            # Stack.publish runs one transaction per action (the accounting pass counts it on the wire).
+            "controller_commits_per_action": 1.0,
             "worker_commits_per_action": per(db_commits - n, n),
             "write_txns_per_action_ledger_xmin": per(xmins["all_txns"], n),
             "worker_write_txns_per_action_ledger_xmin": per(xmins["worker_txns"], n),
@@ -585,7 +617,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines.append(f"  {label:<54} {fmt(f, digits):>12} {fmt(b, digits):>12}")
 
     lines.append(f"Proofline bench: {args.actions} ticket.create actions, transport {args.transport}, "
-                 f"1 worker x {args.concurrency} prefork processes, {os.cpu_count()} CPUs")
+                 f"1 worker x {args.concurrency} prefork processes, {os.cpu_count()} CPUs, "
+                 f"source {results.get('source', '?')}")
+    timings = results.get("timings")
+    lines.append("  runtime timings: " + (timings if isinstance(timings, str) else
+                                          ", ".join(f"{k.removeprefix('PROOFLINE_').lower()}={v}"
+                                                    for k, v in (timings or {}).items()) or "defaults"))
     lines.append(f"  {'':<54} {'full path':>12} {'bare Celery':>12}")
     row("actions/s (verified / finished)", full and full["actions_per_second"], bare and bare["actions_per_second"])
     row("CPU-ms per action, worker process tree", full and full["cpu_ms_per_action"]["worker"],
@@ -692,6 +729,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-redis-db", type=int, default=None, help="Redis database of the baseline")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
     parser.add_argument("--trace", action="store_true", help="print the statements of one action on the wire")
+    parser.add_argument("--test-timings", action="store_true",
+                        help="keep the test stack's short lease and reconciler timings instead of the runtime defaults")
     parser.add_argument("--stall-seconds", type=float, default=30.0,
                         help="give up when the broker's pending messages stay unchanged this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
@@ -716,10 +755,14 @@ def main(argv: list[str] | None = None) -> int:
     bench: Bench | None = None
     failed = True
     try:
+        bench_source = source_state()
         log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
-        stack = build_stack(args.transport, workdir, redis_db=full_db)
+        timings = {} if args.test_timings else runtime_defaults()
+        stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=timings)
         admin = psycopg.connect(ADMIN_URL, autocommit=True, row_factory=dict_row)
         bench = Bench(args, stack, admin, stack.admin_url.rsplit("/", 1)[1])
+        bench.results["source"] = bench_source
+        bench.results["timings"] = "test stack (--test-timings)" if args.test_timings else timings
         stack.live()
         worker = start_workers(stack, count=1, concurrency=args.concurrency)[0]
         probe = bench.connect_probe()

@@ -329,9 +329,9 @@ class CountingProxy:
             await asyncio.gather(pump(client_reader, server_writer, conn.from_client),
                                  pump(server_reader, client_writer, conn.from_server))
         except asyncio.CancelledError:  # the proxy is stopping
+            # Ending normally (not cancelled) keeps asyncio's stream callback from logging an error.
             for writer in (client_writer, server_writer):
                 writer.close()
-            raise
 
 
 def per_role_delta(after: dict[str, Counts], before: dict[str, Counts]) -> dict[str, Counts]:

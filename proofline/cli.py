@@ -102,6 +102,148 @@ def revoke(identity: str, by: str, reason: str) -> None:
     click.echo(f"revoked {identity}")
 
 
+def _dispatch():
+    from worker.dispatch import CeleryDispatch
+    from worker.tasks import app
+
+    return CeleryDispatch(app)
+
+
+@main.command()
+@click.argument("action_id")
+@click.option("--by", "who", required=True, help="who asks for the cancellation")
+@click.option("--why", required=True)
+def cancel(action_id: str, who: str, why: str) -> None:
+    """Cancel an action: stop new work, signal an in-flight call, reconcile before calling it cancelled."""
+    from recovery.cancel import cancel as do_cancel
+
+    with _conn() as conn:
+        click.echo(json.dumps(do_cancel(conn, _dispatch(), action_id, who, why)))
+
+
+@main.group()
+def kill() -> None:
+    """Kill switches: per action type, tool, tenant, tool for one tenant (tool@tenant), or global."""
+
+
+def _scope(value: str):
+    from ledger.states import KillSwitchScope
+
+    return KillSwitchScope(value)
+
+
+@kill.command("set")
+@click.option("--scope", type=click.Choice(["global", "action_type", "tool", "tenant", "tool_tenant"]), required=True)
+@click.option("--value", default="")
+@click.option("--by", "who", required=True)
+@click.option("--why", required=True)
+def kill_set(scope: str, value: str, who: str, why: str) -> None:
+    from recovery.operator import set_switch
+
+    with _conn() as conn:
+        engaged = set_switch(conn, _scope(scope), value, who, why)
+    click.echo(f"kill switch {scope}:{value} {'set' if engaged else 'was already set'}")
+
+
+@kill.command("clear")
+@click.option("--scope", type=click.Choice(["global", "action_type", "tool", "tenant", "tool_tenant"]), required=True)
+@click.option("--value", default="")
+@click.option("--by", "who", required=True)
+@click.option("--why", required=True)
+def kill_clear(scope: str, value: str, who: str, why: str) -> None:
+    from recovery.operator import clear_switch
+
+    with _conn() as conn:
+        cleared = clear_switch(conn, _scope(scope), value, who, why)
+    click.echo(f"kill switch {scope}:{value} {'cleared' if cleared else 'was not set'}")
+
+
+@kill.command("list")
+def kill_list() -> None:
+    from recovery.operator import list_switches
+
+    with _conn() as conn:
+        for row in list_switches(conn):
+            click.echo(f"{row['scope']:<12} {row['value']:<30} {row['set_by']:<24} {row['set_at']:%Y-%m-%d %H:%M:%S}  "
+                       f"{row['reason']}")
+
+
+@main.group()
+def manual() -> None:
+    """The manual-intervention queue."""
+
+
+@manual.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def manual_list(as_json: bool) -> None:
+    from recovery.operator import manual_queue
+
+    with _conn() as conn:
+        rows = manual_queue(conn)
+    if as_json:
+        click.echo(json.dumps(rows, default=str, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['action_id']:<32} {r['action_type']:<16} {r['tenant']:<10} {r['outcome'] or '-':<22} "
+                   f"{r['reason_code'] or '-':<28} {r['recovery_kind'] or '-'}")
+
+
+@manual.command("resolve")
+@click.argument("action_id")
+@click.option("--as", "resolution", type=click.Choice(["succeeded", "failed", "no_effect", "compensated"]),
+              required=True)
+@click.option("--by", "who", required=True)
+@click.option("--reason", required=True)
+@click.option("--evidence", default="{}", help="JSON: what the operator checked")
+def manual_resolve(action_id: str, resolution: str, who: str, reason: str, evidence: str) -> None:
+    from recovery.operator import resolve
+
+    with _conn() as conn:
+        resolve(conn, action_id, resolution, who, reason, json.loads(evidence))
+    click.echo(f"{action_id} resolved as {resolution}")
+
+
+@main.command()
+@click.argument("run_id")
+def run(run_id: str) -> None:
+    """A multi-step run: its steps and the outcome derived from them."""
+    from recovery.runs import load_steps, run_outcome
+
+    with _conn() as conn, conn.cursor() as cur:
+        steps = load_steps(cur, run_id)
+    if not steps:
+        raise click.ClickException(f"no run {run_id}")
+    click.echo(f"run {run_id}: {run_outcome(steps)}")
+    for st in steps:
+        click.echo(f"  step {st.step}  {st.action_id:<32} {st.status.value:<10} "
+                   f"{st.outcome.value if st.outcome else '-':<22} {st.reason_code or '-'}")
+
+
+@main.command()
+def reconcile() -> None:
+    """Run one reconciler sweep now (Celery beat runs it periodically)."""
+    from recovery.reconciler import sweep
+
+    settings = get_settings()
+    with _conn() as conn:
+        counts = sweep(conn, _dispatch(), "cli:reconcile", stale_seconds=settings.redrive_after_seconds,
+                       verify_stale_seconds=settings.verify_stall_seconds)
+    click.echo(json.dumps(counts))
+
+
+@main.command()
+@click.argument("action_id")
+def forensics(action_id: str) -> None:
+    """Reconstruct an action and its recovery from the ledger alone."""
+    from proofline.forensics import reconstruct
+
+    with _conn() as conn, conn.cursor() as cur:
+        text = reconstruct(cur, action_id)
+    if text is None:
+        raise click.ClickException(f"no ledger events for {action_id}")
+    click.echo(text)
+
+
 @main.command("envelope-schema")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("schemas/envelope.v1.json"))
 def envelope_schema(out: Path) -> None:

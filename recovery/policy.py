@@ -45,14 +45,22 @@ class Decision:
 
 
 def decide(facts: Facts, policy: Recovery) -> Decision:
-    absent = facts.outcome == Outcome.failed_before_side_effect or facts.finding == VerificationFinding.absent
+    # A read beats a recorded classification: "absent" is what the system of record showed, or,
+    # with no read at all, a call that provably failed before any side effect.
+    absent = facts.finding == VerificationFinding.absent or (
+        facts.finding is None and facts.outcome == Outcome.failed_before_side_effect)
     if facts.is_compensation:
         # A compensation that did not reach a safe state is never improvised around.
         if absent and _can_retry(facts):
             return Decision(RecoveryKind.retry, "compensation_made_no_change")
         return Decision(RecoveryKind.manual_intervention, "compensation_failed", contain=True)
     if absent:
-        if policy.transient_failure == "retry_same_idempotency_key" and _can_retry(facts):
+        if facts.cancel_requested or facts.run_failed:
+            # Nothing happened and nobody wants it any more: never re-drive it.
+            return Decision(RecoveryKind.manual_intervention, "effect_absent_not_wanted")
+        if policy.transient_failure != "retry_same_idempotency_key":
+            return Decision(RecoveryKind.manual_intervention, "policy_manual")
+        if _can_retry(facts):
             return Decision(RecoveryKind.retry, "effect_absent_retry_same_key")
         return Decision(RecoveryKind.manual_intervention, "retries_exhausted")
     if facts.outcome == Outcome.unknown_outcome or facts.finding in (None, VerificationFinding.unavailable):
@@ -79,6 +87,8 @@ def decide(facts: Facts, policy: Recovery) -> Decision:
         return Decision(RecoveryKind.compensation, undo_reason)
     if choice == "contain":
         return Decision(RecoveryKind.containment, undo_reason, contain=True)
+    if choice == "manual":
+        return Decision(RecoveryKind.manual_intervention, "policy_manual")
     return Decision(RecoveryKind.manual_intervention, "no_recovery_workflow", contain=True)
 
 

@@ -33,8 +33,13 @@ class Step:
 
     @property
     def failed(self) -> bool:
-        return (self.status in DONE and self.outcome not in (Outcome.completed_verified, Outcome.compensated)
-                and self.reason_code != "run_aborted")
+        """This step ended the run: it settled without its effect (or was cancelled). A step
+        aborted because an earlier one failed is a consequence, not a failure."""
+        if self.status not in DONE or self.reason_code == "run_aborted":
+            return False
+        if self.status == ActionStatus.cancelled:
+            return True
+        return self.outcome not in (Outcome.completed_verified, Outcome.compensated)
 
 
 def load_steps(cur: Any, run_id: str) -> list[Step]:
@@ -49,11 +54,18 @@ def load_steps(cur: Any, run_id: str) -> list[Step]:
     return steps
 
 
+def ended(steps: list[Step]) -> list[Step]:
+    """Steps that settled without their verified effect (failed, cancelled, or undone after their own
+    verification failed). The highest of them is where the run stopped; everything verified below
+    it is unwound."""
+    return [s for s in steps if s.status in DONE and not s.verified and s.reason_code != "run_aborted"]
+
+
 def run_outcome(steps: list[Step]) -> str:
     """completed | in_progress | compensated | partially_completed | failed, from the steps alone."""
     if steps and all(s.verified for s in steps):
         return "completed"
-    if any(s.status not in DONE for s in steps if s.status != ActionStatus.pending) or not any(s.failed for s in steps):
+    if any(s.status not in DONE for s in steps if s.status != ActionStatus.pending) or not ended(steps):
         return "in_progress"
     if any(s.outcome == Outcome.compensation_failed for s in steps) or any(s.verified for s in steps):
         return "partially_completed"
@@ -71,8 +83,8 @@ def on_step_settled(conn: Any, actor: str, envelope: Envelope, status: ActionSta
         # One coordinator per run at a time; the steps' own transitions stay guarded as well.
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"proofline:run:{run_id}",))
         steps = load_steps(cur, run_id)
-        failed = [s for s in steps if s.failed]
-        if not failed:
+        stopped = ended(steps)
+        if not stopped:
             nxt = next((s for s in steps if s.status == ActionStatus.pending), None)
             before = [s for s in steps if nxt is not None and s.step < nxt.step]
             if nxt is not None and all(s.verified for s in before):
@@ -83,7 +95,7 @@ def on_step_settled(conn: Any, actor: str, envelope: Envelope, status: ActionSta
             elif all(s.verified for s in steps):
                 _record_run(cur, run_id, actor, steps)
         else:
-            first = min(s.step for s in failed)
+            first = max(s.step for s in stopped)
             for s in steps:
                 if s.status == ActionStatus.pending:
                     store.append_event_txn(cur, s.action_id, "run_aborted", actor,

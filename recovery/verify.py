@@ -134,8 +134,7 @@ def _cancel_disposition(action, envelope: Envelope, finding: VerificationFinding
 
 
 def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
-    conn = rt.conn
-    with store.transaction(conn) as cur:
+    with store.transaction(rt.conn) as cur:
         action = store.get_action(cur, action_id)
     if action is None or action.status != ActionStatus.verifying:
         return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
@@ -163,6 +162,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     if obs.finding == VerificationFinding.expected and not (action.result or {}).get("values"):
         # The response was lost; the original result is recovered from the system of record.
         recovered = {"values": obs.after, "recovered_by": "verification"}
+    # Polling may have outlasted the session's idle timeout: take the connection afresh.
+    conn = rt.conn
     try:
         with store.transaction(conn) as cur:
             events = [("verification_finished", evidence)]

@@ -24,7 +24,7 @@ from celery import Celery
 from ledger import store
 from ledger.migrate import upgrade
 from ledger.states import ActionStatus
-from proofline.controller import describe_server, prepare, publish, send_message, signed_message
+from proofline.controller import describe_server, prepare, publish, publish_run, send_message, signed_message
 from proofline.envelope import Envelope
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
@@ -134,6 +134,9 @@ class Stack:
 
     def publish(self, envelope: Envelope) -> dict[str, Any]:
         return publish(self.settings, self.conn, self.app, envelope)
+
+    def publish_run(self, envelopes: list[Envelope]) -> list[dict[str, Any]]:
+        return publish_run(self.settings, self.conn, self.app, envelopes)
 
     def deliver(self, message: Any) -> str:
         """Put a raw message on the actions queue, as a duplicate or hostile delivery would."""

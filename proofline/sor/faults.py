@@ -62,12 +62,21 @@ def clear_faults(path: str | os.PathLike[str] | None, tool: str | None = None) -
             conn.execute("DELETE FROM faults WHERE tool = ?", (tool,))
 
 
-def set_read_outage(path: str | os.PathLike[str] | None, on: bool = True) -> None:
-    """Make every read tool answer ``error_class: unavailable`` (or end the outage)."""
+def read_outage_name(role: str | None = None) -> str:
+    """The fault switch name of a read outage, for every identity or for one role only."""
+    return READ_OUTAGE if role is None else f"{READ_OUTAGE}:{role}"
+
+
+def set_read_outage(path: str | os.PathLike[str] | None, on: bool = True, role: str | None = None) -> None:
+    """Make every read tool answer ``error_class: unavailable`` (or end the outage).
+
+    With ``role="reader"`` only the read-only identity (the verification path) is cut off, while
+    the writer's own reads (preconditions) keep working, as when a monitoring API is down.
+    """
     if on:
-        set_fault(path, READ_OUTAGE, "unavailable", remaining=-1)
+        set_fault(path, read_outage_name(role), "unavailable", remaining=-1)
     else:
-        clear_faults(path, READ_OUTAGE)
+        clear_faults(path, read_outage_name(role))
 
 
 def _active(conn: sqlite3.Connection, tool: str) -> sqlite3.Row | None:

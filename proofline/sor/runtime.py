@@ -161,6 +161,9 @@ class Runner:
         path = self.config.db_path
         try:
             outage = await in_thread(store.take_fault, path, READ_OUTAGE, readonly=self.readonly)
+            if outage is None:
+                outage = await in_thread(store.take_fault, path, f"{READ_OUTAGE}:{self.config.role}",
+                                         readonly=self.readonly)
             if outage is not None and outage.mode == "unavailable":
                 return error_result("unavailable", "read path unavailable (injected outage)")
             fault = await in_thread(store.take_fault, path, tool, readonly=self.readonly)
