@@ -641,7 +641,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if full:
         row("Postgres commits/action (xact_commit delta, all clients)", full["commits_per_action"], None, 2)
         row("  of which controller 'published' txn", full["controller_commits_per_action"], None, 2)
-        row("  of which worker (+ new connections, autovacuum)", full["worker_commits_per_action"], None, 2)
+        row("  of which worker (+ reconciler sweeps, new connections)", full["worker_commits_per_action"], None, 2)
         row("write txns/action (distinct xmin of ledger events)", full["write_txns_per_action_ledger_xmin"], None, 2)
         row("  of which worker", full["worker_write_txns_per_action_ledger_xmin"], None, 2)
         row("write txns/action (xid growth, cluster-wide)", full["write_txns_per_action_cluster_xids"], None, 2)

@@ -19,7 +19,7 @@ from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, TransitionRefused
-from worker import calls
+from worker import calls, faultpoints
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
 from worker.runtime import Runtime
@@ -164,6 +164,7 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         recovered = {"values": obs.after, "recovered_by": "verification"}
     # Polling may have outlasted the session's idle timeout: take the connection afresh.
     conn = rt.conn
+    faultpoints.hit("before_verify_commit")
     try:
         with store.transaction(conn) as cur:
             events = [("verification_finished", evidence)]

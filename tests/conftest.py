@@ -117,6 +117,26 @@ class Stack:
     processes: list[subprocess.Popen] = field(default_factory=list)
     workers: list[subprocess.Popen] = field(default_factory=list)
     _live: tuple[str | None, dict[str, str]] | None = None
+    #: The TCP fault proxy between workers and the writer ("http-proxy" stacks only).
+    proxy: Any = None
+    @property
+    def faultpoints(self) -> Path:
+        return self.workdir / "faultpoints.json"
+
+    #: How to (re)start the HTTP writer: argv, environment, port ("http" stacks only).
+    writer: dict[str, Any] = field(default_factory=dict)
+
+    def restart_writer(self, **env: str) -> None:
+        """Restart the HTTP system-of-record writer on the same port with extra environment
+        (for example a changed tool schema); the workers' sessions meet the new server."""
+        old = self.writer["process"]
+        stop_process(old, grace=2.0)
+        self.processes.remove(old)
+        proc = start_process(self.writer["argv"], {**self.env, **env}, self.workdir / "sor-writer.log")
+        self.processes.append(proc)
+        self.writer["process"] = proc
+        wait_port(self.writer["port"])
+        self._live = None
 
     # --- controller side ---------------------------------------------------------------------
     def live(self) -> tuple[str | None, dict[str, str]]:
@@ -229,19 +249,32 @@ def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, s
         "PROOFLINE_VERIFY_STALL_SECONDS": "30",
         # A credential in the worker's environment that no MCP server may inherit.
         "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
+        # Test-only kill points inside the worker (worker/faultpoints.py), armed per test.
+        "PROOFLINE_FAULT_POINTS_ENABLE": "yes-kill-my-workers",
+        "PROOFLINE_FAULT_POINTS": str(tmp / "faultpoints.json"),
     })
     processes = []
     write_port = read_port = None
-    if transport == "http":
+    writer: dict[str, Any] = {}
+    proxy = None
+    if transport.startswith("http"):
         write_port, read_port = free_port(), free_port()
         for role, port in (("writer", write_port), ("reader", read_port)):
-            processes.append(start_process(
-                [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
-                 "--db", str(sor_db), "--sse"], env, tmp / f"sor-{role}.log"))
+            argv = [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
+                    "--db", str(sor_db), "--sse"]
+            processes.append(start_process(argv, env, tmp / f"sor-{role}.log"))
+            if role == "writer":
+                writer = {"argv": argv, "port": port, "process": processes[-1]}
         wait_port(write_port)
         wait_port(read_port)
+    worker_write_port = write_port
+    if transport == "http-proxy":
+        from proofline.faults import FaultProxy
+
+        proxy = FaultProxy(target=("127.0.0.1", write_port)).start()
+        worker_write_port = proxy.port
     servers_file = tmp / "servers.yaml"
-    servers_file.write_text(_servers_yaml(transport, write_port, read_port))
+    servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
     settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file)
@@ -249,13 +282,15 @@ def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, s
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
     conn = store.connect(runtime_url)
     stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
-                  processes)
+                  processes, proxy=proxy, writer=writer)
     # The controller probes the live server with the same environment the workers get.
     os.environ["SOR_DB"] = str(sor_db)
     return stack
 
 
 def teardown_stack(stack: Stack) -> None:
+    if stack.proxy is not None:
+        stack.proxy.stop()
     for proc in stack.workers + stack.processes:
         stop_process(proc)
     stack.conn.close()

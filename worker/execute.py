@@ -33,7 +33,7 @@ from proofline.errors import (
     StaleLease,
     TargetReadFailed,
 )
-from worker import calls
+from worker import calls, faultpoints
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -442,6 +442,16 @@ def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord,
 
 
 def _finish_dispatch(cur, action_id: str, decision: str, record: store.IdempotencyRecord) -> None:
+    if decision == "refused" and record.status in (IdempotencyStatus.in_progress, IdempotencyStatus.unknown):
+        # Past the replay window the record cannot vouch for anything: an effect may or may not
+        # exist, and guessing either way is unsafe. An operator decides, with the evidence.
+        cur.execute("SELECT status FROM actions WHERE action_id = %s", (action_id,))
+        row = cur.fetchone()
+        if row is not None and row["status"] in ("published", "executing", "verifying"):
+            store.transition_txn(cur, action_id, [ActionStatus.published, ActionStatus.executing,
+                                                  ActionStatus.verifying], ActionStatus.escalated,
+                                 outcome=Outcome.unknown_outcome, reason_code="replay_window_expired")
+        return
     if decision == "reconcile":
         store.transition_txn(cur, action_id, [ActionStatus.published, ActionStatus.executing, ActionStatus.verifying],
                              ActionStatus.verifying, outcome=Outcome.unknown_outcome, reason_code="reconcile_required")
@@ -473,6 +483,7 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
         if not heartbeat.valid():
             # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
+        faultpoints.hit("before_send")
         try:
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
@@ -486,6 +497,7 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
                 rt.mcp.discard(server, "write")
             return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
                               progress=tuple(progress.kept), progress_total=progress.total)
+    faultpoints.hit("after_send")
     return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
                       progress_total=progress.total)
 
@@ -527,6 +539,7 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
             raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
+    faultpoints.hit("after_ledger")
     dispatch.verify(aid)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
 

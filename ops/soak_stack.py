@@ -1,0 +1,293 @@
+"""The soak's own deployment: a private Redis it may kill, the system of record behind a fault
+proxy, a migrated Postgres database and real Celery workers (see ``ops/soak.py``).
+
+Everything here is started by this module and stopped by it, by process id; nothing else on the
+machine is touched. Every listener is on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import redis
+from celery import Celery
+
+from ledger import store
+from proofline.faults import FaultProxy
+from proofline.settings import ROOT, Settings
+from proofline.sor import store as sor
+from tests.conftest import (
+    CANARY_SECRET,
+    Stack,
+    create_database,
+    drop_database,
+    free_port,
+    start_process,
+    start_workers,
+    stop_process,
+    wait_for,
+    wait_port,
+)
+
+#: The environment ``tests.conftest.build_stack`` gives workers: short leases, a fast reconciler.
+STACK_ENV = {
+    "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
+    "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
+    "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
+    "PROOFLINE_VERIFY_STALL_SECONDS": "30",
+    "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
+}
+
+
+class RedisServer:
+    """A ``redis-server`` without persistence, owned by this process, that can be killed with
+    SIGKILL and started again on the same port (everything it held is then gone)."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> RedisServer:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child owns it for its life
+        try:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        self.starts += 1
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+
+        def answers() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (see {self.workdir}/redis.log)")
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        try:
+            wait_for(answers, 20, what=f"redis on port {self.port}")
+        finally:
+            client.close()
+        return self
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown, no save; every queued and unacknowledged message is lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace=5.0)
+
+
+def _servers_yaml(write_port: int, read_port: int) -> str:
+    """Workers write through the proxy; the read-only identity (verification) goes straight to the reader."""
+    return (
+        "servers:\n  sor:\n    transport: http\n"
+        f"    url: http://127.0.0.1:{write_port}/mcp\n    expected_version: \"1.0.0\"\n"
+        f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
+    )
+
+
+@dataclass
+class SoakStack:
+    """Everything the soak started, so that teardown can stop exactly that."""
+
+    workdir: Path
+    redis: RedisServer | None = None
+    proxy: FaultProxy | None = None
+    stack: Stack | None = None
+    admin_url: str | None = None
+    sor_processes: list[subprocess.Popen] = field(default_factory=list)
+    writer_port: int = 0
+    reader_port: int = 0
+    lease_ttl: float = 4.0
+    _saved_sor_db: str | None = None
+    _env_touched: bool = False
+
+    # --- observation ----------------------------------------------------------------------------
+    @property
+    def db_name(self) -> str:
+        assert self.admin_url is not None
+        return self.admin_url.rsplit("/", 1)[1]
+
+    def admin_connect(self) -> psycopg.Connection:
+        """A superuser connection to the stack's database (not the runtime role, so terminating the
+        runtime role's backends never hits the soak's own observation)."""
+        assert self.admin_url is not None
+        return store.connect(self.admin_url, application_name="proofline-soak-observer", connect_timeout=10)
+
+    def worker_tree(self) -> list[tuple[psutil.Process, list[psutil.Process]]]:
+        """Each worker's main process with its pool children (the embedded beat process excluded)."""
+        assert self.stack is not None
+        tree = []
+        for proc in self.stack.workers:
+            try:
+                main = psutil.Process(proc.pid)
+                children = [c for c in main.children() if not _is_beat(c)]
+            except psutil.Error:
+                continue
+            tree.append((main, children))
+        return tree
+
+    def pool_children(self) -> list[psutil.Process]:
+        return [c for _main, children in self.worker_tree() for c in children]
+
+    def all_worker_processes(self) -> list[psutil.Process]:
+        """Every process under the soak's workers (main processes, pool children, beat)."""
+        assert self.stack is not None
+        found: list[psutil.Process] = []
+        for proc in self.stack.workers:
+            try:
+                main = psutil.Process(proc.pid)
+                found.append(main)
+                found.extend(main.children(recursive=True))
+            except psutil.Error:
+                continue
+        return found
+
+    # --- teardown -------------------------------------------------------------------------------
+    def teardown(self, keep_database: bool = False) -> None:
+        """Stop everything this stack started; safe on a partly built stack and to call twice."""
+        errors: list[str] = []
+
+        def attempt(what: str, fn: Any) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - keep stopping the rest
+                errors.append(f"{what}: {exc!r}")
+
+        if self.proxy is not None:
+            attempt("proxy", self.proxy.stop)
+            self.proxy = None
+        if self.redis is not None and not self.redis.running:
+            # Workers shut down faster (and ack cleanly) with their broker up.
+            attempt("redis restart", self.redis.start)
+        if self.stack is not None:
+            attempt("workers", self._stop_workers)
+        for proc in self.sor_processes:
+            attempt("sor", lambda p=proc: stop_process(p, grace=2.0))
+        self.sor_processes = []
+        if self.redis is not None:
+            attempt("redis", self.redis.stop)
+            self.redis = None
+        if self.stack is not None:
+            attempt("controller connection", self.stack.conn.close)
+            attempt("controller app", self.stack.app.close)
+        if self.admin_url is not None and not keep_database:
+            attempt("database", lambda: drop_database(self.admin_url))
+        if self._env_touched:
+            if self._saved_sor_db is None:
+                os.environ.pop("SOR_DB", None)
+            else:
+                os.environ["SOR_DB"] = self._saved_sor_db
+            self._env_touched = False
+        self.stack = None
+        if errors:
+            print("soak teardown: " + "; ".join(errors), file=sys.stderr)
+
+    def _stop_workers(self, grace: float = 15.0) -> None:
+        assert self.stack is not None
+        everyone = self.all_worker_processes()
+        for p in everyone:  # a frozen process cannot shut down
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+        for proc in self.stack.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.stack.workers:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in everyone:  # anything left over, by pid (psutil refuses a reused pid)
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.Error:
+                pass
+        for proc in self.stack.workers:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.stack.workers.clear()
+
+
+def _is_beat(proc: psutil.Process) -> bool:
+    """The embedded beat (``-B``) is a child of the first worker like the pool children; it keeps
+    its schedule file open, which pool children never do."""
+    try:
+        return any(Path(f.path).name.startswith("beat-") for f in proc.open_files())
+    except psutil.Error:
+        return False
+
+
+def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None
+          ) -> SoakStack:
+    """Start the soak's deployment. On any failure, what was started is stopped before raising."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    soak = SoakStack(workdir)
+    try:
+        soak.redis = RedisServer(workdir).start()
+        soak.admin_url, runtime_url = create_database("pl_soak")
+        sor_db = workdir / "sor.sqlite3"
+        sor.init_db(sor_db)
+        sor.seed_demo(sor_db)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
+        env.update(STACK_ENV)
+        env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
+                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT)})
+        soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
+        soak.writer_port, soak.reader_port = free_port(), free_port()
+        for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
+            soak.sor_processes.append(start_process(
+                [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
+                 "--db", str(sor_db), "--sse"], env, workdir / f"sor-{role}.log"))
+        wait_port(soak.writer_port)
+        wait_port(soak.reader_port)
+        soak.proxy = FaultProxy(target=("127.0.0.1", soak.writer_port)).start()
+        servers_file = workdir / "servers.yaml"
+        servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port))
+        env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
+        env.update(extra_env or {})
+        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file)
+        app = Celery("proofline-soak-controller", broker=soak.redis.url)
+        app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+        conn = store.connect(runtime_url, application_name="proofline-soak-controller")
+        soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, soak.redis.url, sor_db, servers_file,
+                           settings, app, conn, env, [])
+        # The controller probes the live server with the same environment the workers get.
+        soak._saved_sor_db, soak._env_touched = os.environ.get("SOR_DB"), True
+        os.environ["SOR_DB"] = str(sor_db)
+        soak.stack.live()  # the approved contract, read once before any fault
+        start_workers(soak.stack, count=workers, concurrency=concurrency, name="soak")
+        return soak
+    except BaseException:
+        soak.teardown()
+        raise

@@ -1,0 +1,39 @@
+"""A worker process killed (SIGKILL) at each stage of an action: before the request is sent,
+after the response arrived but before the ledger write, after the ledger write but before the
+broker ack, and in verification before its commit. Each time: at most one effect, a terminal
+state reached by itself, and a ledger that was only ever appended to."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger.states import ActionStatus, Outcome
+from proofline.ledger_check import check_chains
+from proofline.sor import store as sor
+from tests.conftest import Stack, wait_for
+from tests.helpers import new_account, refund_env
+from worker.faultpoints import arm, fired
+
+
+@pytest.mark.parametrize("point", ["before_send", "after_send", "after_ledger", "before_verify_commit"])
+def test_worker_killed_at_each_stage_leaves_exactly_one_effect(stack: Stack, point: str) -> None:
+    account = new_account(stack)
+    env = refund_env(stack, account)
+    before = fired(stack.faultpoints, point)
+    arm(stack.faultpoints, point, remaining=1)
+    try:
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id, timeout=90)
+    finally:
+        arm(stack.faultpoints, point, remaining=0)
+    assert fired(stack.faultpoints, point) == before + 1, "the fault point must really have killed a worker"
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    # The downstream ignores idempotency keys: only the runtime kept this to one refund.
+    assert stack.effects(env.idempotency_key) == 1
+    assert len(sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]) == 1
+    events = stack.events(env.action_id)
+    if point in ("before_send", "after_send"):
+        assert "reconcile_required" in events  # the next holder reconciled before anything else
+    _, _, broken = check_chains(stack.conn)
+    assert broken == []
+    wait_for(stack.workers_alive, 10, what="Celery to replace the killed pool process")

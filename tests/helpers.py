@@ -1,0 +1,76 @@
+"""Envelope builders and ledger readers shared by the integration and fault tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from proofline.envelope import Envelope
+from proofline.sor import store as sor
+from tests.conftest import Stack, wait_for
+
+
+def uid() -> str:
+    return str(time.monotonic_ns())
+
+
+def ticket_env(stack: Stack, **kw: Any) -> Envelope:
+    return stack.envelope("ticket.create", arguments={"tenant": "acme", "title": f"t-{uid()}", "owner": "ops"},
+                          target={"type": "ticket_queue", "id": "acme-ops"}, **kw)
+
+
+def new_account(stack: Stack, balance: int = 100_000) -> str:
+    name = f"acct-{uid()}"
+    sor.put_account(stack.sor_db, name, "acme", balance)
+    return name
+
+
+def refund_env(stack: Stack, account: str, amount: int = 1200, **kw: Any) -> Envelope:
+    version = sor.get_account(stack.sor_db, account)["account"]["version"]
+    return stack.envelope("refund.issue",
+                          arguments={"account": account, "tenant": "acme", "amount_cents": amount, "reason": "sla"},
+                          target={"type": "account", "id": account, "expected_version": version}, **kw)
+
+
+def stale_close_env(stack: Stack, **kw: Any) -> Envelope:
+    ticket = sor.put_ticket(stack.sor_db, "acme", "to close", "ops")
+    version = sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"]
+    env = stack.envelope("ticket.close", arguments={"ticket_id": ticket, "expected_version": version},
+                         target={"type": "ticket", "id": ticket, "expected_version": version}, **kw)
+    sor.bump_version(stack.sor_db, "ticket", ticket)  # changed after approval: this step cannot start
+    return env
+
+
+def run_of(stack: Stack, builders: list) -> list[Envelope]:
+    run_id, n = f"run-{uid()}", len(builders)
+    return [build(run_id=run_id, action_id=f"{run_id}-s{i}", step=i, run_steps=n) for i, build in enumerate(builders)]
+
+
+def recovery_action(stack: Stack, action_id: str) -> str:
+    published = [e for e in stack.timeline(action_id) if e["event"] == "recovery_action_published"]
+    assert published, f"no recovery action for {action_id}: {stack.events(action_id)}"
+    return published[0]["evidence"]["recovery_action"]
+
+
+def key_of(stack: Stack, action_id: str) -> str:
+    return stack.action(action_id).idempotency_key
+
+
+def run_settled(stack: Stack, run_id: str) -> dict[str, Any]:
+    def settled():
+        events = [e for e in stack.timeline(f"run:{run_id}") if e["event"] == "run_settled"]
+        return events[0]["evidence"] if events else None
+
+    return wait_for(settled, 60, what=f"run {run_id} to settle")
+
+
+class LosingBroker:
+    """A dispatcher whose broker loses every message: the ledger records the publication, the
+    queue never sees it."""
+
+    def __init__(self) -> None:
+        self.lost: list[dict[str, Any]] = []
+
+    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str:
+        self.lost.append(message)
+        return task_id or ""
