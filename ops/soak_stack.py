@@ -124,6 +124,8 @@ class SoakStack:
     writer_port: int = 0
     reader_port: int = 0
     lease_ttl: float = 4.0
+    #: The embedded beat process of the first worker: never a fault target (it drives the reconciler).
+    beat_pids: set[int] = field(default_factory=set)
     _saved_sor_db: str | None = None
     _env_touched: bool = False
 
@@ -146,7 +148,7 @@ class SoakStack:
         for proc in self.stack.workers:
             try:
                 main = psutil.Process(proc.pid)
-                children = [c for c in main.children() if not _is_beat(c)]
+                children = [c for c in main.children() if c.pid not in self.beat_pids]
             except psutil.Error:
                 continue
             tree.append((main, children))
@@ -239,13 +241,25 @@ class SoakStack:
         self.stack.workers.clear()
 
 
-def _is_beat(proc: psutil.Process) -> bool:
-    """The embedded beat (``-B``) is a child of the first worker like the pool children; it keeps
-    its schedule file open, which pool children never do."""
-    try:
-        return any(Path(f.path).name.startswith("beat-") for f in proc.open_files())
-    except psutil.Error:
-        return False
+def find_beat(soak: SoakStack, timeout: float = 30.0) -> set[int]:
+    """The embedded beat (``-B``) is a child of the first worker, indistinguishable from the pool
+    children by name or command line. The workers report their pool's pids over remote control;
+    whatever else runs under a worker is beat."""
+    assert soak.stack is not None
+    expected = len(soak.stack.workers)
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = soak.stack.app.control.inspect(timeout=2.0).stats() or {}
+        by_main = {int(v["pid"]): {int(p) for p in v["pool"]["processes"]} for v in stats.values()}
+        beat: set[int] = set()
+        for proc in soak.stack.workers:
+            pool = by_main.get(proc.pid, set())
+            beat |= {c.pid for c in psutil.Process(proc.pid).children() if c.pid not in pool}
+        if len(stats) >= expected and beat:  # the first worker runs beat: it must have been seen
+            return beat
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(stats)} of {expected} workers answered remote control; beat seen: {beat}")
+        time.sleep(0.5)
 
 
 def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None
@@ -287,6 +301,7 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         os.environ["SOR_DB"] = str(sor_db)
         soak.stack.live()  # the approved contract, read once before any fault
         start_workers(soak.stack, count=workers, concurrency=concurrency, name="soak")
+        soak.beat_pids = find_beat(soak)
         return soak
     except BaseException:
         soak.teardown()

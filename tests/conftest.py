@@ -231,9 +231,10 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     return started
 
 
-def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, str] | None = None) -> Stack:
-    admin, runtime_url = create_database(f"pl_{transport}")
-    broker = f"{REDIS_URL}/{redis_db}"
+def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, str] | None = None,
+                redis_url: str | None = None) -> Stack:
+    admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}")
+    broker = f"{redis_url or REDIS_URL}/{redis_db}"
     redis.Redis.from_url(broker).flushdb()
     sor_db = tmp / "sor.sqlite3"
     sor.init_db(sor_db)
