@@ -503,11 +503,11 @@ def summary(result: SoakResult) -> str:
     lines: list[str] = []
 
     def row(label: str, value: Any) -> None:
-        lines.append(f"  {label:<44} {value}")
+        lines.append(f"  {label:<52} {value}")
 
     lines.append(f"Proofline soak  seed {c.seed}  items {c.actions}  faults {c.seconds:g}s  workers {c.workers}x"
                  f"{c.concurrency}")
-    lines.append("-" * 78)
+    lines.append("-" * 86)
     row("work items", ", ".join(f"{k} {v}" for k, v in sorted(result.items.items())) or "-")
     row("actions published by the soak", result.submitted_actions)
     row("actions in the ledger (with compensations)", s.get("ledger_actions", "-"))
@@ -528,6 +528,8 @@ def summary(result: SoakResult) -> str:
     row("kill switches left engaged", len(s.get("kill_switches_active", [])))
     row("effects in the system of record (with key)", f"{s.get('effects', '-')} ({s.get('effects_with_key', '-')})")
     offending = result.offending()
+    row("conflicting deliveries refused on the original's chain",
+        f"{s.get('conflicts_recorded', '-')} of {result.items.get('conflict', 0)}")
     row("duplicates (keys with > 1 effect)", s.get("keys_with_more_than_one_effect", "-"))
     row("lost", len(offending.get("nothing_lost", [])))
     row("unexplained", len(offending.get("nothing_unexplained", [])))
@@ -536,7 +538,7 @@ def summary(result: SoakResult) -> str:
                                                                                   else " (NOT QUIET)"))
     row("hash chains / events", f"{s.get('chains', '-')} / {s.get('events', '-')}")
     row("advisory locks held / open leases", f"{s.get('advisory_locks', '-')} / {s.get('open_leases', '-')}")
-    lines.append("-" * 78)
+    lines.append("-" * 86)
     for name in INVARIANTS:
         ids = offending.get(name, [])
         lines.append(f"  {'PASS' if not ids else 'FAIL'}  {name}" + (f"  ({len(ids)}): {', '.join(ids[:15])}"

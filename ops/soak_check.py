@@ -232,6 +232,10 @@ def check(conn: Any, sor_db: Path, submitted: dict[str, dict[str, Any]], conflic
         "effects": len(effects),
         "effects_with_key": sum(len(v) for v in per_key.values()),
         "keys_with_more_than_one_effect": sum(1 for v in per_key.values() if len(v) > 1),
+        # Conflicting envelopes whose refusal is on the original action's chain (the others were
+        # lost with the broker, or ignored while the original held its action lock).
+        "conflicts_recorded": sum(1 for aid in set(conflict_keys.values())
+                                  if any(e["event"] == "idempotency_conflict" for e in events.get(aid, []))),
         "chains": chains, "events": n_events,
         "advisory_locks": len(advisory), "open_leases": len(open_leases),
         "idempotency_records_unsettled": [dict(r) for r in unsettled_records],

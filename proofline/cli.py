@@ -4,7 +4,6 @@ manage revocations, run migrations, workers and the demo."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -260,10 +259,14 @@ def envelope_schema(out: Path) -> None:
 @click.option("--concurrency", default=2)
 @click.pass_context
 def worker(ctx: click.Context, queues: str, concurrency: int) -> None:
-    """Run a Celery worker (prefork) on the given queues; extra options go to Celery."""
+    """Run a supervised Celery worker (prefork) on the given queues; extra options go to Celery.
+
+    The worker is restarted if it dies (for example when the broker crashes under it)."""
+    from proofline.supervise import supervise
+
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", queues, "-c", str(concurrency),
             "-P", "prefork", "--loglevel", "INFO", *ctx.args]
-    os.execv(sys.executable, argv)
+    sys.exit(supervise(argv))
 
 
 @main.command()

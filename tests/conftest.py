@@ -78,13 +78,18 @@ def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM, then SIGKILL of the process group we started it in (its children included)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session made proc.pid the group id
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
         proc.wait(5)
 
 
@@ -215,9 +220,10 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to."""
     started = []
     for i in range(count):
-        argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
-                "-Q", "actions,verify,compensate,reconcile", "-c", str(concurrency), "-P", "prefork", "-l", "INFO",
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
+        # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
+        argv = [sys.executable, "-m", "proofline", "worker", "--queues", "actions,verify,compensate,reconcile",
+                "--concurrency", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
         if beat and i == 0:
             argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
         proc = start_process(argv, stack.env, stack.workdir / f"worker-{name}{i}.log")
