@@ -77,6 +77,8 @@ class SoakConfig:
     json_path: Path | None = None
     workdir: Path | None = None
     keep_database: bool = False
+    #: Keep the ledger database only when an invariant fails (for ``proofline forensics``).
+    keep_failed: bool = False
     progress: bool = True
 
 
@@ -466,8 +468,8 @@ def run_soak(config: SoakConfig) -> SoakResult:
         progress.done()
         result.quiet = {"reached": quiet.reached, "seconds_to_quiet": quiet.seconds,
                         "still_open": quiet.still_open[:50]}
-        workers_alive = [p.poll() is None for p in soak.stack.workers]
-        result.stats["workers_alive"] = workers_alive
+        result.stats["workers_alive"] = [p.poll() is None for p in soak.stack.workers]
+        result.stats["worker_restarts"] = _worker_restarts(workdir)
         with soak.admin_connect() as conn:
             checked: CheckResult = check(conn, soak.stack.sor_db, workload.submitted, workload.conflict_keys)
         result.stats.update(checked.stats)
@@ -488,13 +490,23 @@ def run_soak(config: SoakConfig) -> SoakResult:
         if injector is not None and injector.running:
             injector.heal_all()
         if soak is not None:
-            soak.teardown(keep_database=keep_db)
+            soak.teardown(keep_database=keep_db or (config.keep_failed and not result.ok))
         result.durations["total_seconds"] = round(time.monotonic() - t_build, 2)
         if own_workdir and result.ok:
             shutil.rmtree(workdir, ignore_errors=True)
         if config.json_path is not None:
             config.json_path.write_text(json.dumps(result.as_dict(), indent=2, default=str))
     return result
+
+
+def _worker_restarts(workdir: Path) -> dict[str, int]:
+    """What the worker logs say about Celery main processes that died under their supervisor."""
+    counts: Counter[str] = Counter()
+    for log in sorted(workdir.glob("worker-*.log")):
+        text = log.read_text(errors="replace")
+        counts["restarted_by_supervisor"] += text.count("proofline: worker exited")
+        counts["celery_unrecoverable_errors"] += text.count("Unrecoverable error")
+    return dict(counts)
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -525,6 +537,9 @@ def summary(result: SoakResult) -> str:
     row("reason codes", ", ".join(f"{k} {v}" for k, v in sorted(s.get("reason_codes", {}).items(),
                                                                key=lambda kv: -kv[1])) or "-")
     row("runtime events", ", ".join(f"{k} {v}" for k, v in sorted(s.get("event_counts", {}).items())) or "-")
+    restarts = s.get("worker_restarts", {})
+    row("Celery worker deaths (unrecoverable) / supervisor restarts",
+        f"{restarts.get('celery_unrecoverable_errors', '-')} / {restarts.get('restarted_by_supervisor', '-')}")
     row("kill switches left engaged", len(s.get("kill_switches_active", [])))
     row("effects in the system of record (with key)", f"{s.get('effects', '-')} ({s.get('effects_with_key', '-')})")
     offending = result.offending()
@@ -563,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--workdir", type=Path, default=None, help="logs and the SQLite record (default: a temp dir)")
     parser.add_argument("--keep-database", action="store_true", help="keep the ledger database for forensics")
+    parser.add_argument("--keep-failed", action="store_true", help="keep the ledger database if the soak fails")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.actions < 1 or args.seconds <= 0 or not 0 < args.submit_fraction <= 1:
@@ -572,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                         concurrency=args.concurrency, submit_fraction=args.submit_fraction,
                         quiet_seconds=args.quiet_seconds, max_wait=args.max_wait, faults=faults,
                         json_path=args.json, workdir=args.workdir, keep_database=args.keep_database,
+                        keep_failed=args.keep_failed,
                         progress=not args.no_progress)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -587,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     if not result.ok:
         print(result.failure_text(), file=sys.stderr)
         print(f"logs: {result.workdir}", file=sys.stderr)
-        if config.keep_database or os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):
+        if config.keep_database or config.keep_failed or os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):
             print(f"ledger kept: PROOFLINE_DATABASE_URL={result.database_url} python -m proofline forensics <action_id>",
                   file=sys.stderr)
         else:

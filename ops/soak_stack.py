@@ -124,8 +124,6 @@ class SoakStack:
     writer_port: int = 0
     reader_port: int = 0
     lease_ttl: float = 4.0
-    #: The embedded beat process of the first worker: never a fault target (it drives the reconciler).
-    beat_pids: set[int] = field(default_factory=set)
     _saved_sor_db: str | None = None
     _env_touched: bool = False
 
@@ -141,24 +139,19 @@ class SoakStack:
         assert self.admin_url is not None
         return store.connect(self.admin_url, application_name="proofline-soak-observer", connect_timeout=10)
 
-    def worker_tree(self) -> list[tuple[psutil.Process, list[psutil.Process]]]:
-        """Each worker's main process with its pool children (the embedded beat process excluded)."""
-        assert self.stack is not None
-        tree = []
-        for proc in self.stack.workers:
-            try:
-                main = psutil.Process(proc.pid)
-                children = [c for c in main.children() if c.pid not in self.beat_pids]
-            except psutil.Error:
-                continue
-            tree.append((main, children))
-        return tree
-
     def pool_children(self) -> list[psutil.Process]:
-        return [c for _main, children in self.worker_tree() for c in children]
+        """The Celery pool processes under the soak's workers: the fault targets.
+
+        A worker here is ``proofline worker`` (a supervisor) running Celery's main process, which
+        forks the prefork pool and, on the first worker, the embedded beat. Names and command lines
+        are all alike; billiard's pool processes are the ones that ignore SIGINT (its ``after_fork``
+        sets ``SIG_IGN``), which neither the supervisor, Celery's main process nor beat does. Beat
+        (the reconciler's clock) and the main processes are therefore never picked.
+        """
+        return [p for p in self.all_worker_processes() if _ignores_sigint(p.pid)]
 
     def all_worker_processes(self) -> list[psutil.Process]:
-        """Every process under the soak's workers (main processes, pool children, beat)."""
+        """Every process under the soak's workers (supervisors, Celery main processes, pool, beat)."""
         assert self.stack is not None
         found: list[psutil.Process] = []
         for proc in self.stack.workers:
@@ -241,25 +234,15 @@ class SoakStack:
         self.stack.workers.clear()
 
 
-def find_beat(soak: SoakStack, timeout: float = 30.0) -> set[int]:
-    """The embedded beat (``-B``) is a child of the first worker, indistinguishable from the pool
-    children by name or command line. The workers report their pool's pids over remote control;
-    whatever else runs under a worker is beat."""
-    assert soak.stack is not None
-    expected = len(soak.stack.workers)
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = soak.stack.app.control.inspect(timeout=2.0).stats() or {}
-        by_main = {int(v["pid"]): {int(p) for p in v["pool"]["processes"]} for v in stats.values()}
-        beat: set[int] = set()
-        for proc in soak.stack.workers:
-            pool = by_main.get(proc.pid, set())
-            beat |= {c.pid for c in psutil.Process(proc.pid).children() if c.pid not in pool}
-        if len(stats) >= expected and beat:  # the first worker runs beat: it must have been seen
-            return beat
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(stats)} of {expected} workers answered remote control; beat seen: {beat}")
-        time.sleep(0.5)
+def _ignores_sigint(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    except OSError:
+        pass
+    return False
 
 
 def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None
@@ -301,7 +284,7 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         os.environ["SOR_DB"] = str(sor_db)
         soak.stack.live()  # the approved contract, read once before any fault
         start_workers(soak.stack, count=workers, concurrency=concurrency, name="soak")
-        soak.beat_pids = find_beat(soak)
+        wait_for(lambda: len(soak.pool_children()) >= workers * concurrency, 30, what="the workers' pool processes")
         return soak
     except BaseException:
         soak.teardown()

@@ -243,6 +243,18 @@ def forensics(action_id: str) -> None:
     click.echo(text)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def soak(ctx: click.Context) -> None:
+    """The chaos soak with its history checker (options: see `python -m ops.soak --help`)."""
+    from proofline.settings import ROOT
+
+    sys.path.insert(0, str(ROOT))  # ops/ and tests/ live in the checkout, not in the package
+    from ops.soak import main as soak_main
+
+    sys.exit(soak_main(list(ctx.args)))
+
+
 @main.command("envelope-schema")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("schemas/envelope.v1.json"))
 def envelope_schema(out: Path) -> None:

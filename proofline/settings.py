@@ -22,6 +22,9 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PROOFLINE_", frozen=True, extra="ignore")
 
+    #: "production" refuses test-only fault points (worker/faultpoints.py) whatever else is set.
+    environment: str = "development"
+
     #: Postgres for the ledger, as the runtime role (no UPDATE/DELETE on ledger events).
     database_url: str = "postgresql://proofline_runtime@127.0.0.1:5432/proofline"
     #: Postgres as a role that may run migrations.

@@ -44,6 +44,7 @@ def verify(message: Any, keys: dict[str, str]) -> dict[str, Any]:
         expected = _mac(secret, message["envelope"])
     except Exception as exc:  # rfc8785 refuses NaN, huge ints, non-str keys
         raise MalformedEnvelope(f"envelope is not canonicalisable JSON: {exc}") from exc
-    if not hmac.compare_digest(expected, signature):
+    # Compare bytes: a str comparison raises on non-ASCII input, and any input must be refused cleanly.
+    if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogatepass")):
         raise BadSignature("signature does not match the envelope content")
     return message["envelope"]

@@ -26,6 +26,7 @@ from proofline.errors import (
     EnvelopeRefused,
     IdempotencyConflict,
     LeaseBusy,
+    MalformedEnvelope,
     McpUnavailable,
     ProoflineError,
     ReplayWindowExpired,
@@ -169,7 +170,12 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     settings = rt.settings
     actor = settings.worker_id
     try:
-        envelope, contract = validate_envelope(message, settings, rt.contract)
+        try:
+            envelope, contract = validate_envelope(message, settings, rt.contract)
+        except (EnvelopeRefused, psycopg.Error):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
+            raise MalformedEnvelope(f"unreadable envelope: {exc!r}"[:500]) from exc
     except EnvelopeRefused as exc:
         record_refusal(rt, message, exc, delivery)
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})

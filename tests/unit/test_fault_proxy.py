@@ -101,8 +101,10 @@ def echo() -> Iterator[EchoServer]:
 @pytest.fixture
 def proxy(echo: EchoServer) -> Iterator[FaultProxy]:
     with FaultProxy(listen_port=0, target=("127.0.0.1", echo.port)) as p:
+        name = f"fault-proxy-{p.port}"
         yield p
-    assert not any(t.name.startswith("fault-proxy") for t in threading.enumerate())
+    # Only this proxy's thread matters: other proxies (a session-wide test stack's) may be running.
+    assert not any(t.name == name for t in threading.enumerate())
 
 
 def connect(proxy: FaultProxy, timeout: float = 5.0) -> socket.socket:
@@ -304,7 +306,7 @@ def test_stop_closes_everything(echo: EchoServer) -> None:
     s.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
-    assert not any(t.name.startswith("fault-proxy") for t in threading.enumerate())
+    assert not any(t.name == f"fault-proxy-{proxy.port}" for t in threading.enumerate())
     proxy.stop()  # idempotent
 
 

@@ -1,0 +1,15 @@
+# One image for every Proofline process: workers, beat, Flower, migrations, the demo MCP server.
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+WORKDIR /app
+COPY pyproject.toml README.md celeryconfig.py servers.yaml ./
+COPY proofline ./proofline
+COPY worker ./worker
+COPY ledger ./ledger
+COPY recovery ./recovery
+COPY contracts ./contracts
+COPY schemas ./schemas
+COPY ops ./ops
+RUN pip install --no-cache-dir . && useradd --create-home --uid 10001 proofline && mkdir -p /data /app/var \
+    && chown -R proofline /data /app/var
+USER proofline
