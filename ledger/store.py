@@ -7,6 +7,7 @@ Driver errors are wrapped here and nowhere else.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,8 +37,18 @@ def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
         yield cur
 
 
+# An escaped NUL in JSON text: "\u0000" preceded by an even number of backslashes.
+_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _dumps(value: Any) -> str:
+    # jsonb cannot hold U+0000. Keep it visible as the six characters "\u0000" instead of failing
+    # the whole write: a hostile NUL must still leave a record.
+    return _NUL.sub(r"\1\\\\u0000", json.dumps(value, default=str))
+
+
 def _json(value: Any) -> Jsonb:
-    return Jsonb(value, dumps=lambda v: json.dumps(v, default=str))
+    return Jsonb(value, dumps=_dumps)
 
 
 # --- ledger events ------------------------------------------------------------------------------

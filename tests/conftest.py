@@ -237,11 +237,35 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     return started
 
 
-def build_stack(transport: str, tmp: Path, redis_db: int, extra_env: dict[str, str] | None = None,
+CLAIM_KEY = "proofline:test-claim"
+
+
+def claim_redis_db(base_url: str = REDIS_URL, candidates: range = range(1, 16)) -> int:
+    """A Redis database no other test session is using: claimed with SET NX (expiring), then
+    emptied. Concurrent pytest sessions on one Redis would otherwise consume each other's tasks."""
+    for number in candidates:
+        client = redis.Redis.from_url(f"{base_url}/{number}")
+        if client.set(CLAIM_KEY, str(os.getpid()), nx=True, ex=3 * 3600):
+            client.flushdb()
+            client.set(CLAIM_KEY, str(os.getpid()), ex=3 * 3600)
+            return number
+    raise RuntimeError("every Redis database is claimed by another test session")
+
+
+def release_redis_db(broker_url: str) -> None:
+    client = redis.Redis.from_url(broker_url)
+    if client.get(CLAIM_KEY) == str(os.getpid()).encode():
+        client.flushdb()
+
+
+def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
                 redis_url: str | None = None) -> Stack:
     admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}")
+    if redis_db is None:
+        redis_db = claim_redis_db(redis_url or REDIS_URL)
+    else:
+        redis.Redis.from_url(f"{redis_url or REDIS_URL}/{redis_db}").flushdb()
     broker = f"{redis_url or REDIS_URL}/{redis_db}"
-    redis.Redis.from_url(broker).flushdb()
     sor_db = tmp / "sor.sqlite3"
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
@@ -302,11 +326,11 @@ def teardown_stack(stack: Stack) -> None:
         stop_process(proc)
     stack.conn.close()
     stack.app.close()
+    release_redis_db(stack.broker_url)
     if not os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):  # keep them to read a failure's ledger
         drop_database(stack.admin_url)
 
 
-_REDIS_DBS = iter(range(6, 16))
 
 
 @pytest.fixture(scope="session", params=["stdio"])
@@ -314,7 +338,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """A running deployment with one Celery worker (two prefork processes). ``indirect``
     parametrisation with "http" gives the same deployment over streamable HTTP."""
     transport = request.param
-    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}"), next(_REDIS_DBS))
+    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}"))
     try:
         start_workers(s)
         yield s

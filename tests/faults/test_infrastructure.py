@@ -43,7 +43,7 @@ def test_lease_backend_terminated_mid_call(stack: Stack) -> None:
 def test_mcp_server_killed_mid_call_over_http(tmp_path) -> None:
     """The HTTP system-of-record writer dies while a non-idempotent write is in flight, then comes
     back. The outcome is settled from the system of record; at most one refund exists."""
-    s = build_stack("http", tmp_path, redis_db=4)
+    s = build_stack("http", tmp_path)
     try:
         start_workers(s)
         env = refund_env(s, new_account(s))
