@@ -9,7 +9,8 @@ Kinds (rows of ``/work/shared/FAULTS.md``):
 ``pg_terminate``     ``pg_terminate_backend`` of the runtime role's sessions on the stack's database (row 5);
 ``proxy_blackhole`` / ``proxy_reset`` / ``proxy_delay``
                      the TCP fault proxy between workers and the writer, then back to ``pass`` (row 8);
-``read_outage``      the verification read path (reader identity) answers "unavailable".
+``read_outage``      the verification read path (reader identity) answers "unavailable" for a few
+                     seconds, or (one in four) for longer than the verification bound.
 
 The embedded beat process (the reconciler's clock) is never a target.
 """
@@ -39,6 +40,8 @@ CATEGORY = {"proxy_blackhole": "proxy", "proxy_reset": "proxy", "proxy_delay": "
             "read_outage": "outage"}
 #: At most this many pool children are frozen at once (the rest keep the stack moving).
 MAX_FROZEN = 2
+#: Share of read outages that outlast the verification bound.
+LONG_OUTAGE_SHARE = 0.25
 
 
 @dataclass
@@ -293,7 +296,11 @@ class FaultInjector:
     def _read_outage(self, record: FaultRecord) -> None:
         db = self.soak.stack.sor_db
         record.target = "system of record, reader identity"
-        record.duration = round(self.rng.uniform(2.0, 8.0), 3)
+        # Mostly a few seconds (verification rides it out); sometimes past the contracts'
+        # verification bound (10 s), so that actions escalate as completed_unverified and runs unwind.
+        long = self.rng.random() < LONG_OUTAGE_SHARE
+        record.duration = round(self.rng.uniform(11.0, 14.0) if long else self.rng.uniform(2.0, 8.0), 3)
+        record.detail = {"past_verification_bound": long}
         sor.set_read_outage(db, True, role="reader")
         with self._lock:
             self.active["outage"] = record

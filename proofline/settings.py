@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     #: A verification with no progress for this long is started again.
     verify_stall_seconds: float = 180.0
 
+    #: Send Celery task events from the start (Flower also enables them at runtime).
+    task_events: bool = False
+
     #: Errors go to Sentry when set.
     sentry_dsn: str | None = None
 

@@ -31,7 +31,13 @@ WITH due AS (
     ORDER BY a.next_check_at LIMIT %(limit)s
     FOR UPDATE OF a SKIP LOCKED
 )
-UPDATE actions a SET next_check_at = clock_timestamp() + make_interval(secs => %(backoff)s)
+UPDATE actions a SET
+    -- Exponential backoff per action: a long broker backlog looks like a lost message at first;
+    -- re-driving it again and again would only add duplicates (harmless, but not free).
+    next_check_at = clock_timestamp() + make_interval(secs => LEAST(3600,
+        %(backoff)s * power(2, COALESCE((a.recovery_data->>'redrives')::int, 0)))),
+    recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
+        to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))
 FROM due WHERE a.action_id = due.action_id
 RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature
 """
