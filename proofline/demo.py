@@ -111,6 +111,11 @@ def run_demo(keep: bool = False) -> int:
         rows = _scenarios(settings, conn, app, sor_db)
         _wait(conn, [r["action_id"] for r in rows])
         _print_table(conn, rows, sor_db)
+        lost = rows[2]["action_id"]
+        if keep:
+            print(f"the ledger stays up:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
+        else:
+            print(f"to read the ledger afterwards: proofline demo --keep, then proofline forensics {lost}")
     return 0
 
 
@@ -190,7 +195,6 @@ def _print_table(conn: Any, rows: list[dict[str, Any]], sor_db: Path) -> None:
     print()
     print("effects = side effects the system of record applied for the action's idempotency key;")
     print("dups    = later deliveries of the same envelope that the runtime suppressed or reconciled")
-    print("inspect one with:  PROOFLINE_DATABASE_URL=... proofline status <action>   (see README)")
 
 
 def clean() -> None:
