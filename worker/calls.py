@@ -13,6 +13,9 @@ from proofline.canonical import tool_contract_hash
 
 IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
 ACTION_META_KEY = "proofline/action_id"
+#: Increases on every lease acquisition: a server that remembers the highest token it saw per key
+#: can refuse a write from a stale lease holder.
+FENCING_META_KEY = "proofline/fencing_token"
 
 
 async def live_tool_hashes(client: Client) -> dict[str, str]:
@@ -44,7 +47,7 @@ class ProgressLog:
 
 async def call_tool(
     client: Client, *, tool: str, arguments: dict[str, Any], idempotency_key: str, action_id: str,
-    timeout_seconds: float, deadline_monotonic: float, progress: ProgressLog,
+    timeout_seconds: float, deadline_monotonic: float, progress: ProgressLog, fencing_token: int = 0,
 ) -> tuple[Any, float]:
     """Call a tool with the key in ``_meta``, a request timeout and the absolute deadline.
 
@@ -56,7 +59,7 @@ async def call_tool(
     with anyio.fail_after(min(timeout_seconds, remaining) + 0.5):
         result = await client.call_tool(
             tool, arguments, read_timeout_seconds=min(timeout_seconds, remaining), progress_callback=progress,
-            meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id},
+            meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id, FENCING_META_KEY: fencing_token},
         )
     return result, time.monotonic() - started
 

@@ -494,7 +494,7 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
                 action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
-                progress=progress), cancel_handle=handle)
+                progress=progress, fencing_token=token), cancel_handle=handle)
         except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
