@@ -81,36 +81,33 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
 
 
-@app.task(name=VERIFY, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def verify_task(self, action_id: str) -> dict[str, Any]:
-    from recovery.verify import verify
-
+def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
+    """Run a follow-up stage (verify, recover): a lost database connection is retried without limit
+    (nothing past the last commit happened); anything else a bounded number of times, after which
+    the reconciler re-drives the action from the ledger."""
     rt = runtime()
     try:
-        return verify(rt, action_id, dispatch)
+        return fn(rt, action_id, dispatch)
     except psycopg.OperationalError as exc:
         rt.reset_connection()
         raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
     except Exception as exc:
-        log.exception("verify failed; retrying", extra={"event": "verify_error", "action_id": action_id})
+        log.exception(f"{step} failed; retrying", extra={"event": f"{step}_error", "action_id": action_id})
         raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
 
 
+@app.task(name=VERIFY, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def verify_task(self, action_id: str) -> dict[str, Any]:
+    from recovery.verify import verify
+
+    return _follow_up(self, "verify", action_id, verify)
 
 
 @app.task(name="proofline.recover", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def recover_task(self, action_id: str) -> dict[str, Any]:
     from recovery.recover import recover
 
-    rt = runtime()
-    try:
-        return recover(rt, action_id, dispatch)
-    except psycopg.OperationalError as exc:
-        rt.reset_connection()
-        raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
-    except Exception as exc:
-        log.exception("recover failed; retrying", extra={"event": "recover_error", "action_id": action_id})
-        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
+    return _follow_up(self, "recover", action_id, recover)
 
 
 @app.task(name="proofline.reconcile", ignore_result=True)
