@@ -70,8 +70,12 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         record = store.get_idempotency_txn(cur, envelope.idempotency_key)
         facts = facts_for(action, envelope, record)
         decision = decide(facts, contract.recovery)
+        # Exponential backoff between attempts of the same intent (same key), capped by the time left.
+        backoff = min(envelope.retry_policy.backoff_seconds * 2 ** max(facts.attempts - 1, 0),
+                      max(facts.seconds_left - facts.retry_cost_seconds, 0.0))
         store.append_event_txn(cur, action_id, "recovery_decided", actor,
                                {"decision": decision.kind.value, "reason": decision.reason, "contain": decision.contain,
+                                "backoff_seconds": backoff if decision.kind == RecoveryKind.retry else None,
                                 "facts": facts.as_evidence(), "policy": contract.recovery.model_dump(mode="json",
                                                                                                      exclude_none=True)})
         if decision.contain:
@@ -95,7 +99,7 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
                                  recovery_kind=decision.kind, reason_code=decision.reason)
     if decision.kind == RecoveryKind.retry:
         queue = "compensate" if envelope.recovers else "actions"
-        dispatch.execute(action.signed_message, queue=queue)
+        dispatch.execute(action.signed_message, queue=queue, countdown=backoff)
     elif decision.kind in WORKFLOW:
         return _start_recovery_action(rt, action, envelope, contract, decision, dispatch)
     else:

@@ -145,6 +145,10 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     obs = observe(rt, envelope, contract, base)
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    blocked = (action.recovery_data or {}).get("retry_blocked_by")
+    if blocked and obs.finding == VerificationFinding.absent:
+        # A retry found its preconditions broken and nothing of ours downstream: it never starts.
+        status, outcome, record_status, reason = ActionStatus.closed, Outcome.not_started, None, blocked
     if action.cancel_requested_at is not None:
         status, outcome, record_status, reason = _cancel_disposition(
             action, envelope, obs.finding, (status, outcome, record_status, reason))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -53,21 +54,28 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
 
 
-def create_database(prefix: str) -> tuple[str, str]:
+def with_database(url: str, dbname: str, user: str | None = None) -> str:
+    """The same server URL (TCP or unix socket) for another database and, optionally, user."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if user is not None:
+        netloc = f"{user}@{netloc.rsplit('@', 1)[-1]}" if "@" in netloc else f"{user}@{netloc}"
+    return urlunsplit((parts.scheme, netloc, f"/{dbname}", parts.query, parts.fragment))
+
+
+def create_database(prefix: str, maintenance_url: str = ADMIN_URL) -> tuple[str, str]:
     """A new, migrated database; returns (admin url, runtime-role url)."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+    with psycopg.connect(maintenance_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    base = ADMIN_URL.rsplit("/", 1)[0]
-    admin = f"{base}/{name}"
+    admin = with_database(maintenance_url, name)
     upgrade(admin)
-    host_part = base.split("@", 1)[1]
-    return admin, f"postgresql://proofline_runtime@{host_part}/{name}"
+    return admin, with_database(maintenance_url, name, user="proofline_runtime")
 
 
 def drop_database(admin_url: str) -> None:
-    name = admin_url.rsplit("/", 1)[1]
-    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+    name = urlsplit(admin_url).path.lstrip("/")
+    with psycopg.connect(with_database(admin_url, "postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
@@ -259,8 +267,8 @@ def release_redis_db(broker_url: str) -> None:
 
 
 def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
-                redis_url: str | None = None) -> Stack:
-    admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}")
+                redis_url: str | None = None, maintenance_url: str = ADMIN_URL) -> Stack:
+    admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}", maintenance_url)
     if redis_db is None:
         redis_db = claim_redis_db(redis_url or REDIS_URL)
     else:

@@ -10,7 +10,8 @@ class Dispatch(Protocol):
 
     def recover(self, action_id: str) -> None: ...
 
-    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str: ...
+    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
+                countdown: float | None = None) -> str: ...
 
     def revoke(self, task_id: str) -> None: ...
 
@@ -27,9 +28,13 @@ class CeleryDispatch:
     def recover(self, action_id: str) -> None:
         self.app.send_task("proofline.recover", args=[action_id], queue="reconcile", serializer="json")
 
-    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str:
+    def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
+                countdown: float | None = None) -> str:
+        """Send an execute message. ``countdown`` is only ever a short retry backoff: deadlines are
+        kept in Postgres, never in broker ETAs."""
         name = "proofline.compensate" if queue == "compensate" else "proofline.execute"
-        return str(self.app.send_task(name, args=[message], queue=queue, serializer="json", task_id=task_id).id)
+        return str(self.app.send_task(name, args=[message], queue=queue, serializer="json", task_id=task_id,
+                                      countdown=countdown).id)
 
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)

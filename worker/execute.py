@@ -394,6 +394,17 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
                                  reason_code=failures[0]["reason"], recovery_data={"before": before})
             return "not_started"
+        if record.status == IdempotencyStatus.failed and not record.expired and \
+                record.argument_hash == envelope.arguments_hash:
+            # A retry whose preconditions no longer hold. The target changed since the failed
+            # attempt: perhaps by someone else, perhaps by that attempt's own late effect. Never
+            # call on a changed target; let verification tell which it is.
+            events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "retry"}))
+            store.append_events_txn(cur, aid, actor, events, redact)
+            store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.verifying,
+                                 reason_code="retry_preconditions_failed",
+                                 recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]})
+            return "reconcile"
         claimed = False  # the read reflects our own earlier effect: dispatch on the record instead
     else:
         claimed, record = store.claim_idempotency_txn(

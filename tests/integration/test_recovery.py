@@ -76,3 +76,21 @@ def test_irreversible_action_needs_its_approval_and_the_last_place(stack: Stack)
     assert revalidated["point_of_no_return"]["compensation"] == "not available"
 
 
+
+
+def test_retry_never_calls_on_a_target_that_changed_meanwhile(stack: Stack) -> None:
+    """The first attempt timed out before the server acted (effect proven absent); before the
+    retry runs, someone else changes the account. The retry's preconditions fail: it is not
+    adapted to the new state and never calls; verification confirms nothing of ours exists."""
+    account = new_account(stack)
+    env = refund_env(stack, account, timeout_seconds=1.0)
+    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
+    stack.publish(env)
+    stack.wait_event(env.action_id, "tool_called", timeout=30)
+    sor.bump_version(stack.sor_db, "account", account)  # within the retry's backoff
+    row = stack.wait_settled(env.action_id, timeout=60)
+    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.not_started, "stale_version")
+    decided = next(e for e in stack.timeline(env.action_id) if e["event"] == "recovery_decided")["evidence"]
+    assert decided["decision"] == "retry" and decided["backoff_seconds"] >= 1.0
+    assert stack.events(env.action_id).count("tool_called") == 1
+    assert stack.effects(env.idempotency_key) == 0
