@@ -32,7 +32,8 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     server = server_named(Path(settings.servers_file), server_name)
 
     async def probe() -> tuple[str | None, dict[str, str]]:
-        async with Client(endpoint_target(server.write, Path(settings.servers_file).resolve().parent)) as client:
+        async with Client(endpoint_target(server.write, Path(settings.servers_file).resolve().parent),
+                          mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = client.server_info.version if client.server_info else None
             return version, {t.name: tool_contract_hash(t) for t in tools.tools}

@@ -216,9 +216,11 @@ class Stack:
 def _servers_yaml(transport: str, write_port: int | None, read_port: int | None) -> str:
     if transport == "stdio":
         return (ROOT / "servers.yaml").read_text()
+    # "http-legacy": the initialize-handshake protocol with HTTP sessions, as 1.x-SDK servers speak.
+    protocol = "legacy" if transport == "http-legacy" else "auto"
     return (
         "servers:\n  sor:\n    transport: http\n"
-        f"    url: http://127.0.0.1:{write_port}/mcp\n    expected_version: \"1.0.0\"\n"
+        f"    url: http://127.0.0.1:{write_port}/mcp\n    protocol: {protocol}\n    expected_version: \"1.0.0\"\n"
         f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
     )
 

@@ -54,7 +54,7 @@ class _Session:
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
-            async with Client(endpoint_target(self.endpoint, self.base_dir)) as client:
+            async with Client(endpoint_target(self.endpoint, self.base_dir), mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()

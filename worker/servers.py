@@ -42,6 +42,9 @@ class Endpoint(BaseModel):
     env_allow: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
+    #: "auto" tries the current protocol and falls back to the initialize handshake (servers on
+    #: the 1.x SDK); "legacy" always uses the handshake.
+    protocol: Literal["auto", "legacy"] = "auto"
 
     @model_validator(mode="after")
     def _complete(self) -> Endpoint:

@@ -39,6 +39,7 @@ from tests.helpers import (
 from worker.dispatch import CeleryDispatch
 
 BOTH = pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)
+ALL_PROTOCOLS = pytest.mark.parametrize("stack", ["stdio", "http", "http-legacy"], indirect=True)
 PROXIED = pytest.mark.parametrize("stack", ["http-proxy"], indirect=True)
 HTTP = pytest.mark.parametrize("stack", ["http"], indirect=True)
 
@@ -146,7 +147,7 @@ def test_timeout_after_downstream_receipt(stack: Stack) -> None:
 # --- 5. lost response after successful mutation ------------------------------------------------------
 
 
-@BOTH
+@ALL_PROTOCOLS
 def test_lost_response_after_successful_mutation(stack: Stack) -> None:
     """The seed's most important test: the downstream applies the write and the response is lost;
     the retry (a redelivery of the same envelope) and verification run; exactly one side effect

@@ -13,6 +13,8 @@ from proofline.sor import store as sor
 from tests.conftest import Stack, wait_for
 
 BOTH = pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)
+#: Also the older protocol generation (initialize handshake, HTTP sessions): many servers speak only that.
+ALL_PROTOCOLS = pytest.mark.parametrize("stack", ["stdio", "http", "http-legacy"], indirect=True)
 
 
 def refund(stack: Stack, account: str, amount: int = 1500, **kw):
@@ -28,7 +30,7 @@ def new_account(stack: Stack, balance: int = 100_000) -> str:
     return name
 
 
-@BOTH
+@ALL_PROTOCOLS
 def test_happy_path_is_verified_with_one_effect(stack: Stack) -> None:
     env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": "disk full", "owner": "ops"},
                          target={"type": "ticket_queue", "id": "acme-ops"})
