@@ -34,7 +34,8 @@ WITH due AS (
 UPDATE actions a SET
     -- Exponential backoff per action: a long broker backlog looks like a lost message at first;
     -- re-driving it again and again would only add duplicates (harmless, but not free).
-    next_check_at = clock_timestamp() + make_interval(secs => LEAST(3600,
+    -- Capped at eight times the base interval, so healed work is picked up again soon.
+    next_check_at = clock_timestamp() + make_interval(secs => LEAST(8 * %(backoff)s,
         %(backoff)s * power(2, COALESCE((a.recovery_data->>'redrives')::int, 0)))),
     recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
         to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))

@@ -283,7 +283,8 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
         if exc.context.get("which") == "action":
             # A live worker is advancing this very action: this delivery is a duplicate. Ack, do nothing.
             store.append_event_txn(cur, aid, "redelivery_ignored", rt.settings.worker_id,
-                                   {**exc.as_evidence(), **delivery})
+                                   {**exc.as_evidence(), **delivery, "idempotency_key": envelope.idempotency_key,
+                                    "arguments_hash": envelope.arguments_hash})
             return TaskSummary("ignored", exc.code, aid).as_dict()
         store.append_event_txn(cur, aid, "target_busy", rt.settings.worker_id, {**exc.as_evidence(), **delivery})
     raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
