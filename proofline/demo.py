@@ -112,8 +112,8 @@ def run_demo(keep: bool = False) -> int:
         _wait(conn, [r["action_id"] for r in rows])
         _print_table(conn, rows, sor_db)
         lost = rows[2]["action_id"]
-        if keep:
-            print(f"the ledger stays up:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
+        if keep or os.environ.get("PROOFLINE_DATABASE_URL"):
+            print(f"read the ledger:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
         else:
             print(f"to read the ledger afterwards: proofline demo --keep, then proofline forensics {lost}")
     return 0
