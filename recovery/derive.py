@@ -12,7 +12,7 @@ from ledger.store import ActionRow
 from proofline.conditions import build_arguments
 from proofline.contracts import Contract, DerivedAction, contract_for
 from proofline.envelope import Envelope, build_envelope
-from worker.execute import live_contract
+from worker.preflight import live_contract
 from worker.runtime import Runtime
 
 RECOVERY_IDENTITY = "proofline:recovery"

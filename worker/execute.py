@@ -18,11 +18,9 @@ import psycopg
 
 from ledger import store
 from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
-from proofline.conditions import build_arguments, holds
-from proofline.contracts import Contract, extract
+from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
-    ConditionError,
     EnvelopeRefused,
     IdempotencyConflict,
     LeaseBusy,
@@ -49,6 +47,12 @@ from worker.lease import (
 )
 from worker.lease import unlock as unlock_locks
 from worker.mcp_client import CancelHandle
+from worker.preflight import (
+    check_point_of_no_return,
+    check_preconditions,
+    live_contract,
+    read_target,
+)
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.validate import (
@@ -109,60 +113,6 @@ def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dic
     with store.transaction(rt.conn) as cur:
         store.append_event_txn(cur, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
                                {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery})
-
-
-def _variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
-    doc = envelope.model_dump(mode="json")
-    return {"envelope": doc, "args": doc["arguments"], "target": doc["target"], **extra}
-
-
-def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envelope, role: str = "write") -> dict[str, Any]:
-    """One authoritative read through the contract's precondition read path."""
-    path = contract.precondition_read
-    arguments = build_arguments(path.arguments, _variables(envelope))
-    try:
-        result = rt.mcp.run(server, role, lambda c: calls.read_tool(  # type: ignore[arg-type]
-            c, tool=path.tool, arguments=arguments, timeout_seconds=contract.timeout_seconds))
-    except McpUnavailable:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - any read failure means "no fresh snapshot"
-        rt.mcp.discard(server, role)  # type: ignore[arg-type]
-        raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500]) from None
-    if getattr(result, "is_error", False):
-        text = "".join(getattr(b, "text", "") for b in result.content or [])
-        raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")
-    return extract(result, path.extract)
-
-
-def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:
-    """The live server version and tool hashes. Listing tools has no side effect, so a session
-    that turns out to be dead is replaced and asked once more before giving up."""
-    for attempt in (1, 2):
-        try:
-            return rt.mcp.server_version(server), rt.mcp.run(server, "write", calls.live_tool_hashes)
-        except McpUnavailable:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a broken session, reported as unavailable
-            rt.mcp.discard(server, "write")
-            if attempt == 2:
-                raise McpUnavailable(f"tools/list on {server.name} failed: {exc!r}"[:500]) from None
-    raise AssertionError("unreachable")
-
-
-def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
-    """Evaluate every precondition; a condition that cannot be evaluated has failed."""
-    variables = _variables(envelope, before=before)
-    failures = []
-    conditions = [(c.name, c.expr, c.reason) for c in contract.preconditions]
-    conditions += [(f"envelope[{i}]", expr, "precondition_failed") for i, expr in enumerate(envelope.preconditions)]
-    for name, expr, reason in conditions:
-        try:
-            ok = holds(expr, variables)
-        except ConditionError as exc:
-            ok, reason = False, exc.code
-        if not ok:
-            failures.append({"name": name, "expr": expr, "reason": reason})
-    return failures
 
 
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
@@ -341,28 +291,6 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
 
     after_settle(rt.conn, rt.settings.worker_id, envelope.action_id, dispatch, envelope=envelope, status=status,
                  outcome=outcome)
-
-
-def check_point_of_no_return(conn: Any, envelope: Envelope) -> dict[str, Any]:
-    """An irreversible action runs only with an approval that covers irreversibility, as the last
-    step of its run, and only after every earlier step is verified."""
-    from proofline.errors import PointOfNoReturnRefused
-
-    if not envelope.approval.covers_irreversible:
-        raise PointOfNoReturnRefused("the approval does not cover an irreversible action",
-                                     compensation="not available")
-    if envelope.step != envelope.run_steps - 1:
-        raise PointOfNoReturnRefused(f"irreversible step {envelope.step} is not the last of {envelope.run_steps}",
-                                     compensation="not available")
-    with conn.cursor() as cur:
-        cur.execute("""SELECT action_id, status, outcome FROM actions WHERE run_id = %s AND step < %s
-                       AND NOT (status = 'closed' AND outcome = 'completed_verified')""",
-                    (envelope.run_id, envelope.step))
-        unverified = [r["action_id"] for r in cur.fetchall()]
-    if unverified:
-        raise PointOfNoReturnRefused(f"earlier steps are not verified: {', '.join(unverified)}",
-                                     compensation="not available")
-    return {"covers_irreversible": True, "earlier_steps_verified": envelope.step, "compensation": "not available"}
 
 
 def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: ProoflineError,
