@@ -131,11 +131,21 @@ def _scope(value: str):
     return KillSwitchScope(value)
 
 
+def _switch_options(command):
+    """--scope, --value, --by and --why: what every kill switch change records."""
+    for option in reversed([
+        click.option("--scope", type=click.Choice(["global", "action_type", "tool", "tenant", "tool_tenant"]),
+                     required=True),
+        click.option("--value", default="", help="e.g. a tool name, or tool@tenant"),
+        click.option("--by", "who", required=True),
+        click.option("--why", required=True),
+    ]):
+        command = option(command)
+    return command
+
+
 @kill.command("set")
-@click.option("--scope", type=click.Choice(["global", "action_type", "tool", "tenant", "tool_tenant"]), required=True)
-@click.option("--value", default="")
-@click.option("--by", "who", required=True)
-@click.option("--why", required=True)
+@_switch_options
 def kill_set(scope: str, value: str, who: str, why: str) -> None:
     from recovery.operator import set_switch
 
@@ -145,10 +155,7 @@ def kill_set(scope: str, value: str, who: str, why: str) -> None:
 
 
 @kill.command("clear")
-@click.option("--scope", type=click.Choice(["global", "action_type", "tool", "tenant", "tool_tenant"]), required=True)
-@click.option("--value", default="")
-@click.option("--by", "who", required=True)
-@click.option("--why", required=True)
+@_switch_options
 def kill_clear(scope: str, value: str, who: str, why: str) -> None:
     from recovery.operator import clear_switch
 
