@@ -116,7 +116,6 @@ class RecoveryKind(str, Enum):
     manual_intervention = "manual_intervention"
 
 
-FINAL_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled})
 #: Statuses in which no worker will advance the action without an operator or the reconciler.
 SETTLED_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled, ActionStatus.escalated,
                               ActionStatus.recovery})

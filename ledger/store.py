@@ -307,23 +307,8 @@ def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:
 # --- revocations and kill switches -----------------------------------------------------------------
 
 
-def revoked_among_txn(cur: Cursor, identities: Iterable[str]) -> list[str]:
-    cur.execute("SELECT identity FROM revoked_identities WHERE identity = ANY(%s)", (list(identities),))
-    return [r["identity"] for r in cur.fetchall()]
-
-
 def revoke_identity_txn(cur: Cursor, identity: str, by: str, reason: str) -> None:
     cur.execute(
         "INSERT INTO revoked_identities (identity, revoked_by, reason) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
         (identity, by, reason),
     )
-
-
-def active_kill_switches_txn(cur: Cursor, *, action_type: str, tool: str, tenant: str) -> list[dict[str, Any]]:
-    cur.execute(
-        """SELECT scope, value, set_by, reason FROM kill_switches
-           WHERE cleared_at IS NULL AND (scope = 'global' OR (scope = 'action_type' AND value = %s)
-                 OR (scope = 'tool' AND value = %s) OR (scope = 'tenant' AND value = %s))""",
-        (action_type, tool, tenant),
-    )
-    return list(cur.fetchall())

@@ -144,7 +144,3 @@ def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:
             "tool", "server", "target", "operation", "arguments", "arguments_hash", "idempotency_key",
             "irreversible", "deadline")
     return {**{k: doc[k] for k in keep}, "key_id": key_id}
-
-
-def default_deadline(minutes: float = 10) -> datetime:
-    return datetime.now(UTC) + timedelta(minutes=minutes)

@@ -46,6 +46,7 @@ def facts_for(action: store.ActionRow, envelope: Envelope, record: store.Idempot
 
 def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     actor = rt.settings.worker_id
+    backoff = 0.0
     with store.transaction(rt.conn) as cur:
         cur.execute("SELECT 1 FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
         action = store.get_action(cur, action_id)
@@ -58,45 +59,13 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             cur.execute("SELECT 1 FROM actions WHERE parent_action_id = %s", (action_id,))
             if cur.fetchone() is not None:
                 return {"status": "awaiting_recovery_action", "action_id": action_id}
-            decided = Decision(RecoveryKind(action.recovery_kind), action.reason_code or "recovery")
+            lost = Decision(RecoveryKind(action.recovery_kind), action.reason_code or "recovery")
         else:
-            decided = None
-    if decided is not None:
-        return _start_recovery_action(rt, action, envelope, contract, decided, dispatch)
-    with store.transaction(rt.conn) as cur:
-        cur.execute("SELECT 1 FROM actions WHERE action_id = %s AND status = 'recovery' FOR UPDATE", (action_id,))
-        if cur.fetchone() is None:
-            return {"status": "skipped", "action_id": action_id}
-        record = store.get_idempotency_txn(cur, envelope.idempotency_key)
-        facts = facts_for(action, envelope, record)
-        decision = decide(facts, contract.recovery)
-        # Exponential backoff between attempts of the same intent (same key), capped by the time left.
-        backoff = min(envelope.retry_policy.backoff_seconds * 2 ** max(facts.attempts - 1, 0),
-                      max(facts.seconds_left - facts.retry_cost_seconds, 0.0))
-        store.append_event_txn(cur, action_id, "recovery_decided", actor,
-                               {"decision": decision.kind.value, "reason": decision.reason, "contain": decision.contain,
-                                "backoff_seconds": backoff if decision.kind == RecoveryKind.retry else None,
-                                "facts": facts.as_evidence(), "policy": contract.recovery.model_dump(mode="json",
-                                                                                                     exclude_none=True)})
-        if decision.contain:
-            value = f"{action.tool}@{action.tenant}"
-            set_kill_switch_txn(cur, KillSwitchScope.tool_tenant, value, actor, f"containment for {action_id}: "
-                                f"{decision.reason}")
-            store.append_event_txn(cur, action_id, "contained", actor, {"kill_switch": f"tool_tenant:{value}"})
-        if decision.kind == RecoveryKind.retry:
-            if action.signed_message is None:
-                decision = Decision(RecoveryKind.manual_intervention, "no_signed_message_to_retry")
-            else:
-                store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.published,
-                                     recovery_kind=RecoveryKind.retry)
-        if decision.kind in (RecoveryKind.manual_intervention, RecoveryKind.containment):
-            store.append_event_txn(cur, action_id, "escalated", actor,
-                                   {"reason_code": decision.reason, "queue": "manual intervention"})
-            store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.escalated,
-                                 reason_code=decision.reason, recovery_kind=decision.kind)
-        elif decision.kind in WORKFLOW:
-            store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.recovery,
-                                 recovery_kind=decision.kind, reason_code=decision.reason)
+            lost = None
+            # Decided under the row lock that read the facts: two recover tasks never both decide.
+            decision, backoff = _decide_txn(cur, rt, action, envelope, contract, actor)
+    if lost is not None:
+        return _start_recovery_action(rt, action, envelope, contract, lost, dispatch)
     if decision.kind == RecoveryKind.retry:
         queue = "compensate" if envelope.recovers else "actions"
         dispatch.execute(action.signed_message, queue=queue, countdown=backoff)
@@ -105,6 +74,44 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     else:
         after_settle(rt.conn, actor, action_id, dispatch)
     return {"status": decision.kind.value, "action_id": action_id, "reason": decision.reason}
+
+
+def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
+                actor: str) -> tuple[Decision, float]:
+    """Decide, record the decision with its inputs, contain if told to, and move the action.
+    Returns the decision and, for a retry, its backoff."""
+    action_id = action.action_id
+    record = store.get_idempotency_txn(cur, envelope.idempotency_key)
+    facts = facts_for(action, envelope, record)
+    decision = decide(facts, contract.recovery)
+    # Exponential backoff between attempts of the same intent (same key), capped by the time left.
+    backoff = min(envelope.retry_policy.backoff_seconds * 2 ** max(facts.attempts - 1, 0),
+                  max(facts.seconds_left - facts.retry_cost_seconds, 0.0))
+    store.append_event_txn(cur, action_id, "recovery_decided", actor,
+                           {"decision": decision.kind.value, "reason": decision.reason, "contain": decision.contain,
+                            "backoff_seconds": backoff if decision.kind == RecoveryKind.retry else None,
+                            "facts": facts.as_evidence(), "policy": contract.recovery.model_dump(mode="json",
+                                                                                                 exclude_none=True)})
+    if decision.contain:
+        value = f"{action.tool}@{action.tenant}"
+        set_kill_switch_txn(cur, KillSwitchScope.tool_tenant, value, actor, f"containment for {action_id}: "
+                            f"{decision.reason}")
+        store.append_event_txn(cur, action_id, "contained", actor, {"kill_switch": f"tool_tenant:{value}"})
+    if decision.kind == RecoveryKind.retry:
+        if action.signed_message is None:
+            decision = Decision(RecoveryKind.manual_intervention, "no_signed_message_to_retry")
+        else:
+            store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.published,
+                                 recovery_kind=RecoveryKind.retry)
+    if decision.kind in (RecoveryKind.manual_intervention, RecoveryKind.containment):
+        store.append_event_txn(cur, action_id, "escalated", actor,
+                               {"reason_code": decision.reason, "queue": "manual intervention"})
+        store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.escalated,
+                             reason_code=decision.reason, recovery_kind=decision.kind)
+    elif decision.kind in WORKFLOW:
+        store.transition_txn(cur, action_id, [ActionStatus.recovery], ActionStatus.recovery,
+                             recovery_kind=decision.kind, reason_code=decision.reason)
+    return decision, backoff
 
 
 def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,

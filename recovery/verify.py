@@ -120,7 +120,7 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
 }
 
 
-def _cancel_disposition(action, envelope: Envelope, finding: VerificationFinding, current):
+def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
     """A cancelled action's final disposition, once verification knows the external state."""
     status, outcome, record_status, reason = current
     if finding == VerificationFinding.absent:
@@ -151,7 +151,7 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         status, outcome, record_status, reason = ActionStatus.closed, Outcome.not_started, None, blocked
     if action.cancel_requested_at is not None:
         status, outcome, record_status, reason = _cancel_disposition(
-            action, envelope, obs.finding, (status, outcome, record_status, reason))
+            envelope, obs.finding, (status, outcome, record_status, reason))
     if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
         outcome = None  # an unknown outcome stays unknown: we never learned more
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:

@@ -52,10 +52,6 @@ def recovery_action(stack: Stack, action_id: str) -> str:
     return published[0]["evidence"]["recovery_action"]
 
 
-def key_of(stack: Stack, action_id: str) -> str:
-    return stack.action(action_id).idempotency_key
-
-
 def run_settled(stack: Stack, run_id: str) -> dict[str, Any]:
     def settled():
         events = [e for e in stack.timeline(f"run:{run_id}") if e["event"] == "run_settled"]
