@@ -45,6 +45,7 @@ task_routes = {
     "proofline.verify": {"queue": "verify"},
     "proofline.compensate": {"queue": "compensate"},
     "proofline.reconcile": {"queue": "reconcile"},
+    "proofline.checkpoint": {"queue": "checkpoint"},
 }
 imports = ("worker.tasks",)
 
@@ -55,5 +56,12 @@ beat_schedule = {
         "task": "proofline.reconcile",
         "schedule": _settings.reconcile_interval_seconds,
         "options": {"queue": "reconcile", "expires": _settings.reconcile_interval_seconds},
+    },
+    # Signed ledger checkpoints (ledger/checkpoint.py): consumed only by processes that hold the
+    # ledger key (``proofline worker --queues checkpoint``); unconsumed ones expire.
+    "proofline-checkpoint": {
+        "task": "proofline.checkpoint",
+        "schedule": _settings.checkpoint_interval_seconds,
+        "options": {"queue": "checkpoint", "expires": _settings.checkpoint_interval_seconds},
     },
 }

@@ -76,18 +76,44 @@ def status(action_id: str, timeline: bool, as_json: bool) -> None:
 
 
 @main.command("verify-ledger")
-def verify_ledger() -> None:
-    """Recompute every hash chain; exit 1 and name the first broken link of each broken chain."""
-    from proofline.ledger_check import check_chains
+@click.option("--json", "as_json", is_flag=True)
+def verify_ledger(as_json: bool) -> None:
+    """Recompute every hash chain and compare it with the signed checkpoints; exit 1 and name the
+    first broken link of each broken chain (and of the checkpoint series)."""
+    from ledger.anchor_check import verify_ledger as check
 
+    settings = get_settings()
     with _conn() as conn:
-        chains, events, broken = check_chains(conn)
-    click.echo(f"{chains} chains, {events} events checked")
-    for link in broken:
+        report = check(conn, settings)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2))
+        sys.exit(0 if report.ok else 1)
+    click.echo(f"{report.chains} chains, {report.events} events checked")
+    if report.checkpoint:
+        cp = report.checkpoint
+        click.echo(f"against checkpoint {cp['number']} ({cp['created_at']}, key {cp['key_id']}): "
+                   f"{cp['chains']} chains, {cp['events']} events anchored")
+    for note in report.notes:
+        click.echo(note)
+    for link in report.broken:
         click.echo(f"BROKEN {link.action_id} at seq {link.seq}: {link.problem}")
-    if broken:
+    if report.broken:
         sys.exit(1)
     click.echo("every chain verifies")
+
+
+@main.command()
+def checkpoint() -> None:
+    """Write one signed ledger checkpoint now (Celery beat runs this on the checkpoint queue)."""
+    from ledger.checkpoint import write_checkpoint
+    from proofline.errors import ProoflineError
+
+    settings = get_settings()
+    with _conn() as conn:
+        try:
+            click.echo(json.dumps(write_checkpoint(conn, settings, actor="cli:checkpoint")))
+        except ProoflineError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @main.command()

@@ -223,3 +223,25 @@ class ConditionError(ProoflineError):
     """A contract condition could not be evaluated."""
 
     code = "condition_error"
+
+
+# --- ledger checkpoints -----------------------------------------------------------------------
+
+
+class LedgerKeyUnavailable(ConfigurationError):
+    """The ledger signing key (or the keyring's ledger public key) is missing or unreadable."""
+
+    code = "ledger_key_unavailable"
+
+
+class CheckpointInvalid(ProoflineError):
+    """A ledger checkpoint is malformed, its signature does not verify, or its content was altered."""
+
+    code = "checkpoint_invalid"
+
+
+class CheckpointExists(ProoflineError):
+    """A checkpoint with this number is already in the store (another writer took it); nothing was overwritten."""
+
+    code = "checkpoint_exists"
+    retryable = True

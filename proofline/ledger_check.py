@@ -6,6 +6,7 @@ checks that each event points at its predecessor's hash and that sequence number
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,10 @@ class BrokenLink:
     problem: str
 
 
-def check_chains(conn: Any) -> tuple[int, int, list[BrokenLink]]:
-    """Returns (chains, events, first broken link of each broken chain)."""
+def check_chains(conn: Any, on_event: Callable[[dict[str, Any]], None] | None = None,
+                 ) -> tuple[int, int, list[BrokenLink]]:
+    """Returns (chains, events, first broken link of each broken chain). ``on_event`` sees every
+    event row (with its ``recomputed`` hash) in chain order, so other checks need no second pass."""
     broken: dict[str, BrokenLink] = {}
     chains: set[str] = set()
     heads: dict[str, tuple[int, str]] = {}
@@ -39,6 +42,8 @@ def check_chains(conn: Any) -> tuple[int, int, list[BrokenLink]]:
             action_id = row["action_id"]
             chains.add(action_id)
             heads[action_id] = (row["seq"], row["hash"])
+            if on_event is not None:
+                on_event(row)
             if action_id in broken:
                 continue
             expected_seq = (row["previous_seq"] or 0) + 1

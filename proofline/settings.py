@@ -67,6 +67,16 @@ class Settings(BaseSettings):
 
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
+    # --- ledger checkpoints ---
+    #: Directory of key files (``proofline keys generate --dir``); other *_file settings default into it.
+    keys_dir: Path | None = None
+    #: The ledger's Ed25519 signing key (JSON, role "ledger"); default ``keys_dir/ledger.key``.
+    ledger_key_file: Path | None = None
+    #: Where signed checkpoints are appended, outside Postgres; default ``var/checkpoints``.
+    checkpoint_dir: Path | None = None
+    #: How often Celery beat asks for a checkpoint (task ``proofline.checkpoint``, queue ``checkpoint``).
+    checkpoint_interval_seconds: float = 300.0
+
     @property
     def visibility_timeout(self) -> int:
         """Broker visibility timeout: longer than the longest absolute deadline, so Redis never redelivers a live task."""

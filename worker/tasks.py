@@ -124,4 +124,27 @@ def reconcile_task() -> dict[str, int]:
         raise
 
 
+@app.task(name="proofline.checkpoint", ignore_result=True)
+def checkpoint_task() -> dict[str, Any]:
+    """Sign and store a ledger checkpoint. Only processes holding the ledger key should consume the
+    ``checkpoint`` queue; one that does not refuses the task with a clear code and keeps running."""
+    from ledger.checkpoint import write_checkpoint
+    from proofline.errors import CheckpointExists, LedgerKeyUnavailable
+
+    rt = runtime()
+    try:
+        return write_checkpoint(rt.conn, rt.settings, actor=rt.settings.worker_id)
+    except LedgerKeyUnavailable as exc:
+        log.error("checkpoint refused: this worker holds no ledger key",
+                  extra={"event": "checkpoint_refused", "reason_code": exc.code, "detail": exc.detail})
+        return {"refused": exc.code}
+    except CheckpointExists as exc:
+        # Another checkpointer wrote this number first: its checkpoint stands, ours is not needed.
+        log.info("checkpoint already written by another process", extra={"event": "checkpoint_exists"})
+        return {"skipped": exc.code}
+    except psycopg.OperationalError:
+        rt.reset_connection()
+        raise
+
+
 _init_sentry()
