@@ -30,7 +30,7 @@ from ledger import store
 from ledger.anchor_keys import PublicKey, SigningKey, load_public_keys, load_signing_key
 from ledger.anchor_store import AnchorStore, store_for
 from proofline.canonical import canonical_bytes
-from proofline.errors import CheckpointExists, CheckpointInvalid, LedgerKeyUnavailable
+from proofline.errors import CheckpointInvalid, LedgerKeyUnavailable
 from proofline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -276,9 +276,14 @@ def write_checkpoint(conn: Any, settings: Settings, actor: str) -> dict[str, Any
     anchor = store_for(settings, ledger)
     previous = latest_valid(anchor, keys)
     recorded = recorded_checkpoints(conn)
+    if previous is None and recorded:
+        # The store lost every checkpoint the ledger says was written: a new series would anchor
+        # whatever the chains hold now, so an operator must restore the store first.
+        raise CheckpointInvalid(f"the ledger records {len(recorded)} checkpoint(s) but {anchor.location} holds "
+                                "none; refusing to start a new series")
     number = max([0, *anchor.list(), *(int(r["number"]) for r in recorded if isinstance(r["number"], int))]) + 1
     cp = build(conn, ledger, previous, number, key)
-    anchor.append(number, cp.to_bytes())  # raises CheckpointExists if another writer took the number
+    anchor.append(number, cp.to_bytes())  # CheckpointExists if another writer took the number
     summary = {"number": number, "hash": cp.hash, "merkle_root": cp.statement["merkle_root"],
                "chains": cp.statement["chains"], "events": cp.statement["events"],
                "diverged": cp.statement["diverged"], "store": anchor.location}
@@ -288,6 +293,3 @@ def write_checkpoint(conn: Any, settings: Settings, actor: str) -> dict[str, Any
         log.error("chains no longer extend the previous checkpoint; their old anchors are kept",
                   extra={"event": "ledger_diverged", "chains": cp.statement["diverged"][:20]})
     return summary
-
-
-__all__ = ["CheckpointExists", "Checkpoint", "build", "open_checkpoint", "write_checkpoint", "merkle_root"]

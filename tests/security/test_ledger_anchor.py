@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -320,6 +321,17 @@ def test_a_deleted_latest_checkpoint_is_named_from_the_ledgers_record(ledger: Le
     # Checkpointing goes on under a new number; the gap stays reported.
     assert ledger.checkpoint()["number"] == 3
     assert_detected(ledger, [("checkpoints", 2)], "missing")
+
+
+def test_a_wiped_store_is_named_and_no_new_series_is_started(ledger: Ledger):
+    ledger.checkpoint()
+    ledger.checkpoint()
+    shutil.rmtree(ledger.store_dir)
+    report = assert_detected(ledger, [("checkpoints", 1)], "missing")
+    assert report.checkpoint is None
+    done = ledger.cli("checkpoint")
+    assert done.returncode != 0 and "refusing to start a new series" in done.stderr
+    assert not ledger.store_dir.exists()
 
 
 @pytest.mark.parametrize("key_id", [KEY_ID, "rogue-key"])
