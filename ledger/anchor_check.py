@@ -115,10 +115,19 @@ class _Expected:
 def _series(conn: Any, settings: Settings, notes: list[str]) -> tuple[list[Checkpoint], list[BrokenLink], int]:
     """The checkpoints that verify, in order; problems with the series; how many files the store holds."""
     ledger = ledger_name(conn)
-    anchor = store_for(settings, ledger)
+    try:
+        anchor = store_for(settings, ledger)
+    except CheckpointInvalid as exc:
+        return [], [BrokenLink(SERIES, 1, exc.detail)], 0
     numbers = anchor.list()
-    recorded = recorded_checkpoints(conn)
     problems: list[BrokenLink] = []
+    recorded = []
+    for record in recorded_checkpoints(conn):
+        # Anyone who may append to the ledger may append here: a record that is not one is named, not trusted.
+        if isinstance(record["number"], int) and record["number"] > 0 and isinstance(record["hash"], str):
+            recorded.append(record)
+        else:
+            problems.append(BrokenLink(RECORD_CHAIN, record["seq"], "not a well-formed checkpoint record"))
     if not numbers and not recorded:
         notes.append(f"no checkpoint in {anchor.location}: chains are checked only against themselves")
         return [], problems, 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,9 @@ def load_public_keys(settings: Settings) -> dict[str, PublicKey]:
         not_after = entry.get("not_after")
         try:
             expiry = datetime.fromisoformat(not_after) if not_after else None
-        except ValueError:
+            if expiry is not None and expiry.tzinfo is None:
+                expiry = expiry.replace(tzinfo=UTC)  # a keyring time without a zone is UTC
+        except (TypeError, ValueError):
             raise LedgerKeyUnavailable(f"{path}: not_after {not_after!r} is not ISO-8601") from None
         raw = _raw(entry.get("public_key"), f"{path}: public_key of {entry.get('key_id')}")
         keys[str(entry["key_id"])] = PublicKey(str(entry["key_id"]), Ed25519PublicKey.from_public_bytes(raw),

@@ -132,7 +132,12 @@ def open_checkpoint(number: int, data: bytes, keys: dict[str, PublicKey]) -> Che
         raise _invalid(number, f"signature does not verify with ledger key {key.key_id}") from None
     if key.revoked:
         raise _invalid(number, f"signed with revoked ledger key {key.key_id}")
-    created = datetime.fromisoformat(str(statement.get("created_at")))
+    try:
+        created = datetime.fromisoformat(str(statement.get("created_at")))
+    except ValueError:
+        raise _invalid(number, "created_at is not an ISO-8601 time") from None
+    if created.tzinfo is None:
+        raise _invalid(number, "created_at has no time zone")
     if key.not_after is not None and created > key.not_after:
         raise _invalid(number, f"signed after ledger key {key.key_id} expired ({key.not_after.isoformat()})")
     cp = Checkpoint(statement, body["signature"], leaves, hashes)

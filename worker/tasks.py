@@ -129,11 +129,16 @@ def checkpoint_task() -> dict[str, Any]:
     """Sign and store a ledger checkpoint. Only processes holding the ledger key should consume the
     ``checkpoint`` queue; one that does not refuses the task with a clear code and keeps running."""
     from ledger.checkpoint import write_checkpoint
+    from ledger.store import connect
     from proofline.errors import CheckpointExists, LedgerKeyUnavailable
 
-    rt = runtime()
+    settings = get_settings()
     try:
-        return write_checkpoint(rt.conn, rt.settings, actor=rt.settings.worker_id)
+        # A connection of its own: a first checkpoint of a large ledger outlasts the worker
+        # connection's idle timeouts, and nothing it does should disturb a lease holder's session.
+        with connect(settings.database_url, application_name=f"proofline-checkpoint-{settings.worker_id}",
+                     connect_timeout=10) as conn:
+            return write_checkpoint(conn, settings, actor=settings.worker_id)
     except LedgerKeyUnavailable as exc:
         log.error("checkpoint refused: this worker holds no ledger key",
                   extra={"event": "checkpoint_refused", "reason_code": exc.code, "detail": exc.detail})
@@ -142,9 +147,6 @@ def checkpoint_task() -> dict[str, Any]:
         # Another checkpointer wrote this number first: its checkpoint stands, ours is not needed.
         log.info("checkpoint already written by another process", extra={"event": "checkpoint_exists"})
         return {"skipped": exc.code}
-    except psycopg.OperationalError:
-        rt.reset_connection()
-        raise
 
 
 _init_sentry()

@@ -357,6 +357,15 @@ def test_a_checkpoint_signed_by_a_wrong_key_is_refused(ledger: Ledger, tmp_path:
     assert done.returncode != 0 and "checkpoint_invalid" in done.stderr
 
 
+def test_forged_checkpoint_records_in_the_ledger_are_named_not_trusted(ledger: Ledger):
+    """The runtime role may append to any chain, the checkpoint records included."""
+    ledger.checkpoint()
+    with store.connect(ledger.runtime_url) as conn, store.transaction(conn) as cur:
+        store.append_event_txn(cur, RECORD_CHAIN, "checkpoint_written", "mallory", {"number": "one", "hash": 7})
+    assert_detected(ledger, [(RECORD_CHAIN, 2)], "not a well-formed checkpoint record")
+    assert ledger.checkpoint()["number"] == 2  # a malformed record does not stop checkpointing
+
+
 def test_a_checkpoint_needs_the_ledger_key(ledger: Ledger, tmp_path: Path):
     keyless = Settings(database_url=ledger.runtime_url, keys_dir=tmp_path / "empty",
                        checkpoint_dir=ledger.settings.checkpoint_dir)
