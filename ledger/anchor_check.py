@@ -121,13 +121,9 @@ def _series(conn: Any, settings: Settings, notes: list[str]) -> tuple[list[Check
         return [], [BrokenLink(SERIES, 1, exc.detail)], 0
     numbers = anchor.list()
     problems: list[BrokenLink] = []
-    recorded = []
-    for record in recorded_checkpoints(conn):
-        # Anyone who may append to the ledger may append here: a record that is not one is named, not trusted.
-        if isinstance(record["number"], int) and record["number"] > 0 and isinstance(record["hash"], str):
-            recorded.append(record)
-        else:
-            problems.append(BrokenLink(RECORD_CHAIN, record["seq"], "not a well-formed checkpoint record"))
+    with conn.cursor() as cur:
+        cur.execute("SELECT EXISTS (SELECT 1 FROM ledger_events WHERE action_id = %s) AS any", (RECORD_CHAIN,))
+        recorded = cur.fetchone()["any"]
     if not numbers and not recorded:
         notes.append(f"no checkpoint in {anchor.location}: chains are checked only against themselves")
         return [], problems, 0
@@ -136,6 +132,13 @@ def _series(conn: Any, settings: Settings, notes: list[str]) -> tuple[list[Check
     except LedgerKeyUnavailable as exc:
         return [], [BrokenLink(SERIES, min(numbers or [1]), f"checkpoints cannot be verified: {exc.detail}")], \
             len(numbers)
+    records = []
+    for record in recorded_checkpoints(conn, keys):
+        if record.number is None:
+            # Anyone who may append to the ledger may append here: a record that is not one is named.
+            problems.append(BrokenLink(RECORD_CHAIN, record.seq, record.problem or "not a checkpoint record"))
+        else:
+            records.append(record)
     valid: list[Checkpoint] = []
     by_number: dict[int, Checkpoint] = {}
     present = set(numbers)
@@ -159,14 +162,15 @@ def _series(conn: Any, settings: Settings, notes: list[str]) -> tuple[list[Check
                                                        f"{number - 1} as stored (the series was altered)"))
         valid.append(cp)
         by_number[number] = cp
-    for record in recorded:
-        number, cp = record["number"], by_number.get(record["number"])
-        where = f"recorded at {RECORD_CHAIN} seq {record['seq']}"
-        if number not in present:
-            problems.append(BrokenLink(SERIES, number, f"checkpoint {number} ({where}) is missing from "
-                                                       f"{anchor.location}"))
-        elif cp is not None and cp.hash != record["hash"]:
-            problems.append(BrokenLink(SERIES, number, f"checkpoint {number} in the store is not the one {where}"))
+    for record in records:
+        cp = by_number.get(record.number)
+        where = f"recorded at {RECORD_CHAIN} seq {record.seq}"
+        if record.number not in present:
+            problems.append(BrokenLink(SERIES, record.number, f"checkpoint {record.number} ({where}) is missing from "
+                                                              f"{anchor.location}"))
+        elif cp is not None and cp.hash != record.hash:
+            problems.append(BrokenLink(SERIES, record.number, f"checkpoint {record.number} in the store is not the "
+                                                              f"one {where}"))
     return valid, problems, len(numbers)
 
 

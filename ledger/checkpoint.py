@@ -111,23 +111,20 @@ def _invalid(number: int, detail: str) -> CheckpointInvalid:
     return CheckpointInvalid(f"checkpoint {number}: {detail}", number=number)
 
 
-def open_checkpoint(number: int, data: bytes, keys: dict[str, PublicKey]) -> Checkpoint:
-    """Parse a stored checkpoint and check everything it claims; any doubt raises CheckpointInvalid."""
-    try:
-        body = json.loads(data)
-        statement, signature = body["statement"], base64.b64decode(body["signature"], validate=True)
-        leaves = [(str(c), int(s), str(h)) for c, s, h in body["leaves"]]
-        hashes = body["hashes"]
-        assert isinstance(statement, dict) and isinstance(hashes, dict)
-    except (ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise _invalid(number, f"malformed ({type(exc).__name__}: {exc})") from None
-    if statement.get("format") != FORMAT or statement.get("number") != number:
+def verify_statement(number: int, statement: Any, signature: Any, keys: dict[str, PublicKey]) -> None:
+    """The statement is checkpoint ``number``, signed by a ledger key of the keyring that was valid
+    (not revoked, not expired) when it signed; anything else raises CheckpointInvalid."""
+    if not isinstance(statement, dict) or statement.get("format") != FORMAT or statement.get("number") != number:
         raise _invalid(number, f"not checkpoint {number} of format {FORMAT}")
+    try:
+        raw = base64.b64decode(str(signature), validate=True)
+    except ValueError:
+        raise _invalid(number, "malformed (the signature is not base64)") from None
     key = keys.get(str(statement.get("key_id")))
     if key is None:
         raise _invalid(number, f"signed with key {statement.get('key_id')!r}, not a ledger key in the keyring")
     try:
-        key.public.verify(signature, SIGNING_CONTEXT + canonical_bytes(statement))
+        key.public.verify(raw, SIGNING_CONTEXT + canonical_bytes(statement))
     except InvalidSignature:
         raise _invalid(number, f"signature does not verify with ledger key {key.key_id}") from None
     if key.revoked:
@@ -140,7 +137,20 @@ def open_checkpoint(number: int, data: bytes, keys: dict[str, PublicKey]) -> Che
         raise _invalid(number, "created_at has no time zone")
     if key.not_after is not None and created > key.not_after:
         raise _invalid(number, f"signed after ledger key {key.key_id} expired ({key.not_after.isoformat()})")
-    cp = Checkpoint(statement, body["signature"], leaves, hashes)
+
+
+def open_checkpoint(number: int, data: bytes, keys: dict[str, PublicKey]) -> Checkpoint:
+    """Parse a stored checkpoint and check everything it claims; any doubt raises CheckpointInvalid."""
+    try:
+        body = json.loads(data)
+        statement, signature = body["statement"], body["signature"]
+        leaves = [(str(c), int(s), str(h)) for c, s, h in body["leaves"]]
+        hashes = body["hashes"]
+        assert isinstance(statement, dict) and isinstance(hashes, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise _invalid(number, f"malformed ({type(exc).__name__}: {exc})") from None
+    verify_statement(number, statement, signature, keys)
+    cp = Checkpoint(statement, signature, leaves, hashes)
     _check_contents(cp)
     return cp
 
@@ -244,13 +254,36 @@ def ledger_name(conn: Any) -> str:
         return str(cur.fetchone()["name"])
 
 
-def recorded_checkpoints(conn: Any) -> list[dict[str, Any]]:
-    """What the ledger says was written: [{"seq", "number", "hash"}], in order."""
+@dataclass(frozen=True)
+class Record:
+    """A checkpoint as the ledger recorded it (its signed statement), or why the record is not one."""
+
+    seq: int
+    number: int | None
+    hash: str | None
+    problem: str | None = None
+
+
+def recorded_checkpoints(conn: Any, keys: dict[str, PublicKey]) -> list[Record]:
+    """What the ledger says was written, in order. Each record carries the checkpoint's signed
+    statement, so a record the runtime role forged is told apart from a checkpoint that existed."""
     with conn.cursor() as cur:
         cur.execute("SELECT seq, evidence FROM ledger_events WHERE action_id = %s AND event = %s ORDER BY seq",
                     (RECORD_CHAIN, RECORD_EVENT))
-        return [{"seq": r["seq"], "number": r["evidence"].get("number"), "hash": r["evidence"].get("hash")}
-                for r in cur.fetchall()]
+        rows = cur.fetchall()
+    records = []
+    for row in rows:
+        evidence = row["evidence"] if isinstance(row["evidence"], dict) else {}
+        statement = evidence.get("statement")
+        number = statement.get("number") if isinstance(statement, dict) else None
+        try:
+            if not isinstance(number, int) or number < 1:
+                raise CheckpointInvalid("the record holds no checkpoint statement")
+            verify_statement(number, statement, evidence.get("signature"), keys)
+            records.append(Record(row["seq"], number, statement_hash(statement)))
+        except CheckpointInvalid as exc:
+            records.append(Record(row["seq"], None, None, f"not a genuine checkpoint record ({exc.detail})"))
+    return records
 
 
 def latest_valid(anchor: AnchorStore, keys: dict[str, PublicKey]) -> Checkpoint | None:
@@ -280,20 +313,21 @@ def write_checkpoint(conn: Any, settings: Settings, actor: str) -> dict[str, Any
     ledger = ledger_name(conn)
     anchor = store_for(settings, ledger)
     previous = latest_valid(anchor, keys)
-    recorded = recorded_checkpoints(conn)
+    recorded = [r.number for r in recorded_checkpoints(conn, keys) if r.number is not None]
     if previous is None and recorded:
         # The store lost every checkpoint the ledger says was written: a new series would anchor
         # whatever the chains hold now, so an operator must restore the store first.
         raise CheckpointInvalid(f"the ledger records {len(recorded)} checkpoint(s) but {anchor.location} holds "
                                 "none; refusing to start a new series")
-    number = max([0, *anchor.list(), *(int(r["number"]) for r in recorded if isinstance(r["number"], int))]) + 1
+    number = max([0, *anchor.list(), *recorded]) + 1
     cp = build(conn, ledger, previous, number, key)
     anchor.append(number, cp.to_bytes())  # CheckpointExists if another writer took the number
     summary = {"number": number, "hash": cp.hash, "merkle_root": cp.statement["merkle_root"],
                "chains": cp.statement["chains"], "events": cp.statement["events"],
                "diverged": cp.statement["diverged"], "store": anchor.location}
     with store.transaction(conn) as cur:
-        store.append_event_txn(cur, RECORD_CHAIN, RECORD_EVENT, actor, summary)
+        store.append_event_txn(cur, RECORD_CHAIN, RECORD_EVENT, actor,
+                               {**summary, "statement": cp.statement, "signature": cp.signature})
     if cp.statement["diverged"]:
         log.error("chains no longer extend the previous checkpoint; their old anchors are kept",
                   extra={"event": "ledger_diverged", "chains": cp.statement["diverged"][:20]})

@@ -30,9 +30,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ledger import store
 from ledger.anchor_check import LedgerReport, verify_ledger
-from ledger.anchor_keys import SigningKey
+from ledger.anchor_keys import SigningKey, load_public_keys
 from ledger.anchor_store import store_for
-from ledger.checkpoint import RECORD_CHAIN, build, write_checkpoint
+from ledger.checkpoint import RECORD_CHAIN, build, recorded_checkpoints, write_checkpoint
 from proofline.errors import LedgerKeyUnavailable
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT, Settings
@@ -362,8 +362,18 @@ def test_forged_checkpoint_records_in_the_ledger_are_named_not_trusted(ledger: L
     ledger.checkpoint()
     with store.connect(ledger.runtime_url) as conn, store.transaction(conn) as cur:
         store.append_event_txn(cur, RECORD_CHAIN, "checkpoint_written", "mallory", {"number": "one", "hash": 7})
-    assert_detected(ledger, [(RECORD_CHAIN, 2)], "not a well-formed checkpoint record")
-    assert ledger.checkpoint()["number"] == 2  # a malformed record does not stop checkpointing
+        cur.execute("SELECT evidence FROM ledger_events WHERE action_id = %s AND seq = 1", (RECORD_CHAIN,))
+        genuine = cur.fetchone()["evidence"]
+        # A copy of the genuine record with a higher number: the statement no longer matches its signature.
+        store.append_event_txn(cur, RECORD_CHAIN, "checkpoint_written", "mallory",
+                               {**genuine, "number": 99, "statement": {**genuine["statement"], "number": 99}})
+    assert_detected(ledger, [(RECORD_CHAIN, 2)], "not a genuine checkpoint record")
+    with store.connect(ledger.runtime_url) as conn:
+        records = recorded_checkpoints(conn, load_public_keys(ledger.settings))
+    assert [(r.seq, r.number) for r in records] == [(1, 1), (2, None), (3, None)]
+    assert "signature does not verify" in (records[2].problem or "")
+    # Forged records neither stop checkpointing nor move its numbering.
+    assert ledger.checkpoint()["number"] == 2
 
 
 def test_a_checkpoint_needs_the_ledger_key(ledger: Ledger, tmp_path: Path):
