@@ -286,13 +286,16 @@ def recorded_checkpoints(conn: Any, keys: dict[str, PublicKey]) -> list[Record]:
     return records
 
 
-def latest_valid(anchor: AnchorStore, keys: dict[str, PublicKey]) -> Checkpoint | None:
-    """The newest stored checkpoint that verifies. A non-empty store with none that does is refused:
-    starting over would anchor whatever the chains hold now."""
+def latest_valid(anchor: AnchorStore, keys: dict[str, PublicKey], ledger: str) -> Checkpoint | None:
+    """The newest stored checkpoint of this ledger that verifies. A non-empty store with none that
+    does is refused: starting over would anchor whatever the chains hold now."""
     numbers = anchor.list()
     for number in reversed(numbers):
         try:
-            return open_checkpoint(number, anchor.read(number), keys)
+            cp = open_checkpoint(number, anchor.read(number), keys)
+            if cp.statement.get("ledger") != ledger:
+                raise _invalid(number, f"is of ledger {cp.statement.get('ledger')!r}, not {ledger!r}")
+            return cp
         except CheckpointInvalid as exc:
             log.error("skipping an invalid checkpoint", extra={"event": "checkpoint_invalid", "detail": str(exc)})
     if numbers:
@@ -308,11 +311,15 @@ def write_checkpoint(conn: Any, settings: Settings, actor: str) -> dict[str, Any
     except LedgerKeyUnavailable:
         keys = {}  # a checkpointer may run without the keyring; it can always check its own signatures
     own = keys.get(key.key_id)
-    if own is None or own.public.public_bytes_raw() != key.public.public_bytes_raw():
+    if own is None:
         keys[key.key_id] = PublicKey(key.key_id, key.public, None, False)
+    elif own.public.public_bytes_raw() != key.public.public_bytes_raw():
+        raise LedgerKeyUnavailable(f"the ledger key file's key {key.key_id} is not the keyring's key {key.key_id}")
+    elif own.revoked:
+        raise LedgerKeyUnavailable(f"ledger key {key.key_id} is revoked in the keyring; refusing to sign with it")
     ledger = ledger_name(conn)
     anchor = store_for(settings, ledger)
-    previous = latest_valid(anchor, keys)
+    previous = latest_valid(anchor, keys, ledger)
     recorded = [r.number for r in recorded_checkpoints(conn, keys) if r.number is not None]
     if previous is None and recorded:
         # The store lost every checkpoint the ledger says was written: a new series would anchor

@@ -382,6 +382,13 @@ def test_a_checkpoint_needs_the_ledger_key(ledger: Ledger, tmp_path: Path):
     with pytest.raises(LedgerKeyUnavailable, match="ledger key file") as info:
         ledger.checkpoint(keyless)
     assert info.value.code == "ledger_key_unavailable"
+    # A key file whose key is not the keyring's key of that id signs nothing either.
+    write_keys(tmp_path / "rogue", keyring=False)
+    mismatched = Settings(database_url=ledger.runtime_url, keys_dir=ledger.settings.keys_dir,
+                          ledger_key_file=tmp_path / "rogue" / "ledger.key",
+                          checkpoint_dir=ledger.settings.checkpoint_dir)
+    with pytest.raises(LedgerKeyUnavailable, match="not the keyring's key"):
+        ledger.checkpoint(mismatched)
     assert not ledger.store_dir.exists()
 
 
