@@ -13,6 +13,7 @@ from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.runtime import runtime
+from worker.servers import check_sandbox_policy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,16 @@ def _init_sentry() -> None:
 @signals.worker_process_shutdown.connect
 def _close(**_: Any) -> None:
     close_sessions()
+
+
+@signals.worker_init.connect
+def _check_sandboxes(**_: Any) -> None:
+    """Refuse to start (production) with an unsandboxed stdio server that gives no reason; log the
+    reasons of those that give one."""
+    settings = get_settings()
+    for identity, reason in check_sandbox_policy(settings.servers_file, settings.environment).items():
+        log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "identity": identity,
+                                                            "reason": reason})
 
 
 dispatch = CeleryDispatch(app)
