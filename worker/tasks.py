@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 from celery import Celery, signals
 
+from proofline.errors import ProoflineError
 from proofline.settings import get_settings
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
@@ -45,7 +46,13 @@ def _check_sandboxes(**_: Any) -> None:
     """Refuse to start (production) with an unsandboxed stdio server that gives no reason; log the
     reasons of those that give one."""
     settings = get_settings()
-    for identity, reason in check_sandbox_policy(settings.servers_file, settings.environment).items():
+    try:
+        reasons = check_sandbox_policy(settings.servers_file, settings.environment)
+    except ProoflineError as exc:
+        # Celery logs and ignores exceptions from signal receivers; SystemExit stops the worker.
+        log.critical("refusing to start: %s", exc, extra={"event": "sandbox_policy_refused"})
+        raise SystemExit(f"proofline worker refuses to start: {exc}") from None
+    for identity, reason in reasons.items():
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "identity": identity,
                                                             "reason": reason})
 
