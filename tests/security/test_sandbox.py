@@ -258,9 +258,9 @@ def test_a_production_worker_refuses_to_start(world: dict[str, Any]) -> None:
 # --- through a real worker -------------------------------------------------------------------------
 
 CONTRACT = """
-action_type: hostile.{tool}
+action_type: {action}
 version: 1
-server: hostile
+server: {server}
 tool: {tool}
 operation: {tool}
 target_type: box
@@ -276,6 +276,9 @@ recovery: {{verification_failure: manual}}
 """
 
 
+OPEN_REASON = "vendor tool needs the host's devices; reviewed by security"
+
+
 @pytest.fixture(scope="module")
 def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("hostile-stack")
@@ -284,8 +287,9 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (keys / "controller.key").write_text(json.dumps({"private_key": KEY_CANARY}))
     contracts = tmp / "contracts"
     shutil.copytree(ROOT / "contracts", contracts)
-    for tool in ("probe", "spin"):
-        (contracts / f"hostile.{tool}.yaml").write_text(CONTRACT.format(tool=tool))
+    for action, server, tool in (("hostile.probe", "hostile", "probe"), ("hostile.spin", "hostile", "spin"),
+                                 ("open.status", "open", "status")):
+        (contracts / f"{action}.yaml").write_text(CONTRACT.format(action=action, server=server, tool=tool))
     s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts),
                                              "PROOFLINE_KEYS_DIR": str(keys)})
     try:
@@ -294,6 +298,7 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         shutil.copy(HOSTILE, tools / "hostile_server.py")
         servers = yaml.safe_load(s.servers_file.read_text())
         servers["servers"]["hostile"] = hostile_spec(tools, cpu_seconds=4)
+        servers["servers"]["open"] = {**hostile_spec(tools), "sandbox": {"enabled": False, "reason": OPEN_REASON}}
         s.servers_file.write_text(yaml.safe_dump(servers))
         s.settings = Settings(database_url=s.database_url, broker_url=s.broker_url, servers_file=s.servers_file,
                               contracts_dir=contracts)
@@ -303,11 +308,11 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         teardown_stack(s)
 
 
-def publish_hostile(s: Stack, tool: str, arguments: dict[str, Any]) -> str:
+def publish_hostile(s: Stack, tool: str, arguments: dict[str, Any], server: str = "hostile") -> str:
     from proofline.controller import describe_server
 
-    env = s.envelope(f"hostile.{tool}", arguments=arguments, target={"type": "box", "id": "b1"},
-                     live=describe_server(s.settings, "hostile"), evidence={"redact_fields": []})
+    env = s.envelope(f"{server}.{tool}", arguments=arguments, target={"type": "box", "id": "b1"},
+                     live=describe_server(s.settings, server), evidence={"redact_fields": []})
     s.publish(env)
     return env.action_id
 
@@ -354,3 +359,11 @@ def test_through_a_real_worker_a_killed_server_is_a_recorded_violation(hostile_s
     assert s.workers_alive()
     aid2 = publish_hostile(s, "probe", {"worker_pids": [], "files": [], "dirs": []})
     wait_for(lambda: "tool_called" in s.events(aid2), 60, what="the next call after the kill")
+
+
+def test_through_a_real_worker_an_unsandboxed_servers_reason_is_on_every_call(hostile_stack: Stack) -> None:
+    s = hostile_stack
+    aid = publish_hostile(s, "status", {}, server="open")
+    s.wait_event(aid, "tool_called", timeout=60)
+    called = next(e for e in s.timeline(aid) if e["event"] == "tool_called")["evidence"]
+    assert called["unsandboxed"] == OPEN_REASON
