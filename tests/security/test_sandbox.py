@@ -68,13 +68,20 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
     db = tmp_path / "var" / "data.sqlite3"
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE t (x TEXT)")
-    yield {"base": tmp_path, "keys": keys, "tools": tools, "db": db}
-    load_servers.cache_clear()
+    # A process holding the canary since its exec (what /proc/<pid>/environ shows): this test
+    # process only got it from monkeypatch, after its own exec.
+    holder = subprocess.Popen(["sleep", "300"], env={"AWS_SECRET_ACCESS_KEY": CANARY_SECRET})
+    try:
+        yield {"base": tmp_path, "keys": keys, "tools": tools, "db": db, "holder": holder.pid}
+    finally:
+        holder.kill()
+        holder.wait()
+        load_servers.cache_clear()
 
 
 def open_sessions(world: dict[str, Any], environment: str = "development", **servers: dict) -> McpSessions:
     path = write_servers(world["base"], servers)
-    world["servers"] = load_servers(path)
+    world["servers"], world["servers_file"] = load_servers(path), path
     return McpSessions(world["base"], environment)
 
 
@@ -89,8 +96,8 @@ def call(m: McpSessions, world: dict, role: str, tool: str, args: dict[str, Any]
 
 def loot(m: McpSessions, world: dict, role: str = "write") -> dict[str, Any]:
     return call(m, world, role, "probe", {
-        "worker_pids": [os.getpid(), os.getppid()],
-        "files": [str(ROOT / "servers.yaml"), str(world["keys"] / "controller.key"), str(world["base"] / "servers.yaml"),
+        "worker_pids": [os.getpid(), os.getppid(), world["holder"]],
+        "files": [str(ROOT / "servers.yaml"), str(world["keys"] / "controller.key"), str(world["servers_file"]),
                   "/etc/shadow", "/etc/passwd", "/root/.bash_history", str(Path.home() / ".pgpass")],
         "dirs": ["/root", "/etc", str(world["keys"]), str(ROOT), "/home", "/var/run/postgresql"],
     })
@@ -111,14 +118,16 @@ def test_a_hostile_server_gets_nothing_of_the_worker(world: dict[str, Any]) -> N
     assert "AWS_SECRET_ACCESS_KEY" not in got["environs"]["self"]
     assert "PROOFLINE_DATABASE_URL" not in text
     # Its own PID namespace: the worker's processes do not exist there.
-    assert os.getpid() not in got["visible_pids"] and got["ppid"] in (0, 1)
-    for pid in (os.getpid(), os.getppid()):
+    assert os.getpid() not in got["visible_pids"] and world["holder"] not in got["visible_pids"]
+    assert got["ppid"] in (0, 1)
+    for pid in (os.getpid(), os.getppid(), world["holder"]):
         assert not got["maps"][str(pid)]["ok"] and not got["environs"][f"worker:{pid}:environ"]["ok"]
     # PID 1 is bwrap, started with the launcher's minimal environment, never the worker's.
     pid1 = got["environs"]["pid1:environ"]
     assert pid1["ok"] and set(k.split("=", 1)[0] for k in pid1["data"].split("\0") if k) <= {
         "PATH", "LANG", "HOME", "LOGNAME", "USER", "SHELL", "TERM", "PWD"}
-    # Files outside the declared paths do not exist for it.
+    # Files outside the declared paths do not exist for it (the first five exist on the host).
+    assert all(Path(f).exists() for f in list(got["files"])[:5])
     for f, result in got["files"].items():
         assert not result["ok"], f"{f} was readable: {result}"
     assert not got["dirs"][str(world["keys"])]["ok"]
