@@ -139,12 +139,12 @@ class _Session:
         self._stop: anyio.Event | None = None
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
-        if endpoint.transport == "stdio" and endpoint.sandbox.enabled:
-            fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
-            os.close(fd)
-        #: Why this server runs unsandboxed (recorded on calls through it), None when sandboxed.
-        self.unsandboxed = None if endpoint.transport != "stdio" else \
+        if endpoint.transport == "stdio":
+            # Refused here (production, no reason) as a configuration error, before anything is spawned.
             sandbox.require_policy(name, role, endpoint.sandbox, environment)
+            if endpoint.sandbox.enabled:
+                fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
+                os.close(fd)
 
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
@@ -255,6 +255,7 @@ class McpSessions:
             try:
                 self._portal.call(session.wait_ready)
             except TimeoutError as exc:
+                session.cleanup()
                 raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
             if session.client is None:
                 found = session.violation()
