@@ -32,8 +32,9 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     server = server_named(Path(settings.servers_file), server_name)
 
     async def probe() -> tuple[str | None, dict[str, str]]:
-        async with Client(endpoint_target(server.write, Path(settings.servers_file).resolve().parent),
-                          mode=server.write.protocol) as client:
+        target = endpoint_target(server.write, Path(settings.servers_file).resolve().parent, name=server.name,
+                                 environment=settings.environment)
+        async with Client(target, mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = client.server_info.version if client.server_info else None
             return version, {t.name: tool_contract_hash(t) for t in tools.tools}

@@ -276,7 +276,8 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     else:
         redis.Redis.from_url(f"{redis_url or REDIS_URL}/{redis_db}").flushdb()
     broker = f"{redis_url or REDIS_URL}/{redis_db}"
-    sor_db = tmp / "sor.sqlite3"
+    # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
+    sor_db = tmp / "var" / "sor.sqlite3"
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}

@@ -36,6 +36,10 @@ class CallReport:
     elapsed_seconds: float = 0.0
     progress: tuple[dict[str, Any], ...] = ()
     progress_total: int = 0
+    #: The sandboxed server was killed by a limit while this call was in flight (worker/sandbox.py).
+    sandbox_violation: dict[str, Any] | None = None
+    #: Why the server runs unsandboxed, when the servers file disabled its sandbox.
+    unsandboxed: str | None = None
 
 
 @dataclass(frozen=True)

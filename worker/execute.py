@@ -424,6 +424,7 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
     progress = calls.ProgressLog(limit=settings.progress_events_limit)
     started = time.monotonic()
     handle = CancelHandle()
+    unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
     with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
                    touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
         if not heartbeat.valid():
@@ -439,13 +440,15 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             sent = _sent(exc)
-            if sent:
-                rt.mcp.discard(server, "write")
+            # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
+            # evidence on this action.
+            violation = rt.mcp.discard(server, "write") if sent else None
             return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
-                              progress=tuple(progress.kept), progress_total=progress.total)
+                              progress=tuple(progress.kept), progress_total=progress.total,
+                              sandbox_violation=violation, unsandboxed=unsandboxed)
     faultpoints.hit("after_send")
     return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
-                      progress_total=progress.total)
+                      progress_total=progress.total, unsandboxed=unsandboxed)
 
 
 def _result_evidence(envelope: Envelope, verdict: Classification, report: CallReport) -> dict[str, Any]:
@@ -458,6 +461,8 @@ def _result_evidence(envelope: Envelope, verdict: Classification, report: CallRe
         evidence["downstream_operation_id"] = verdict.operation_id
     if envelope.evidence.record_tool_result and verdict.values is not None:
         evidence["result"] = verdict.values
+    if report.unsandboxed is not None:
+        evidence["unsandboxed"] = report.unsandboxed
     return evidence
 
 
@@ -467,12 +472,12 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
     evidence = _result_evidence(envelope, verdict, report)
     try:
         try:
-            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks)
+            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks, report.sandbox_violation)
         except psycopg.OperationalError:
             # The session died while we called (and its locks with it). Write again on a new
             # session: the fencing token still decides whether this worker may record the result.
             rt.reset_connection()
-            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks)
+            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks, report.sandbox_violation)
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
@@ -491,7 +496,7 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
 
 
 def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, evidence: dict[str, Any],
-                      token: int, locks: Locks) -> bool:
+                      token: int, locks: Locks, violation: dict[str, Any] | None = None) -> bool:
     """Record the classified call, settle the idempotency record, release the lease: one commit.
 
     Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
@@ -508,6 +513,8 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, 
             result={"values": verdict.values, "operation_id": verdict.operation_id, "outcome": verdict.outcome.value})
         retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
+        if violation is not None:
+            events.append(("sandbox_violation", violation))
         if verdict.outcome == Outcome.failed_before_side_effect:
             status = ActionStatus.published if retry else ActionStatus.closed
             events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))

@@ -5,15 +5,22 @@ session per (server, identity) open. anyio requires a client context to be enter
 by the same task, so each session lives in its own task on a blocking portal (an event-loop
 thread created lazily *after* fork, in the process that uses it); tasks hand it coroutines to run.
 A session that dies (server killed, connection lost) is replaced on the next call.
+
+stdio servers run sandboxed (worker/sandbox.py). bwrap writes the sandboxed process's exit status
+to a per-session status file, so a server killed by a limit is told apart from one that merely
+closed: such a death is a sandbox violation, counted here and recorded on the call it broke.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import tempfile
 import threading
-from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -22,39 +29,129 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
 
 from proofline.errors import McpUnavailable
+from worker import sandbox
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
 Role = Literal["write", "read"]
 CONNECT_TIMEOUT_SECONDS = 15.0
+#: How long to wait for bwrap's exit status after a sandboxed session's pipe closed.
+STATUS_WAIT_SECONDS = 1.0
+
+log = logging.getLogger(__name__)
+_violations = 0
+_violations_lock = threading.Lock()
 
 
-def endpoint_target(endpoint: Endpoint, base_dir: Path) -> Any:
-    """What ``mcp.Client`` connects to: a URL, or a stdio command with an explicit environment."""
+def sandbox_violations() -> int:
+    """Sandbox violations (servers killed by a limit) seen by this process, for metrics."""
+    return _violations
+
+
+def _count_violation() -> None:
+    global _violations
+    with _violations_lock:
+        _violations += 1
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
+                    environment: str = "development", status_path: str | None = None) -> Any:
+    """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials),
+    or a stdio command, sandboxed unless the servers file disables it with a reason."""
     if endpoint.transport == "http":
+        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file:
+            return _credentialed_http(endpoint)
         return endpoint.url
     argv = endpoint.argv()
-    return StdioServerParameters(
-        command=argv[0], args=argv[1:], env=endpoint.stdio_environment(), cwd=endpoint.working_directory(base_dir),
-    )
+    cwd = endpoint.working_directory(base_dir)
+    unsandboxed = sandbox.require_policy(name, role, endpoint.sandbox, environment)
+    if unsandboxed is not None:
+        log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
+                                                            "role": role, "reason": unsandboxed})
+        return StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(), cwd=cwd)
+    launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
+                            base_dir=base_dir, status_path=status_path)
+    # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
+    # environment pins every one of them, so what bwrap starts with is exactly launch.env.
+    return StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd)
+
+
+def _read_secret(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise McpUnavailable(f"cannot read the credential file {path}: {exc.strerror}") from None
+
+
+def _credentialed_http(endpoint: Endpoint) -> Any:
+    """A streamable-HTTP transport whose client sends this identity's headers (and client
+    certificate), read from their files at each connect so a rotated secret is picked up."""
+    import ssl
+
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
+
+    headers = {name: _read_secret(path) for name, path in endpoint.headers_from_files.items()}
+    verify: ssl.SSLContext | bool = True
+    if endpoint.ca_file or endpoint.client_cert_file:
+        verify = ssl.create_default_context(cafile=endpoint.ca_file)
+        if endpoint.client_cert_file and endpoint.client_key_file:
+            try:
+                verify.load_cert_chain(endpoint.client_cert_file, endpoint.client_key_file)
+            except OSError as exc:
+                raise McpUnavailable(f"cannot load the client certificate: {exc.strerror}") from None
+
+    @asynccontextmanager
+    async def transport() -> AsyncIterator[Any]:
+        async with httpx2.AsyncClient(
+            headers=headers, verify=verify, trust_env=False,
+            timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT),
+        ) as http:
+            async with streamable_http_client(endpoint.url or "", http_client=http) as streams:
+                yield streams
+
+    return transport()
 
 
 class _Session:
     """One open MCP client, owned by one task on the portal's event loop."""
 
-    def __init__(self, endpoint: Endpoint, base_dir: Path) -> None:
+    def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
+                 environment: str = "development") -> None:
         self.endpoint = endpoint
         self.base_dir = base_dir
+        self.name, self.role, self.environment = name, role, environment
         self.client: Client | None = None
         self.error: BaseException | None = None
         self.dead = False
+        self.stopping = False
         self._ready: anyio.Event | None = None
         self._stop: anyio.Event | None = None
+        self.status_path: str | None = None
+        self.checked: dict[str, Any] | None = None
+        if endpoint.transport == "stdio":
+            # Refused here (production, no reason) as a configuration error, before anything is spawned.
+            sandbox.require_policy(name, role, endpoint.sandbox, environment)
+            if endpoint.sandbox.enabled:
+                fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
+                os.close(fd)
 
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
-            async with Client(endpoint_target(self.endpoint, self.base_dir), mode=self.endpoint.protocol) as client:
+            target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
+                                     environment=self.environment, status_path=self.status_path)
+            async with Client(target, mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()
@@ -65,6 +162,33 @@ class _Session:
             self.dead = True
             self._ready.set()
 
+    def violation(self) -> dict[str, Any] | None:
+        """If this session's sandboxed process was killed by a limit: the evidence (counted once)."""
+        if self.checked is not None or self.status_path is None:
+            return self.checked or None
+        status = sandbox.read_status(self.status_path)
+        if "exit-code" not in status:
+            if "child-pid" not in status or _alive(status["child-pid"]):
+                return None  # never started, or still running: nothing to say yet
+            deadline = time.monotonic() + STATUS_WAIT_SECONDS
+            while "exit-code" not in status and time.monotonic() < deadline:
+                time.sleep(0.02)  # the child is gone; bwrap writes its exit code just before exiting
+                status = sandbox.read_status(self.status_path)
+        found = None if self.stopping else sandbox.violation(status.get("exit-code"))
+        self.checked = {}
+        if found is not None:
+            self.checked = {"server": self.name, "role": self.role, **found}
+            _count_violation()
+            log.warning("sandboxed server killed", extra={"event": "sandbox_violation", **self.checked})
+        return self.checked or None
+
+    def cleanup(self) -> None:
+        if self.status_path is not None:
+            try:
+                os.unlink(self.status_path)
+            except OSError:
+                pass
+
     async def wait_ready(self) -> None:
         while self._ready is None:
             await anyio.sleep(0.001)
@@ -72,6 +196,7 @@ class _Session:
             await self._ready.wait()
 
     async def stop(self) -> None:
+        self.stopping = True
         if self._stop is not None:
             self._stop.set()
 
@@ -106,8 +231,9 @@ async def _cancellable(fn: Callable[[Client], Awaitable[T]], client: Client, han
 class McpSessions:
     """The per-process registry of open MCP sessions."""
 
-    def __init__(self, base_dir: Path) -> None:
+    def __init__(self, base_dir: Path, environment: str = "development") -> None:
         self.base_dir = base_dir
+        self.environment = environment
         self.pid = os.getpid()
         self._stack = ExitStack()
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
@@ -120,15 +246,24 @@ class McpSessions:
             session = self._sessions.get(key)
             if session is not None and not session.dead:
                 return session
+            if session is not None:
+                session.violation()
+                session.cleanup()
             endpoint = server.write if role == "write" else server.read
-            session = _Session(endpoint, self.base_dir)
+            session = _Session(endpoint, self.base_dir, server.name, role, self.environment)
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)
             except TimeoutError as exc:
+                session.cleanup()
                 raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
             if session.client is None:
-                raise McpUnavailable(f"{server.name}/{role}: cannot open a session: {session.error!r}")
+                found = session.violation()
+                status = sandbox.read_status(session.status_path) if session.status_path else {}
+                session.cleanup()
+                detail = f"; sandbox exit {status['exit-code']}" if "exit-code" in status else ""
+                raise McpUnavailable(f"{server.name}/{role}: cannot open a session: {session.error!r}{detail}",
+                                     **({"sandbox_violation": found} if found else {}))
             self._sessions[key] = session
             return session
 
@@ -154,12 +289,25 @@ class McpSessions:
         info = session.client.server_info if session.client else None
         return info.version if info else None
 
-    def discard(self, server: Server, role: Role) -> None:
-        """Drop a session after a transport failure so the next call reconnects."""
+    def unsandboxed_reason(self, server: Server, role: Role) -> str | None:
+        """Why the server behind this identity runs unsandboxed (recorded on calls), or None."""
+        endpoint = server.write if role == "write" else server.read
+        if endpoint.transport != "stdio":
+            return None
+        return sandbox.require_policy(server.name, role, endpoint.sandbox, self.environment)
+
+    def discard(self, server: Server, role: Role) -> dict[str, Any] | None:
+        """Drop a session after a transport failure so the next call reconnects.
+
+        Returns the sandbox violation that killed it, if its sandboxed process was killed by a limit."""
         with self._lock:
             session = self._sessions.pop((server.name, role), None)
-        if session is not None:
-            self._portal.call(session.stop)
+        if session is None:
+            return None
+        found = session.violation()
+        self._portal.call(session.stop)
+        session.cleanup()
+        return found
 
     def close(self) -> None:
         with self._lock:
@@ -169,6 +317,7 @@ class McpSessions:
                 self._portal.call(session.stop)
             except Exception:  # noqa: BLE001 - closing at exit must not raise
                 pass
+            session.cleanup()
         self._stack.close()
 
 
@@ -176,12 +325,12 @@ _current: McpSessions | None = None
 _current_lock = threading.Lock()
 
 
-def sessions(base_dir: Path) -> McpSessions:
+def sessions(base_dir: Path, environment: str = "development") -> McpSessions:
     """This process's sessions; a forked child never reuses its parent's event loop."""
     global _current
     with _current_lock:
         if _current is None or _current.pid != os.getpid():
-            _current = McpSessions(base_dir)
+            _current = McpSessions(base_dir, environment)
             atexit.register(_current.close)
         return _current
 

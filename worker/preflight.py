@@ -32,8 +32,9 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
     except McpUnavailable:
         raise
     except BaseException as exc:  # noqa: BLE001 - any read failure means "no fresh snapshot"
-        rt.mcp.discard(server, role)  # type: ignore[arg-type]
-        raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500]) from None
+        violation = rt.mcp.discard(server, role)  # type: ignore[arg-type]
+        raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500],
+                               **({"sandbox_violation": violation} if violation else {})) from None
     if getattr(result, "is_error", False):
         text = "".join(getattr(b, "text", "") for b in result.content or [])
         raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")

@@ -29,7 +29,7 @@ class Runtime:
     @cached_property
     def mcp(self) -> McpSessions:
         # Relative working directories in the servers file are relative to that file.
-        return sessions(Path(self.settings.servers_file).resolve().parent)
+        return sessions(Path(self.settings.servers_file).resolve().parent, self.settings.environment)
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
     _last_used: float = 0.0

@@ -10,8 +10,20 @@ Example (``servers.yaml``)::
         env: {SOR_ROLE: writer}
         cwd: var
         expected_version: "1.0.0"
+        sandbox:                              # stdio only; on unless enabled: false (worker/sandbox.py)
+          rw_paths: [var]
         read_identity:                        # a separate read-only identity for verification
           env: {SOR_ROLE: reader}
+          sandbox: {uid: 65533, ro_paths: [var]}   # the same program, its data bound read-only
+
+An HTTP endpoint may read per-identity credentials from secret files::
+
+        headers_from_files: {Authorization: /run/secrets/sor-writer-token}
+        client_cert_file: /run/secrets/sor-writer.crt   # optional mTLS
+        client_key_file: /run/secrets/sor-writer.key
+        ca_file: /run/secrets/sor-ca.pem                # optional: verify the server against this CA
+
+The read identity inherits none of the writer's credentials and none of its writable paths.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proofline.errors import ConfigurationError
+from worker.sandbox import SandboxSpec, reader_sandbox
 
 #: A stdio server gets this PATH and nothing else unless the servers file allows a variable.
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -45,6 +58,13 @@ class Endpoint(BaseModel):
     #: "auto" tries the current protocol and falls back to the initialize handshake (servers on
     #: the 1.x SDK); "legacy" always uses the handshake.
     protocol: Literal["auto", "legacy"] = "auto"
+    #: stdio only: how the server is confined (on by default).
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    #: http only: request headers whose values are read from secret files at each connect.
+    headers_from_files: dict[str, str] = Field(default_factory=dict)
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    ca_file: str | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> Endpoint:
@@ -52,6 +72,13 @@ class Endpoint(BaseModel):
             raise ValueError("a stdio endpoint needs a command")
         if self.transport == "http" and not self.url:
             raise ValueError("an http endpoint needs a url")
+        if self.transport == "http" and "sandbox" in self.model_fields_set:
+            raise ValueError("sandbox applies to stdio servers only")
+        http_only = {"headers_from_files", "client_cert_file", "client_key_file", "ca_file"}
+        if self.transport == "stdio" and http_only & self.model_fields_set:
+            raise ValueError("headers_from_files and TLS files apply to http servers only")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("client_cert_file and client_key_file go together")
         return self
 
     def stdio_environment(self) -> dict[str, str]:
@@ -81,10 +108,17 @@ class Server(BaseModel):
     expected_version: str | None = None
 
 
+#: Never inherited by a read identity: credentials are per identity.
+CREDENTIAL_FIELDS = ("headers_from_files", "client_cert_file", "client_key_file")
+
+
 def _merge(base: dict, override: dict) -> dict:
+    base = {k: v for k, v in base.items() if k not in CREDENTIAL_FIELDS}
     merged = {**base, **override}
     if "env" in base or "env" in override:
         merged["env"] = {**base.get("env", {}), **override.get("env", {})}
+    if base.get("transport", "stdio") == "stdio" and merged.get("transport", "stdio") == "stdio":
+        merged["sandbox"] = reader_sandbox(base.get("sandbox") or {}, override.get("sandbox"))
     return merged
 
 
@@ -101,10 +135,13 @@ def load_servers(path: Path) -> dict[str, Server]:
         expected = spec.pop("expected_version", None)
         if read_override is None:
             raise ConfigurationError(f"server {name}: a read_identity for verification is required")
-        servers[name] = Server(
-            name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
-            expected_version=expected,
-        )
+        try:
+            servers[name] = Server(
+                name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
+                expected_version=expected,
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"server {name}: {exc}", server=name) from None
     return servers
 
 
@@ -113,3 +150,20 @@ def server_named(path: Path, name: str) -> Server:
     if name not in servers:
         raise ConfigurationError(f"server {name!r} is not in {path}")
     return servers[name]
+
+
+def check_sandbox_policy(path: Path, environment: str) -> dict[str, str]:
+    """Every stdio identity in the servers file against the sandbox rule; a production worker calls
+    this at start and refuses to run when an unsandboxed server gives no reason.
+
+    Returns the reasons of the unsandboxed identities, by ``server/role``."""
+    from worker.sandbox import require_policy
+
+    reasons = {}
+    for server in load_servers(Path(path)).values():
+        for role, endpoint in (("write", server.write), ("read", server.read)):
+            if endpoint.transport == "stdio":
+                reason = require_policy(server.name, role, endpoint.sandbox, environment)
+                if reason is not None:
+                    reasons[f"{server.name}/{role}"] = reason
+    return reasons

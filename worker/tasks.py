@@ -8,11 +8,13 @@ from typing import Any
 import psycopg
 from celery import Celery, signals
 
+from proofline.errors import ProoflineError
 from proofline.settings import get_settings
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.runtime import runtime
+from worker.servers import check_sandbox_policy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,22 @@ def _init_sentry() -> None:
 @signals.worker_process_shutdown.connect
 def _close(**_: Any) -> None:
     close_sessions()
+
+
+@signals.worker_init.connect
+def _check_sandboxes(**_: Any) -> None:
+    """Refuse to start (production) with an unsandboxed stdio server that gives no reason; log the
+    reasons of those that give one."""
+    settings = get_settings()
+    try:
+        reasons = check_sandbox_policy(settings.servers_file, settings.environment)
+    except ProoflineError as exc:
+        # Celery logs and ignores exceptions from signal receivers; SystemExit stops the worker.
+        log.critical("refusing to start: %s", exc, extra={"event": "sandbox_policy_refused"})
+        raise SystemExit(f"proofline worker refuses to start: {exc}") from None
+    for identity, reason in reasons.items():
+        log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "identity": identity,
+                                                            "reason": reason})
 
 
 dispatch = CeleryDispatch(app)

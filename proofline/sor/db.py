@@ -107,6 +107,18 @@ def connect(path: str | os.PathLike[str] | None = None, *, readonly: bool = Fals
         conn = sqlite3.connect(
             f"{db.as_uri()}?mode=ro", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
         )
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError:
+            # On a read-only mount (a sandboxed reader) SQLite cannot create the WAL's -shm file.
+            # With no -wal/-shm at all, no connection is open and every commit is in the main file:
+            # read it as it stands. (With them present the normal open works.)
+            wal, shm = Path(f"{db}-wal"), Path(f"{db}-shm")
+            conn.close()
+            if wal.exists() or shm.exists() or not db.exists():
+                raise
+            conn = sqlite3.connect(f"{db.as_uri()}?mode=ro&immutable=1", uri=True, isolation_level=None,
+                                   timeout=BUSY_TIMEOUT_MS / 1000)
     else:
         db.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(db, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)

@@ -21,6 +21,8 @@ from proofline.sor.tools import register
 
 __all__ = ["IDEMPOTENCY_META_KEY", "SERVER_NAME", "SorConfig", "build_server", "main"]
 
+_keepers: list = []
+
 
 def build_server(config: SorConfig) -> MCPServer:
     """An ``MCPServer`` named ``proofline-sor`` with every tool bound to ``config``.
@@ -30,6 +32,10 @@ def build_server(config: SorConfig) -> MCPServer:
     """
     if config.role == "writer":
         store.init_db(config.db_path)
+        # Held open for the server's life: while any connection is open SQLite keeps the WAL's
+        # -wal/-shm files, and a reader whose directory is mounted read-only (a sandboxed read
+        # identity) can only open a WAL database whose -shm already exists.
+        _keepers.append(store.connect(config.db_path))
     # WARNING by default: the SDK logs every refused call at INFO, which is noise on stderr here.
     server: MCPServer = MCPServer(
         SERVER_NAME,

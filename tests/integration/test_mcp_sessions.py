@@ -20,7 +20,8 @@ def sor_processes(stack: Stack) -> list[psutil.Process]:
     for worker in stack.workers:
         for child in psutil.Process(worker.pid).children(recursive=True):
             try:
-                if "proofline.sor" in " ".join(child.cmdline()):
+                # The server itself, not the sh/bwrap processes that sandbox it.
+                if "proofline.sor" in " ".join(child.cmdline()) and child.name().startswith("python"):
                     found.append(child)
             except psutil.NoSuchProcess:
                 continue
@@ -47,7 +48,8 @@ def test_stdio_servers_start_with_a_minimal_environment(stack: Stack) -> None:
         assert "AWS_SECRET_ACCESS_KEY" not in environ
         assert environ["SOR_ROLE"] in ("writer", "reader")
         assert set(environ) <= {"PATH", "LANG", "SOR_ROLE", "SOR_DB", "SOR_VERSION", "SOR_CONTRACT_VARIANT",
-                                "SOR_RESTART_SECONDS", "PYTHONPATH", "HOME", "LOGNAME", "SHELL", "TERM", "USER"}
+                                "SOR_RESTART_SECONDS", "PYTHONPATH", "HOME", "LOGNAME", "SHELL", "TERM", "USER",
+                                "PWD"}  # PWD: bwrap's --chdir sets it to the sandbox's working directory
         assert proc.cwd() == str(stack.servers_file.parent / "var")
     roles = sorted(p.environ()["SOR_ROLE"] for p in processes)
     assert "reader" in roles, "verification must use its own read-only identity"

@@ -1,0 +1,243 @@
+"""Sandboxed stdio tool servers: the bubblewrap command line that confines one server.
+
+A stdio MCP server is code the worker did not write and must not trust. Left alone it runs as the
+worker's user in the worker's namespaces: it can read ``/proc/<worker>/environ`` (keys, database
+URL), connect to Postgres and Redis on loopback, and read every file the worker can. In a sandbox it
+gets new user, PID, IPC, UTS and network namespaces (no network unless declared), a non-root uid,
+a root filesystem holding only the interpreter and the paths the servers file declares, a fresh
+``/proc``, ``/dev`` and ``/tmp``, and rlimits on memory, CPU, open files and processes.
+
+Everything here is pure: it turns a :class:`SandboxSpec` and a command into an argv. The launcher
+is ``/bin/sh`` (applies the rlimits with ``ulimit``, opens the status file, then ``exec``s bwrap),
+started with :func:`launcher_environment`: bwrap's PID 1 inside the sandbox keeps the environment
+it was started with, so the worker's own environment must never reach it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proofline.errors import ConfigurationError
+
+BWRAP = "bwrap"
+SHELL = "/bin/sh"
+#: The uid/gid a sandboxed server runs as (``nobody``/``nogroup``) unless the servers file says otherwise.
+DEFAULT_UID = DEFAULT_GID = 65534
+#: The fd bwrap writes its JSON status to (child pid, then the exit code); the sandboxed child never
+#: inherits it (bwrap closes it before exec), so a server cannot forge its own exit status.
+STATUS_FD = 3
+#: System directories bound read-only (or recreated as the same symlink) so dynamically linked
+#: interpreters run. Nothing under /etc except the loader cache unless the server has network.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache",)
+NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates")
+#: Exit statuses (128 + signal) of a sandboxed process killed by a limit or a fault: SIGKILL (hard
+#: CPU limit, or the kernel), SIGSEGV (a stack or memory limit hit in C code), SIGBUS, SIGXCPU
+#: (soft CPU limit), SIGXFSZ, SIGSYS, SIGABRT (allocation failure inside C code).
+VIOLATION_SIGNALS = {9: "SIGKILL", 11: "SIGSEGV", 7: "SIGBUS", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS",
+                     6: "SIGABRT"}
+
+
+class SandboxSpec(BaseModel):
+    """The ``sandbox:`` block of one stdio endpoint in the servers file. On unless disabled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    #: Why this server runs unsandboxed; a production worker refuses ``enabled: false`` without it.
+    reason: str | None = None
+    uid: int = Field(DEFAULT_UID, ge=1, le=2**31)
+    gid: int = Field(DEFAULT_GID, ge=1, le=2**31)
+    #: A server without network gets only its own loopback (nothing listens there).
+    network: bool = False
+    #: Paths bound read-only / read-write (relative ones are relative to the servers file).
+    ro_paths: tuple[str, ...] = ()
+    rw_paths: tuple[str, ...] = ()
+    #: Address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU), open files, processes (RLIMIT_NPROC).
+    memory_mb: int = Field(1024, ge=64)
+    cpu_seconds: int = Field(3600, ge=1)
+    open_files: int = Field(256, ge=16)
+    processes: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _reason_is_text(self) -> SandboxSpec:
+        if self.reason is not None and not self.reason.strip():
+            raise ValueError("sandbox.reason must say why, not be empty")
+        return self
+
+
+def reader_sandbox(writer: dict, override: dict | None) -> dict:
+    """The read identity's sandbox block: the writer's, with every writable path bound read-only,
+    then whatever the ``read_identity`` block declares. A read identity never inherits write access."""
+    merged = dict(writer)
+    merged["ro_paths"] = [*writer.get("ro_paths", ()), *writer.get("rw_paths", ())]
+    merged["rw_paths"] = []
+    merged.update(override or {})
+    return merged
+
+
+def require_policy(server: str, role: str, spec: SandboxSpec, environment: str) -> str | None:
+    """Refuse an unsandboxed server in production unless the servers file says why.
+
+    Returns the recorded reason for an unsandboxed server (None when sandboxed)."""
+    if spec.enabled:
+        return None
+    if environment == "production" and not spec.reason:
+        raise ConfigurationError(
+            f"server {server!r} ({role}) runs unsandboxed in production without a reason: set "
+            "sandbox: {enabled: false, reason: \"...\"} in the servers file, or sandbox it",
+            server=server, role=role)
+    return spec.reason or "unsandboxed (development)"
+
+
+@lru_cache(maxsize=1)
+def interpreter_paths() -> tuple[str, ...]:
+    """What this interpreter needs to run: the venv (sys.prefix), the base interpreter's prefix
+    (sys.base_prefix) and the source directories of packages installed editable (the project's
+    own packages only: never the checkout around them, which holds config and keys)."""
+    paths = [sys.prefix, sys.base_prefix]
+    for dist in metadata.distributions():
+        direct = dist.read_text("direct_url.json")
+        if not direct or not json.loads(direct).get("dir_info", {}).get("editable"):
+            continue
+        for name in (dist.read_text("top_level.txt") or "").split():
+            spec = find_spec(name)
+            if spec is None:
+                continue
+            if spec.submodule_search_locations:
+                paths.extend(spec.submodule_search_locations)
+            elif spec.origin:
+                paths.append(spec.origin)
+    return tuple(dict.fromkeys(str(Path(p).resolve()) for p in paths))
+
+
+def _covered(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _resolve(path: str, base_dir: Path) -> str:
+    p = Path(path)
+    return str((p if p.is_absolute() else base_dir / p).absolute())
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one sandboxed server: the launcher argv and its (minimal) environment."""
+
+    command: str
+    args: list[str]
+    env: dict[str, str]
+
+
+def launcher_environment() -> dict[str, str]:
+    """The launcher's whole environment. Every variable the mcp SDK's stdio client would copy from
+    the worker (HOME, LOGNAME, PATH, SHELL, TERM, USER) is pinned here, so the merge it does adds
+    nothing of the worker's; bwrap's PID 1 keeps exactly this."""
+    return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent", "LOGNAME": "nobody",
+            "USER": "nobody", "SHELL": "/bin/false", "TERM": "dumb"}
+
+
+def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
+               runtime_paths: Sequence[str], exists=Path.exists, is_symlink=Path.is_symlink,
+               readlink=Path.readlink) -> list[str]:
+    """bwrap's arguments (after ``bwrap``) for ``command`` confined by ``spec``.
+
+    ``exists``/``is_symlink``/``readlink`` are injectable so the unit tests describe a filesystem."""
+    args = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not spec.network:
+        args.append("--unshare-net")
+    args += ["--uid", str(spec.uid), "--gid", str(spec.gid), "--hostname", "sandbox",
+             "--die-with-parent", "--new-session", "--clearenv"]
+    for name, value in env.items():
+        args += ["--setenv", name, value]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    bound: list[str] = []
+    for d in SYSTEM_DIRS:
+        p = Path(d)
+        if is_symlink(p):
+            args += ["--symlink", str(readlink(p)), d]
+        elif exists(p):
+            args += ["--ro-bind", d, d]
+            bound.append(d)
+    extra = SYSTEM_FILES + (NETWORK_FILES if spec.network else ())
+    for f in extra:
+        if exists(Path(f)):
+            args += ["--ro-bind", f, f]
+    for p in runtime_paths:
+        if not _covered(p, bound):
+            args += ["--ro-bind", p, p]
+            bound.append(p)
+    for p in (_resolve(x, base_dir) for x in spec.ro_paths):
+        if not exists(Path(p)):
+            raise ConfigurationError(f"sandbox ro_paths: {p} does not exist", path=p)
+        args += ["--ro-bind", p, p]
+        bound.append(p)
+    for p in (_resolve(x, base_dir) for x in spec.rw_paths):
+        if not exists(Path(p)):
+            raise ConfigurationError(f"sandbox rw_paths: {p} does not exist", path=p)
+        args += ["--bind", p, p]
+        bound.append(p)
+    if not _covered(cwd, bound):
+        args += ["--dir", cwd]  # an empty directory on the sandbox's own root: nothing of the host's
+    args += ["--chdir", cwd, "--", *command]
+    return args
+
+
+def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
+           status_path: str | None = None, runtime_paths: Sequence[str] | None = None) -> Launch:
+    """The launcher for one sandboxed server: ``sh`` sets the rlimits (inherited across exec by
+    bwrap and the server; no preexec_fn in the worker), opens the status file on fd 3, then execs
+    bwrap. The rlimits are hard limits too, so the server cannot raise them again."""
+    if runtime_paths is None:
+        runtime_paths = interpreter_paths()
+    bw = bwrap_args(spec, command=command, env=env, cwd=cwd, base_dir=base_dir, runtime_paths=runtime_paths)
+    limits = (f"ulimit -v {spec.memory_mb * 1024} && ulimit -t {spec.cpu_seconds} && "
+              f"ulimit -n {spec.open_files} && ulimit -p {spec.processes}")
+    if status_path is not None:
+        script = f"{limits} && exec {STATUS_FD}>\"$0\" && exec \"$@\""
+        return Launch(SHELL, ["-c", script, status_path, BWRAP, "--json-status-fd", str(STATUS_FD), *bw],
+                      launcher_environment())
+    return Launch(SHELL, ["-c", f"{limits} && exec \"$@\"", "sandbox", BWRAP, *bw], launcher_environment())
+
+
+def read_status(path: str | Path) -> dict[str, int]:
+    """bwrap's JSON status lines ({"child-pid": N} ... {"exit-code": N}) merged; {} when absent."""
+    status: dict[str, int] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return status
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            status.update({k: v for k, v in item.items() if isinstance(v, int)})
+    return status
+
+
+def violation(exit_code: int | None) -> dict[str, object] | None:
+    """The evidence for an exit that means the sandbox stopped the server (a signal from a limit)."""
+    if exit_code is None or exit_code <= 128:
+        return None
+    signo = exit_code - 128
+    name = VIOLATION_SIGNALS.get(signo)
+    if name is None:
+        return None
+    return {"exit_code": exit_code, "signal": signo, "signal_name": name}
+
+
+def describe(launch_: Launch) -> str:
+    """The launcher command line, quoted, for logs."""
+    return shlex.join([launch_.command, *launch_.args])
