@@ -223,3 +223,18 @@ class ConditionError(ProoflineError):
     """A contract condition could not be evaluated."""
 
     code = "condition_error"
+
+
+# --- secrets and redaction ----------------------------------------------------------------------
+
+
+class EnvironmentMismatch(RevalidationFailed):
+    """The envelope was approved for another environment than this worker's (staging vs production)."""
+
+    code = "environment_mismatch"
+
+
+class SealedMessageUnreadable(ProoflineError):
+    """A stored sealed signed message cannot be opened (no key loaded for it, or it fails authentication)."""
+
+    code = "sealed_message_unreadable"

@@ -26,7 +26,7 @@ def after_settle(conn: Any, actor: str, action_id: str, dispatch: Dispatch, *, e
             row = store.get_action(cur, action_id)
         if row is None:
             return
-        envelope, status, outcome = Envelope.model_validate(row.envelope), row.status, row.outcome
+        envelope, status, outcome = Envelope.model_validate(row.signed_envelope), row.status, row.outcome
     if status == ActionStatus.recovery:
         dispatch.recover(action_id)
         return

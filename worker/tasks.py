@@ -8,10 +8,12 @@ from typing import Any
 import psycopg
 from celery import Celery, signals
 
+from ledger.redact import POLICY, current_redactor, for_message
 from proofline.settings import get_settings
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
+from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 
 log = logging.getLogger(__name__)
@@ -26,12 +28,10 @@ app = Celery("proofline")
 app.config_from_object("celeryconfig")
 
 
-def _init_sentry() -> None:
-    dsn = get_settings().sentry_dsn
-    if dsn:
-        import sentry_sdk
-
-        sentry_sdk.init(dsn=dsn)
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    install_log_scrubbing(*([logger] if logger is not None else []))
 
 
 @signals.worker_process_shutdown.connect
@@ -63,6 +63,8 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Execute one envelope. Any argument shape is accepted so that malformed input is refused
     and recorded by the runtime instead of failing inside Celery."""
     message = args[0] if len(args) == 1 and not kwargs else {"args": list(args), "kwargs": kwargs}
+    # Until the envelope is validated, scrub logs and errors with what the message itself declares.
+    current_redactor.set(for_message(message))
     rt = runtime()
     try:
         return execute(rt, message, _delivery(self), dispatch)
@@ -85,6 +87,7 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
     """Run a follow-up stage (verify, recover): a lost database connection is retried without limit
     (nothing past the last commit happened); anything else a bounded number of times, after which
     the reconciler re-drives the action from the ledger."""
+    current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
         return fn(rt, action_id, dispatch)
@@ -114,6 +117,7 @@ def recover_task(self, action_id: str) -> dict[str, Any]:
 def reconcile_task() -> dict[str, int]:
     from recovery.reconciler import sweep
 
+    current_redactor.set(POLICY)
     rt = runtime()
     s = rt.settings
     try:
@@ -124,4 +128,5 @@ def reconcile_task() -> dict[str, int]:
         raise
 
 
-_init_sentry()
+init_sentry(get_settings())
+install_log_scrubbing()

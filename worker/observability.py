@@ -1,0 +1,99 @@
+"""Logs and Sentry under the redaction policy (ledger/redact.py).
+
+- A logging filter on every handler of the worker's loggers: the message (arguments merged in),
+  the formatted exception and string extras are scrubbed by the policy and by the secret values of
+  the action the current task handles (``current_redactor``).
+- Sentry: no local variables, no default PII, the deployment's environment, and a ``before_send``
+  that replaces Celery task arguments with a digest and scrubs the whole event the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ledger.redact import Redactor, current_redactor
+from proofline.settings import Settings
+from worker.dispatch import task_repr
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+def _redactor() -> Redactor:
+    return current_redactor.get()
+
+
+class ScrubFilter(logging.Filter):
+    """Rewrites a record in place before any handler formats it; never drops one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        red = _redactor()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format string must still be logged, scrubbed
+            message = f"{record.msg!r} % {record.args!r}"
+        record.msg, record.args = red.text(message), None
+        if record.exc_info and record.exc_info[0] is not None:
+            record.exc_text = red.text(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = red.text(record.exc_text)
+        for name, value in list(vars(record).items()):
+            if name not in _STANDARD and not name.startswith("_"):
+                setattr(record, name, red(value) if not red.is_sensitive(name) else "[redacted]")
+        return True
+
+
+_FILTER = ScrubFilter()
+
+
+def install_log_scrubbing(*loggers: logging.Logger) -> None:
+    """Attach the filter to every handler of the root logger (where Celery's and ours end up) and
+    of the given loggers (Celery's task logger does not propagate)."""
+    for logger in (logging.getLogger(), *loggers):
+        for handler in logger.handlers:
+            if _FILTER not in handler.filters:
+                handler.addFilter(_FILTER)
+
+
+def _scrub_frames(event: dict[str, Any]) -> None:
+    for exc in (event.get("exception") or {}).get("values") or []:
+        for frame in (exc.get("stacktrace") or {}).get("frames") or []:
+            frame.pop("vars", None)
+    for thread in (event.get("threads") or {}).get("values") or []:
+        for frame in (thread.get("stacktrace") or {}).get("frames") or []:
+            frame.pop("vars", None)
+
+
+def scrub_event(event: dict[str, Any], hint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Sentry ``before_send``: no frame variables, task arguments as a digest, everything else
+    through the policy and the current action's redactor."""
+    _scrub_frames(event)
+    extra = event.get("extra")
+    job = extra.get("celery-job") if isinstance(extra, dict) else None
+    if isinstance(job, dict):
+        args, kwargs = job.get("args"), job.get("kwargs")
+        job["args"], job["kwargs"] = task_repr(args if isinstance(args, list | tuple) else [],
+                                               kwargs if isinstance(kwargs, dict) else None)
+    event.pop("request", None)
+    return _redactor()(event)
+
+
+def scrub_breadcrumb(crumb: dict[str, Any], hint: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _redactor()(crumb)
+
+
+def init_sentry(settings: Settings, **options: Any) -> bool:
+    """Initialise Sentry when a DSN is configured; returns whether it was."""
+    if not settings.sentry_dsn:
+        return False
+    import sentry_sdk
+
+    sentry_sdk.init(
+        dsn=settings.sentry_dsn, environment=settings.environment,
+        # Stack locals held the signing keys, database URLs and argument values.
+        include_local_variables=False, send_default_pii=False, max_request_body_size="never",
+        before_send=scrub_event, before_breadcrumb=scrub_breadcrumb, **options,
+    )
+    return True
