@@ -190,14 +190,19 @@ def for_envelope(envelope: Any, contract_fields: Iterable[str] = ()) -> Redactor
         names.extend(f for f in declared if isinstance(f, str))
     base = for_names(names)
     found: list[str] = []
-    _secret_values(env.get("arguments"), base, found)
+    # The whole document, not only the arguments: a hostile envelope may hide a secret anywhere,
+    # and its refusal text may quote it.
+    _secret_values(env, base, found)
     return Redactor(base.names, _ordered(found))
 
 
 def for_message(message: Any, contract_fields: Iterable[str] = ()) -> Redactor:
     """The redactor for a message as it arrived (``{"envelope": …, …}``), whatever its shape."""
     env = message.get("envelope") if isinstance(message, Mapping) else None
-    return for_envelope(env, contract_fields)
+    red = for_envelope(env, contract_fields)
+    found: list[str] = []
+    _secret_values(message, red, found)
+    return Redactor(red.names, _ordered((*red.secrets, *found)))
 
 
 def as_redactor(value: Redactor | Iterable[str] | None) -> Redactor:

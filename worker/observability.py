@@ -35,8 +35,9 @@ class ScrubFilter(logging.Filter):
             message = f"{record.msg!r} % {record.args!r}"
         record.msg, record.args = red.text(message), None
         if record.exc_info and record.exc_info[0] is not None:
+            # Formatters use a set exc_text as is; exc_info stays for Sentry's logging integration
+            # (which reads the record after the handlers; its events go through scrub_event).
             record.exc_text = red.text(logging.Formatter().formatException(record.exc_info))
-            record.exc_info = None
         elif record.exc_text:
             record.exc_text = red.text(record.exc_text)
         for name, value in list(vars(record).items()):
@@ -72,10 +73,9 @@ def scrub_event(event: dict[str, Any], hint: dict[str, Any] | None = None) -> di
     _scrub_frames(event)
     extra = event.get("extra")
     job = extra.get("celery-job") if isinstance(extra, dict) else None
-    if isinstance(job, dict):
-        args, kwargs = job.get("args"), job.get("kwargs")
-        job["args"], job["kwargs"] = task_repr(args if isinstance(args, list | tuple) else [],
-                                               kwargs if isinstance(kwargs, dict) else None)
+    if isinstance(job, dict) and isinstance(job.get("args"), list | tuple):
+        # Only when the SDK was configured to include them (it filters them without PII).
+        job["args"], job["kwargs"] = task_repr(job["args"], job.get("kwargs") or None)
     event.pop("request", None)
     return _redactor()(event)
 
@@ -94,6 +94,8 @@ def init_sentry(settings: Settings, **options: Any) -> bool:
         dsn=settings.sentry_dsn, environment=settings.environment,
         # Stack locals held the signing keys, database URLs and argument values.
         include_local_variables=False, send_default_pii=False, max_request_body_size="never",
-        before_send=scrub_event, before_breadcrumb=scrub_breadcrumb, **options,
+        before_send=scrub_event, before_breadcrumb=scrub_breadcrumb,
+        # Tool servers are untrusted: no trace headers (release, environment, key) on calls to them.
+        trace_propagation_targets=[], **options,
     )
     return True
