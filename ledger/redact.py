@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 MARK = "[redacted]"
@@ -47,23 +48,37 @@ _IDENTIFIER_QUALIFIERS = frozenset({
 _CARD = re.compile(r"(?<![\w\-./:])[2-6](?:[ -]?\d){12,18}(?![\w\-/:])(?!\.\w)")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9\-._~+/]+=*")
 _PEM = re.compile(r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END \1PRIVATE KEY-----|\Z)", re.S)
+# Cheap first looks, so most strings skip the full patterns.
+_MAYBE_CREDENTIAL = re.compile(r"(?i)bearer|basic")
+_MAYBE_CARD = re.compile(r"\d{4}")
 #: Shorter argument values are not hunted for inside other text (a 3-letter value would erase words).
 MIN_SECRET_LENGTH = 6
 
 
 def name_parts(name: Any) -> list[str]:
     """``"X-Api-Key"`` → ``["x", "api", "key"]``; ``"clientSecret"`` → ``["client", "secret"]``."""
-    return [p.lower() for p in _WORDS.findall(str(name))]
+    return list(_parts(str(name)))
+
+
+@lru_cache(maxsize=4096)
+def _parts(name: str) -> tuple[str, ...]:
+    return tuple(p.lower() for p in _WORDS.findall(name))
 
 
 def normalize(name: Any) -> str:
     """The separator- and case-free form declared names are compared in (``api_key`` == ``apiKey``)."""
-    return "".join(name_parts(name))
+    return "".join(_parts(str(name)))
 
 
 def sensitive_name(name: Any) -> bool:
     """Whether a mapping key names a secret by the policy's own rules."""
-    parts = name_parts(name)
+    return _sensitive(str(name))
+
+
+# Key names repeat across every event of every action: decide each once.
+@lru_cache(maxsize=4096)
+def _sensitive(name: str) -> bool:
+    parts = _parts(name)
     for i, part in enumerate(parts):
         qualified = i > 0 and parts[i - 1] in _IDENTIFIER_QUALIFIERS
         if any(s in part for s in _SECRET_SUBSTRINGS):
@@ -95,10 +110,15 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in secrets:
         if secret in text:
             text = text.replace(secret, MARK)
+    if len(text) < 8:  # too short for a card number or for "Bearer x"
+        return text
     if "PRIVATE KEY-----" in text:
         text = _PEM.sub(MARK, text)
-    text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", text)
-    return _CARD.sub(_card, text)
+    if _MAYBE_CREDENTIAL.search(text):
+        text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", text)
+    if _MAYBE_CARD.search(text):
+        text = _CARD.sub(_card, text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,8 @@ class Redactor:
     secrets: tuple[str, ...] = ()
 
     def is_sensitive(self, name: Any) -> bool:
-        return sensitive_name(name) or (bool(self.names) and normalize(name) in self.names)
+        text = str(name)
+        return _sensitive(text) or (bool(self.names) and "".join(_parts(text)) in self.names)
 
     def text(self, text: str) -> str:
         return scrub_text(text, self.secrets)

@@ -5,12 +5,17 @@
   the action the current task handles (``current_redactor``).
 - Sentry: no local variables, no default PII, the deployment's environment, and a ``before_send``
   that replaces Celery task arguments with a digest and scrubs the whole event the same way.
+- Remote inspection (``celery inspect active|reserved|scheduled``, Flower's worker pages): the
+  worker answers with the tasks' ``argsrepr`` (action id and digest), never their arguments.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from celery.worker import control
+from celery.worker import state as worker_state
 
 from ledger.redact import Redactor, current_redactor
 from proofline.settings import Settings
@@ -99,3 +104,34 @@ def init_sentry(settings: Settings, **options: Any) -> bool:
         trace_propagation_targets=[], **options,
     )
     return True
+
+
+# Celery's own inspect commands return a task's raw arguments (the whole envelope) for reserved and
+# scheduled tasks, and for active ones unless asked for ``safe``. Registered under the same names,
+# these replace them in this worker: every answer uses the argsrepr set at publish time.
+
+
+@control.inspect_command(alias="dump_active")
+def active(state: Any, safe: bool = True, **_: Any) -> list[dict[str, Any]]:
+    """Tasks being executed (arguments shown as their argsrepr only)."""
+    return [request.info(safe=True) for request in state.tset(worker_state.active_requests)]
+
+
+@control.inspect_command(alias="dump_reserved")
+def reserved(state: Any, **_: Any) -> list[dict[str, Any]]:
+    """Reserved tasks, not including scheduled or active ones (argsrepr only)."""
+    tasks = state.tset(worker_state.reserved_requests) - state.tset(worker_state.active_requests)
+    return [request.info(safe=True) for request in tasks]
+
+
+@control.inspect_command(alias="dump_schedule")
+def scheduled(state: Any, **_: Any) -> list[dict[str, Any]]:
+    """Tasks waiting for their countdown (argsrepr only)."""
+    out = []
+    for waiting in state.consumer.timer.schedule.queue:
+        args = getattr(waiting.entry, "args", None) or ()
+        request = args[0] if args else None
+        if hasattr(request, "info") and hasattr(request, "eta"):
+            out.append({"eta": request.eta.isoformat() if request.eta else None, "priority": waiting.priority,
+                        "request": request.info(safe=True)})
+    return out

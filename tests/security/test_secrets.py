@@ -402,3 +402,25 @@ def test_the_compose_file_ships_no_secret_and_no_open_door() -> None:
     for tool_server in ("sor", "sor-reader"):  # untrusted: no credentials, no keys
         assert "environment" not in services[tool_server] and "keys" not in str(services[tool_server])
     assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_remote_inspection_shows_no_arguments(secure: Stack) -> None:
+    """``celery inspect scheduled|reserved|active`` (Flower's worker pages) on a task held for its
+    countdown: Celery's own commands would return the whole envelope."""
+    from worker.dispatch import CeleryDispatch
+
+    stack = secure
+    env = ticket(stack, f"t-{TAG}-inspect", api_key=CANARIES["api_key"])
+    task_id = CeleryDispatch(stack.app).execute(stack.message(env), countdown=30)
+    try:
+        def held() -> list[dict[str, Any]]:
+            answers = stack.app.control.inspect(timeout=2.0).scheduled() or {}
+            return [e for entries in answers.values() for e in entries if e["request"]["id"] == task_id]
+
+        entry = wait_for(held, 20, what="the worker to hold the countdown task")[0]
+        assert env.action_id in str(entry["request"]["args"]) and "sha256:" in str(entry["request"]["args"])
+        answers = [stack.app.control.inspect(timeout=2.0).scheduled(), stack.app.control.inspect(timeout=2.0).reserved(),
+                   stack.app.control.inspect(timeout=2.0).active()]
+        assert [n for n in NEEDLES if n in json.dumps(answers, default=str)] == []
+    finally:
+        stack.app.control.revoke(task_id)
