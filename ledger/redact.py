@@ -211,9 +211,12 @@ def for_envelope(envelope: Any, contract_fields: Iterable[str] = ()) -> Redactor
         names.extend(f for f in declared if isinstance(f, str))
     base = for_names(names)
     found: list[str] = []
-    # The whole document, not only the arguments: a hostile envelope may hide a secret anywhere,
-    # and its refusal text may quote it.
-    _secret_values(env, base, found)
+    try:
+        # The whole document, not only the arguments: a hostile envelope may hide a secret
+        # anywhere, and its refusal text may quote it.
+        _secret_values(env, base, found)
+    except RecursionError:
+        return base  # nested past what the interpreter follows: names and patterns still apply
     return Redactor(base.names, _ordered(found))
 
 
@@ -222,7 +225,10 @@ def for_message(message: Any, contract_fields: Iterable[str] = ()) -> Redactor:
     env = message.get("envelope") if isinstance(message, Mapping) else None
     red = for_envelope(env, contract_fields)
     found: list[str] = []
-    _secret_values(message, red, found)
+    try:
+        _secret_values(message, red, found)
+    except RecursionError:
+        return red
     return Redactor(red.names, _ordered((*red.secrets, *found)))
 
 

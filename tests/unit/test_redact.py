@@ -205,3 +205,11 @@ def test_contract_sensitive_fields_are_validated() -> None:
     for bad in (["note"], ["envelope.arguments"], ["args."], ["args.a b"]):
         with pytest.raises(ValueError):
             Contract.model_validate({**doc, "sensitive_fields": bad})
+
+
+def test_a_message_nested_past_the_recursion_limit_still_gets_a_redactor() -> None:
+    deep: object = "x"
+    for _ in range(5000):
+        deep = [deep]
+    red = for_message({"envelope": {"arguments": {"password": "hunter22", "deep": deep}}})
+    assert isinstance(red, Redactor) and red.text("card 4111111111111111") == f"card {MARK}"
