@@ -353,5 +353,5 @@ def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:
 def revoke_identity_txn(cur: Cursor, identity: str, by: str, reason: str) -> None:
     cur.execute(
         "INSERT INTO revoked_identities (identity, revoked_by, reason) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-        (identity, by, reason),
+        (identity, by, POLICY.text(reason)),
     )

@@ -424,3 +424,29 @@ def test_remote_inspection_shows_no_arguments(secure: Stack) -> None:
         assert [n for n in NEEDLES if n in json.dumps(answers, default=str)] == []
     finally:
         stack.app.control.revoke(task_id)
+
+
+def test_operator_text_is_stored_scrubbed(secure: Stack) -> None:
+    """Cancellation reasons, kill switch reasons and revocation reasons are free text an operator
+    types (or pastes): they are stored through the same value patterns."""
+    from ledger import store
+    from ledger.states import KillSwitchScope
+    from proofline.controller import publish
+    from recovery.cancel import cancel
+    from recovery.operator import clear_switch, set_switch
+    from worker.dispatch import CeleryDispatch
+
+    stack = secure
+    held = ticket(stack, f"t-{TAG}-held")
+    publish(stack.settings, stack.conn, stack.app, held, hold=True)
+    pasted = f"customer card {CARD} / Authorization: Bearer {CANARIES['authorization']}x"
+    assert cancel(stack.conn, CeleryDispatch(stack.app), held.action_id, "ops@example.com", pasted)["accepted"]
+    value = f"nothing@nobody-{TAG}"
+    set_switch(stack.conn, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
+    clear_switch(stack.conn, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
+    with store.transaction(stack.conn) as cur:
+        store.revoke_identity_txn(cur, f"agent:gone-{TAG}", "ops@example.com", pasted)
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT cancel_reason FROM actions WHERE action_id = %s", (held.action_id,))
+        assert cur.fetchone()["cancel_reason"] == f"customer card {MARK} / Authorization: Bearer {MARK}"
+    assert database_hits(stack, NEEDLES) == []
