@@ -6,11 +6,11 @@ import logging
 from typing import Any
 
 import psycopg
-from celery import Celery, signals
+from celery import Celery, Task, signals
 
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.settings import get_settings
-from worker.dispatch import CeleryDispatch
+from worker.dispatch import CeleryDispatch, task_repr
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
@@ -24,7 +24,17 @@ COMPENSATE = "proofline.compensate"
 UNEXPECTED_RETRIES = 5
 VERIFY = "proofline.verify"
 
-app = Celery("proofline")
+class ProoflineTask(Task):
+    """Every publication of a Proofline task shows the action id and a digest, never the envelope:
+    Celery's own retries compute a full repr for their ``task-sent`` event before any hook runs."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.get("argsrepr") is None:
+            options["argsrepr"], options["kwargsrepr"] = task_repr(args or (), kwargs)
+        return super().apply_async(args, kwargs, **options)
+
+
+app = Celery("proofline", task_cls=ProoflineTask)
 app.config_from_object("celeryconfig")
 
 

@@ -99,10 +99,12 @@ class SentryReceiver:
 
 
 class TaskEvents:
-    """A real Celery event receiver, as Flower runs one: every ``task-received`` event."""
+    """A real Celery event receiver, as Flower runs one: every ``task-received`` and ``task-sent``
+    event (workers send the latter for what they publish: retries, verifications)."""
 
     def __init__(self, stack: Stack) -> None:
         self.received: list[dict[str, Any]] = []
+        self.sent: list[dict[str, Any]] = []
         self.stack = stack
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -110,7 +112,8 @@ class TaskEvents:
 
     def _run(self) -> None:
         with self.stack.app.connection_for_read() as conn:
-            self.recv = self.stack.app.events.Receiver(conn, handlers={"task-received": self.received.append})
+            self.recv = self.stack.app.events.Receiver(conn, handlers={"task-received": self.received.append,
+                                                                        "task-sent": self.sent.append})
             self.recv.capture(limit=None, timeout=None, wakeup=False)
 
     def stop(self) -> None:
@@ -280,6 +283,10 @@ def test_an_error_in_a_task_reaches_sentry_without_secrets(secure: Stack, events
     assert len([e for e in events.received if env.action_id in str(e.get("args"))
                 and e.get("name") == "proofline.execute"]) >= 2
     assert [n for n in NEEDLES if n in json.dumps(events.received)] == []
+    # The worker's own publication of the retry, as a task-sent event.
+    retried = [e for e in events.sent if env.action_id in str(e.get("args")) and e.get("name") == "proofline.execute"]
+    assert retried and all(e["args"] == retried[0]["args"] and "sha256:" in e["args"] for e in retried)
+    assert [n for n in NEEDLES if n in json.dumps(events.sent)] == []
     assert CANARIES["sentry"] not in worker_log_text(stack)
     assert database_hits(stack, [CANARIES["sentry"]]) == []
 
