@@ -12,6 +12,7 @@ COPY recovery ./recovery
 COPY contracts ./contracts
 COPY schemas ./schemas
 COPY ops ./ops
-RUN pip install --no-cache-dir . && useradd --create-home --uid 10001 proofline && mkdir -p /data /app/var \
-    && chown -R proofline /data /app/var
+# /keys: the mount point of the keys volume, private to the proofline user (a new volume takes it over).
+RUN pip install --no-cache-dir . && useradd --create-home --uid 10001 proofline && mkdir -p /data /app/var /keys \
+    && chown -R proofline /data /app/var /keys && chmod 700 /keys
 USER proofline

@@ -10,6 +10,7 @@ from sqlalchemy import (
     Enum,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     Sequence,
     Table,
@@ -68,6 +69,7 @@ actions = Table(
     Column("outcome", outcome_type, nullable=True),
     Column("finding", Text, nullable=True),
     Column("reason_code", Text, nullable=True),
+    # A redacted copy of the envelope (ledger/redact.py); the signed original is sealed_message.
     Column("envelope", JSONB, nullable=False),
     Column("result", JSONB, nullable=True),
     # What recovery needs later: created ids, prior versions, downstream operation ids.
@@ -91,6 +93,9 @@ actions = Table(
     Column("cancel_reason", Text, nullable=True),
     # When the reconciler may next look at this action.
     Column("next_check_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    # The signed message's canonical bytes, AES-256-GCM sealed with the action id as associated
+    # data (ledger/seal.py): what the reconciler and recovery send again, byte for byte.
+    Column("sealed_message", LargeBinary, nullable=True),
 )
 Index("actions_status_idx", actions.c.status)
 Index("actions_run_idx", actions.c.run_id, actions.c.step)

@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -18,9 +18,10 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from ledger.redact import redact
+from ledger import seal
+from ledger.redact import POLICY, Redactor, as_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
-from proofline.errors import StaleLease, TransitionRefused
+from proofline.errors import ConfigurationError, StaleLease, TransitionRefused
 
 Cursor = psycopg.Cursor[dict[str, Any]]
 
@@ -43,7 +44,8 @@ _NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 
 def _dumps(value: Any) -> str:
     # jsonb cannot hold U+0000. Keep it visible as the six characters "\u0000" instead of failing
-    # the whole write: a hostile NUL must still leave a record.
+    # the whole write: a hostile NUL must still leave a record. (Only jsonb copies are rewritten:
+    # the signed message itself is sealed as bytes and round-trips exactly.)
     return _NUL.sub(r"\1\\\\u0000", json.dumps(value, default=str))
 
 
@@ -60,10 +62,11 @@ def append_event_txn(
     event: str,
     actor: str,
     evidence: dict[str, Any] | None = None,
-    redact_fields: Iterable[str] = (),
+    redact_fields: Redactor | Iterable[str] = (),
 ) -> None:
-    """Append one event to an action's chain (the trigger assigns seq and hashes)."""
-    clean = redact(evidence or {}, frozenset(f.lower() for f in redact_fields))
+    """Append one event to an action's chain (the trigger assigns seq and hashes). Evidence is
+    redacted by the policy plus ``redact_fields`` (a redactor, or declared field names)."""
+    clean = as_redactor(redact_fields)(evidence or {})
     cur.execute(
         "INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
         (action_id, event, actor, _json(clean)),
@@ -71,12 +74,12 @@ def append_event_txn(
 
 
 def append_events_txn(cur: Cursor, action_id: str, actor: str, events: list[tuple[str, dict[str, Any]]],
-                      redact_fields: Iterable[str] = ()) -> None:
+                      redact_fields: Redactor | Iterable[str] = ()) -> None:
     """Append several events in order with one statement per event (same transaction)."""
-    fields = frozenset(f.lower() for f in redact_fields)
+    clean = as_redactor(redact_fields)
     cur.executemany(
         "INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
-        [(action_id, name, actor, _json(redact(ev, fields))) for name, ev in events],
+        [(action_id, name, actor, _json(clean(ev))) for name, ev in events],
     )
 
 
@@ -108,13 +111,25 @@ class ActionRow:
     signature: str | None = None
     recovery_kind: str | None = None
     cancel_requested_at: datetime | None = None
+    #: The signed message, sealed (ledger/seal.py); read it through :attr:`signed_message`.
+    sealed_message: bytes | None = field(default=None, repr=False)
 
     @property
     def signed_message(self) -> dict[str, Any] | None:
-        """The controller's original signed message, when it was recorded."""
-        if not self.signature:
-            return None
-        return {"envelope": self.envelope, "key_id": self.key_id, "signature": self.signature}
+        """The controller's original signed message, exactly as signed, when it was recorded.
+
+        ``envelope`` is a redacted copy; this opens the sealed original (the process must have the
+        seal key: ``Settings.seal_key_file``). Rows written before sealing existed fall back to
+        their stored envelope, which was not redacted then."""
+        return signed_message_of({"action_id": self.action_id, "sealed_message": self.sealed_message,
+                                  "envelope": self.envelope, "key_id": self.key_id, "signature": self.signature})
+
+    @property
+    def signed_envelope(self) -> dict[str, Any]:
+        """The envelope as signed (arguments unredacted) when a signed message exists, else the
+        stored copy. Code that acts on the arguments (verification, recovery) reads this."""
+        message = self.signed_message
+        return message["envelope"] if message is not None else self.envelope
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> ActionRow:
@@ -127,29 +142,49 @@ class ActionRow:
             published_at=row["published_at"], updated_at=row["updated_at"],
             kind=row.get("kind", "action"), parent_action_id=row.get("parent_action_id"),
             key_id=row.get("key_id"), signature=row.get("signature"), recovery_kind=row.get("recovery_kind"),
-            cancel_requested_at=row.get("cancel_requested_at"),
+            cancel_requested_at=row.get("cancel_requested_at"), sealed_message=row.get("sealed_message"),
         )
 
 
-def insert_action_txn(cur: Cursor, envelope: dict[str, Any], *, key_id: str | None = None,
-                      signature: str | None = None, task_id: str | None = None,
-                      status: ActionStatus = ActionStatus.published, kind: str = "action",
-                      parent_action_id: str | None = None) -> bool:
-    """Record a newly published action; False when the action id is already known."""
+def signed_message_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The signed message of an ``actions`` row read as a dict (``action_id``, ``sealed_message``,
+    and for rows from before sealing ``envelope``, ``key_id``, ``signature``)."""
+    if row.get("sealed_message") is not None:
+        return seal.open_message(row["action_id"], row["sealed_message"])
+    if not row.get("signature"):
+        return None
+    return {"envelope": row["envelope"], "key_id": row["key_id"], "signature": row["signature"]}
+
+
+def insert_action_txn(cur: Cursor, envelope: dict[str, Any], *, message: dict[str, Any] | None = None,
+                      seal_key: seal.SealKey | None = None, redactor: Redactor | None = None,
+                      task_id: str | None = None, status: ActionStatus = ActionStatus.published,
+                      kind: str = "action", parent_action_id: str | None = None) -> bool:
+    """Record a newly published action; False when the action id is already known.
+
+    ``envelope`` is stored redacted (``redactor``, default: the policy and the envelope's own
+    declarations). The signed ``message``, when given, is stored sealed with ``seal_key`` (its key
+    id and signature also in the clear: neither is secret)."""
+    sealed = None
+    if message is not None:
+        if seal_key is None:
+            raise ConfigurationError("a signed message is only stored sealed: no seal key given")
+        sealed = seal.seal_message(seal_key, envelope["action_id"], message)
+    clean = (redactor or for_envelope(envelope))(envelope)
     cur.execute(
         """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool,
                                idempotency_key, status, envelope, deadline, key_id, signature, task_id,
-                               kind, parent_action_id)
+                               kind, parent_action_id, sealed_message)
            VALUES (%(action_id)s, %(run_id)s, %(step)s, %(tenant)s, %(action_type)s, %(server)s,
                    %(tool)s, %(idempotency_key)s, %(status)s, %(envelope)s, %(deadline)s, %(key_id)s,
-                   %(signature)s, %(task_id)s, %(kind)s, %(parent)s)
+                   %(signature)s, %(task_id)s, %(kind)s, %(parent)s, %(sealed)s)
            ON CONFLICT (action_id) DO NOTHING RETURNING action_id""",
-        {"key_id": key_id, "signature": signature, "task_id": task_id, "status": status.value, "kind": kind,
-         "parent": parent_action_id,
+        {"key_id": (message or {}).get("key_id"), "signature": (message or {}).get("signature"),
+         "task_id": task_id, "status": status.value, "kind": kind, "parent": parent_action_id, "sealed": sealed,
             "action_id": envelope["action_id"], "run_id": envelope["run_id"], "step": envelope.get("step", 0),
             "tenant": envelope["tenant"], "action_type": envelope["action_type"],
             "server": envelope["server"]["name"], "tool": envelope["tool"]["name"],
-            "idempotency_key": envelope["idempotency_key"], "envelope": _json(envelope),
+            "idempotency_key": envelope["idempotency_key"], "envelope": _json(clean),
             "deadline": envelope["deadline"],
         },
     )
@@ -168,9 +203,13 @@ def transition_txn(
     result: dict[str, Any] | None = None,
     recovery_data: dict[str, Any] | None = None,
     recovery_kind: Any = None,
+    redactor: Redactor = POLICY,
 ) -> ActionRow:
-    """Move an action to ``status`` only from one of ``allowed``; raise when no row moved."""
+    """Move an action to ``status`` only from one of ``allowed``; raise when no row moved.
+    ``result`` and ``recovery_data`` are stored redacted by ``redactor``."""
     allowed_values = [s.value for s in allowed]
+    result = redactor(result) if result is not None else None
+    recovery_data = redactor(recovery_data) if recovery_data else None
     cur.execute(
         """UPDATE actions SET status = %(status)s,
                outcome = COALESCE(%(outcome)s::outcome_class, outcome),
@@ -266,9 +305,11 @@ def _idem(row: dict[str, Any] | None) -> IdempotencyRecord:
 def update_idempotency_txn(
     cur: Cursor, key: str, *, fencing_token: int, allowed: Iterable[IdempotencyStatus],
     status: IdempotencyStatus, result: dict[str, Any] | None = None, new_token: int | None = None,
-    count_attempt: bool = False,
+    count_attempt: bool = False, redactor: Redactor = POLICY,
 ) -> int:
-    """Guarded update: only the holder of the current fencing token may move the record."""
+    """Guarded update: only the holder of the current fencing token may move the record (its
+    ``result`` stored redacted)."""
+    result = redactor(result) if result is not None else None
     cur.execute(
         """UPDATE idempotency_records SET status = %(status)s, result = COALESCE(%(result)s, result),
                fencing_token = COALESCE(%(new_token)s, fencing_token),
@@ -288,9 +329,11 @@ def update_idempotency_txn(
     return int(row["attempts"])
 
 
-def settle_idempotency_txn(cur: Cursor, key: str, status: IdempotencyStatus, evidence: dict[str, Any]) -> None:
+def settle_idempotency_txn(cur: Cursor, key: str, status: IdempotencyStatus, evidence: dict[str, Any],
+                           redactor: Redactor = POLICY) -> None:
     """Verification's verdict on a record. The action row's guarded transition (same transaction)
     is what serialises verifiers, so no fencing token is needed here."""
+    evidence = redactor(evidence)
     cur.execute(
         """UPDATE idempotency_records SET status = %s, result = COALESCE(result, '{}'::jsonb) || %s,
                   updated_at = clock_timestamp() WHERE key = %s""",
@@ -310,5 +353,5 @@ def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:
 def revoke_identity_txn(cur: Cursor, identity: str, by: str, reason: str) -> None:
     cur.execute(
         "INSERT INTO revoked_identities (identity, revoked_by, reason) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-        (identity, by, reason),
+        (identity, by, POLICY.text(reason)),
     )

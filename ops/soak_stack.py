@@ -21,7 +21,7 @@ import psycopg
 import redis
 from celery import Celery
 
-from ledger import store
+from ledger import seal, store
 from proofline.faults import FaultProxy
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
@@ -256,10 +256,13 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         sor_db = workdir / "sor.sqlite3"
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
+        seal_key = workdir / "keys" / "seal.key"
+        if not seal_key.exists():
+            seal.write_key(seal_key)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
         env.update(STACK_ENV)
         env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
-                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT)})
+                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_SEAL_KEY_FILE": str(seal_key)})
         soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
         soak.writer_port, soak.reader_port = free_port(), free_port()
         for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
@@ -273,7 +276,9 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port))
         env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
         env.update(extra_env or {})
-        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file)
+        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file,
+                            seal_key_file=seal_key)
+        seal.sealer_for(settings)
         app = Celery("proofline-soak-controller", broker=soak.redis.url)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         conn = store.connect(runtime_url, application_name="proofline-soak-controller")

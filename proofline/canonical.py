@@ -21,14 +21,22 @@ def sha256_hex(value: Any) -> str:
 
 
 def tool_contract_hash(tool: Any) -> str:
-    """Hash of an MCP tool definition as ``tools/list`` serves it: name, input and output schema.
+    """Hash of an MCP tool definition as ``tools/list`` serves it: name, input and output schema,
+    description and annotations.
 
-    Descriptions and annotations are advisory and may be reworded; the schemas are the contract.
+    A model and an approver both read the description, and annotations say whether the tool is
+    destructive, idempotent or read-only: a reworded description or a changed hint is a changed
+    contract, approved again like a changed schema.
     """
+    annotations = getattr(tool, "annotations", None)
+    if annotations is not None and hasattr(annotations, "model_dump"):
+        annotations = annotations.model_dump(mode="json", exclude_none=True)
     return sha256_hex(
         {
             "name": tool.name,
             "input_schema": tool.input_schema,
             "output_schema": getattr(tool, "output_schema", None),
+            "description": getattr(tool, "description", None),
+            "annotations": annotations or None,
         }
     )

@@ -21,6 +21,8 @@ from proofline.canonical import sha256_hex
 from proofline.conditions import compile_expression
 from proofline.errors import ExtractionFailed, UnknownActionType
 
+SENSITIVE_PATH = re.compile(r"(args|result|before|after)(\.[A-Za-z0-9_\-]+)+")
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -141,8 +143,20 @@ class Contract(_Model):
     timeout_seconds: float = Field(default=10.0, gt=0)
     recovery: Recovery = Recovery()
     point_of_no_return: bool = False
+    #: Fields whose values never reach storage, logs or Sentry: ``args.<name>`` (an argument),
+    #: ``result.<name>``, ``before.<name>``, ``after.<name>`` (nested: ``args.auth.pin``). The last
+    #: part is redacted by name wherever it appears in this action's records, and an argument's
+    #: value wherever it reappears (ledger/redact.py).
+    sensitive_fields: tuple[str, ...] = ()
     #: Filled in by the loader: sha256 of the contract's canonical JSON.
     digest: str = ""
+
+    @model_validator(mode="after")
+    def _sensitive_paths(self) -> Contract:
+        for path in self.sensitive_fields:
+            if not SENSITIVE_PATH.fullmatch(path):
+                raise ValueError(f"sensitive field {path!r} is not args|result|before|after.<name>[.<name>…]")
+        return self
 
     @model_validator(mode="after")
     def _compile_conditions(self) -> Contract:

@@ -14,11 +14,12 @@ from typing import Any
 
 from mcp import Client
 
-from ledger import store
+from ledger import seal, store
+from ledger.redact import for_envelope, leaf_names
 from ledger.states import ActionStatus
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
-from proofline.envelope import Envelope, build_envelope
+from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
 from proofline.errors import IdempotencyConflict
 from proofline.settings import Settings
 from proofline.signing import sign
@@ -53,7 +54,7 @@ def prepare(
     action_id: str,
     requester: str = "operator@example.com",
     workload_identity: str = "agent:ops-assistant",
-    environment: str = "production",
+    environment: str | None = None,
     approval_id: str | None = None,
     approval_version: int = 1,
     approval_ttl: timedelta = timedelta(hours=1),
@@ -61,21 +62,28 @@ def prepare(
     live: tuple[str | None, dict[str, str]] | None = None,
     **extra: Any,
 ) -> Envelope:
-    """Build an envelope bound to the live tool contract named by the action contract."""
+    """Build an envelope bound to the live tool contract named by the action contract.
+
+    ``environment`` defaults to this deployment's (``settings.environment``): a worker refuses an
+    envelope approved for another one. The contract's ``sensitive_fields`` are added to the
+    envelope's ``evidence.redact_fields``, so the signed envelope itself declares them."""
     contract = contract_for(Path(settings.contracts_dir), action_type)
     version, hashes = live or describe_server(settings, contract.server)
     now = datetime.now(UTC)
+    evidence = EvidenceRequirements.model_validate(extra.pop("evidence", None) or {})
+    declared = tuple(dict.fromkeys((*evidence.redact_fields, *leaf_names(contract.sensitive_fields))))
+    evidence = evidence.model_copy(update={"redact_fields": declared})
     return build_envelope(
         run_id=run_id, action_id=action_id, workflow_type=extra.pop("workflow_type", "agent.ops"),
         action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
-        environment=environment, target=target, operation=contract.operation, arguments=arguments,
+        environment=environment or settings.environment, target=target, operation=contract.operation, arguments=arguments,
         server={"name": contract.server, "version": version or "unknown"},
         tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
         policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
         approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
                   "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
         timeout_seconds=extra.pop("timeout_seconds", contract.timeout_seconds),
-        deadline=now + deadline_in, **extra,
+        deadline=now + deadline_in, evidence=evidence, **extra,
     )
 
 
@@ -90,22 +98,26 @@ def send_message(app: Any, message: Any, queue: str = "actions", task_id: str | 
 
 def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **options: Any) -> dict[str, Any]:
     """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
-    return publish_message(conn, CeleryDispatch(app), signed_message(settings, envelope), envelope, **options)
+    return publish_message(conn, CeleryDispatch(app), signed_message(settings, envelope), envelope,
+                           seal_key=seal.sealer_for(settings), **options)
 
 
 def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
-                    queue: str = "actions", kind: str = "action", parent_action_id: str | None = None,
-                    hold: bool = False, actor: str | None = None) -> dict[str, Any]:
+                    seal_key: seal.SealKey, queue: str = "actions", kind: str = "action",
+                    parent_action_id: str | None = None, hold: bool = False,
+                    actor: str | None = None) -> dict[str, Any]:
     """Record a signed message in the ledger, then send it (unless held).
 
-    The signed message is stored with the action, so the reconciler can re-drive exactly the
-    authority the controller signed if the broker loses the message.
+    The signed message is stored with the action, sealed with ``seal_key`` (``actions.envelope``
+    is a redacted copy), so the reconciler can re-drive exactly the authority the controller
+    signed if the broker loses the message.
     """
     task_id = str(uuid.uuid4())
     conflict: IdempotencyConflict | None = None
+    redactor = for_envelope(message["envelope"])
     with store.transaction(conn) as cur:
         inserted = store.insert_action_txn(
-            cur, message["envelope"], key_id=message["key_id"], signature=message["signature"], task_id=task_id,
+            cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
             status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
             parent_action_id=parent_action_id)
         current = None if inserted else store.get_action(cur, envelope.action_id)
@@ -119,7 +131,7 @@ def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope:
             store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
                                    {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
                                     "parent_action_id": parent_action_id, "task_id": task_id},
-                                   envelope.evidence.redact_fields)
+                                   redactor)
     if conflict is not None:
         raise conflict
     if not hold:

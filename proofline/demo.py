@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from celery import Celery
 
-from ledger import store
+from ledger import seal, store
 from ledger.migrate import sqlalchemy_url, upgrade
 from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, send_message, signed_message
@@ -97,10 +97,16 @@ def run_demo(keep: bool = False) -> int:
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
         os.environ["SOR_DB"] = str(sor_db)
+        # The demo's own seal key (ledger/seal.py), kept with the rest of its state.
+        seal_key = WORKDIR / "keys" / "seal.key"
+        if not seal_key.exists():
+            seal.write_key(seal_key)
+        settings = Settings(database_url=runtime, broker_url=broker, seal_key_file=seal_key)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
+        # The worker runs in the controller's environment: it refuses envelopes for any other.
         env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
-                    "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT)})
-        settings = Settings(database_url=runtime, broker_url=broker)
+                    "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT),
+                    "PROOFLINE_SEAL_KEY_FILE": str(seal_key), "PROOFLINE_ENVIRONMENT": settings.environment})
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(_stop, worker)
         app = Celery("proofline-demo-controller", broker=broker)

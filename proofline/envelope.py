@@ -47,7 +47,8 @@ class ServerRef(_Frozen):
 
 class ToolRef(_Frozen):
     name: str = Field(min_length=1, max_length=200)
-    #: sha256 of the tool's live definition (name, input and output schema) from ``tools/list``.
+    #: sha256 of the tool's live definition (name, input and output schema, description, annotations)
+    #: from ``tools/list``.
     contract_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 

@@ -245,3 +245,16 @@ class CheckpointExists(ProoflineError):
 
     code = "checkpoint_exists"
     retryable = True
+# --- secrets and redaction ----------------------------------------------------------------------
+
+
+class EnvironmentMismatch(RevalidationFailed):
+    """The envelope was approved for another environment than this worker's (staging vs production)."""
+
+    code = "environment_mismatch"
+
+
+class SealedMessageUnreadable(ProoflineError):
+    """A stored sealed signed message cannot be opened (no key loaded for it, or it fails authentication)."""
+
+    code = "sealed_message_unreadable"

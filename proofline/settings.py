@@ -11,10 +11,12 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The only environments in which test-only fault points may be switched on.
+FAULT_POINT_ENVIRONMENTS = ("development", "test")
 
 
 class Settings(BaseSettings):
@@ -22,7 +24,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PROOFLINE_", frozen=True, extra="ignore")
 
-    #: "production" refuses test-only fault points (worker/faultpoints.py) whatever else is set.
+    #: This deployment's environment: workers refuse envelopes approved for another one
+    #: (``environment_mismatch``), and only development/test may enable fault points.
     environment: str = "development"
 
     #: Postgres for the ledger, as the runtime role (no UPDATE/DELETE on ledger events).
@@ -76,6 +79,22 @@ class Settings(BaseSettings):
     checkpoint_dir: Path | None = None
     #: How often Celery beat asks for a checkpoint (task ``proofline.checkpoint``, queue ``checkpoint``).
     checkpoint_interval_seconds: float = 300.0
+    # --- secrets and redaction ---
+    #: AES-256-GCM key sealing the stored signed messages (default ``keys_dir/seal.key``).
+    seal_key_file: Path | None = None
+    #: Test-only worker kill points (worker/faultpoints.py): the armed points file, and the switch.
+    fault_points_file: Path | None = None
+    #: Refused (a validation error) unless ``environment`` is one of FAULT_POINT_ENVIRONMENTS.
+    fault_points_enabled: bool = False
+
+    @model_validator(mode="after")
+    def _secrets_and_fault_points(self) -> Settings:
+        if self.seal_key_file is None and self.keys_dir is not None:
+            object.__setattr__(self, "seal_key_file", self.keys_dir / "seal.key")
+        if self.fault_points_enabled and self.environment not in FAULT_POINT_ENVIRONMENTS:
+            raise ValueError(f"fault points may only be enabled in {', '.join(FAULT_POINT_ENVIRONMENTS)}, "
+                             f"not in environment {self.environment!r}")
+        return self
 
     @property
     def visibility_timeout(self) -> int:

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from ledger import store
+from ledger.redact import scrub_text
 from ledger.states import ActionStatus, Outcome
 
 NOT_STARTED = (ActionStatus.published, ActionStatus.pending)
 
 
 def cancel(conn: Any, dispatch: Any, action_id: str, who: str, why: str) -> dict[str, Any]:
+    why = scrub_text(why)  # operator text is stored: no card number or credential pasted into it
     with store.transaction(conn) as cur:
         cur.execute(
             """UPDATE actions SET cancel_requested_at = clock_timestamp(), cancel_requested_by = %s,

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from ledger.redact import leaf_names
 from ledger.store import ActionRow
 from proofline.conditions import build_arguments
 from proofline.contracts import Contract, DerivedAction, contract_for
@@ -53,6 +54,8 @@ def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: De
                   "expires_at": now + deadline},
         timeout_seconds=contract.timeout_seconds, deadline=now + deadline,
         compensation_ref=envelope.compensation_ref or envelope.action_id, recovers=envelope.action_id,
-        evidence=envelope.evidence,
+        # The original's declarations, plus what the recovery action's own contract declares.
+        evidence=envelope.evidence.model_copy(update={"redact_fields": tuple(dict.fromkeys(
+            (*envelope.evidence.redact_fields, *leaf_names(contract.sensitive_fields))))}),
     )
     return derived, contract

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from ledger import store
+from proofline.errors import ProoflineError
 from recovery.settle import after_settle
 from worker.dispatch import Dispatch
 
@@ -40,7 +41,7 @@ UPDATE actions a SET
     recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
         to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))
 FROM due WHERE a.action_id = due.action_id
-RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature
+RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature, a.sealed_message
 """
 
 #: (name, condition on a / l, what to do)
@@ -84,10 +85,18 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
 
 def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], action: str) -> None:
     if action == "execute":
-        if row["signature"]:
+        try:
+            # The sealed original, byte for byte what the controller signed (envelope is redacted).
+            message = store.signed_message_of(row)
+        except ProoflineError as exc:
+            with store.transaction(conn) as cur:
+                store.append_event_txn(cur, row["action_id"], "redrive_refused", actor, exc.as_evidence())
+            log.error("cannot re-drive: sealed message unreadable",
+                      extra={"event": "redrive_refused", "action_id": row["action_id"], "reason_code": exc.code})
+            return
+        if message is not None:
             queue = "compensate" if row["kind"] != "action" else "actions"
-            dispatch.execute({"envelope": row["envelope"], "key_id": row["key_id"], "signature": row["signature"]},
-                             queue=queue)
+            dispatch.execute(message, queue=queue)
     elif action == "verify":
         dispatch.verify(row["action_id"])
     elif action == "recover":

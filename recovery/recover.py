@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger import store
+from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, KillSwitchScope, RecoveryKind, VerificationFinding
 from proofline.controller import signed_message
 from proofline.envelope import Envelope
@@ -52,8 +53,10 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         action = store.get_action(cur, action_id)
         if action is None or action.status != ActionStatus.recovery:
             return {"status": "skipped", "action_id": action_id}
-        envelope = Envelope.model_validate(action.envelope)
+        # The envelope as signed: recovery derives from its arguments (the stored copy is redacted).
+        envelope = Envelope.model_validate(action.signed_envelope)
         contract = rt.contract(envelope.action_type)
+        current_redactor.set(for_envelope(action.signed_envelope, contract.sensitive_fields))
         if action.recovery_kind in {k.value for k in WORKFLOW}:
             # Decided already. Publish the recovery action if a crash lost it; otherwise wait for it.
             cur.execute("SELECT 1 FROM actions WHERE parent_action_id = %s", (action_id,))
@@ -132,12 +135,14 @@ def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envel
                                  recovery_kind=RecoveryKind.manual_intervention)
         return {"status": "escalated", "action_id": action.action_id}
     message = signed_message(rt.settings, derived)
-    published = publish_message(rt.conn, dispatch, message, derived, queue="compensate", kind=kind,
-                                parent_action_id=action.action_id, actor=actor)
+    published = publish_message(rt.conn, dispatch, message, derived, seal_key=rt.seal_key, queue="compensate",
+                                kind=kind, parent_action_id=action.action_id, actor=actor)
+    red = for_envelope(action.signed_envelope, contract.sensitive_fields).merged(
+        for_envelope(message["envelope"], rt.contract(derived.action_type).sensitive_fields))
     with store.transaction(rt.conn) as cur:
         store.append_event_txn(cur, action.action_id, "recovery_action_published", actor,
                                {"recovery_action": derived.action_id, "kind": kind, "action_type": derived.action_type,
                                 "target": derived.target.model_dump(mode="json"), "arguments": derived.arguments,
                                 "idempotency_key": derived.idempotency_key, "already_published": published["republished"]},
-                               envelope.evidence.redact_fields)
+                               red)
     return {"status": decision.kind.value, "action_id": action.action_id, "recovery_action": derived.action_id}

@@ -43,12 +43,12 @@ class Step:
 
 
 def load_steps(cur: Any, run_id: str) -> list[Step]:
-    cur.execute("""SELECT action_id, step, status, outcome, reason_code, envelope, key_id, signature FROM actions
-                   WHERE run_id = %s AND kind = 'action' ORDER BY step""", (run_id,))
+    cur.execute("""SELECT action_id, step, status, outcome, reason_code, envelope, key_id, signature, sealed_message
+                   FROM actions WHERE run_id = %s AND kind = 'action' ORDER BY step""", (run_id,))
     steps = []
     for r in cur.fetchall():
-        message = {"envelope": r["envelope"], "key_id": r["key_id"], "signature": r["signature"]} \
-            if r["signature"] else None
+        # Only a pending step's message is ever sent (released); the others are not opened.
+        message = store.signed_message_of(r) if r["status"] == ActionStatus.pending.value else None
         steps.append(Step(r["action_id"], r["step"], ActionStatus(r["status"]),
                           Outcome(r["outcome"]) if r["outcome"] else None, r["reason_code"], message))
     return steps

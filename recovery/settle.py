@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from ledger import store
+from ledger.redact import scrub_text
 from ledger.states import ActionStatus, KillSwitchScope, Outcome
 from proofline.envelope import Envelope
 from worker.dispatch import Dispatch
@@ -26,7 +27,7 @@ def after_settle(conn: Any, actor: str, action_id: str, dispatch: Dispatch, *, e
             row = store.get_action(cur, action_id)
         if row is None:
             return
-        envelope, status, outcome = Envelope.model_validate(row.envelope), row.status, row.outcome
+        envelope, status, outcome = Envelope.model_validate(row.signed_envelope), row.status, row.outcome
     if status == ActionStatus.recovery:
         dispatch.recover(action_id)
         return
@@ -71,6 +72,7 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
 
 def set_kill_switch_txn(cur: Any, scope: KillSwitchScope, value: str, by: str, reason: str) -> bool:
     """Engage a kill switch (no-op when one is already active) and record it in its own chain."""
+    reason = scrub_text(reason)
     cur.execute(
         """INSERT INTO kill_switches (scope, value, set_by, reason) VALUES (%s, %s, %s, %s)
            ON CONFLICT (scope, value) WHERE cleared_at IS NULL DO NOTHING RETURNING id""",

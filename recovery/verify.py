@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledger import store
+from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
@@ -138,9 +139,12 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         action = store.get_action(cur, action_id)
     if action is None or action.status != ActionStatus.verifying:
         return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
-    envelope = Envelope.model_validate(action.envelope)
+    # Conditions compare with the arguments as signed; the stored envelope is a redacted copy.
+    envelope = Envelope.model_validate(action.signed_envelope)
     contract = rt.contract(envelope.action_type)
     doc = envelope.model_dump(mode="json")
+    red = for_envelope(doc, contract.sensitive_fields)
+    current_redactor.set(red)
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     obs = observe(rt, envelope, contract, base)
@@ -174,21 +178,22 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             events = [("verification_finished", evidence)]
             if record_status is not None:
                 store.settle_idempotency_txn(cur, envelope.idempotency_key, record_status,
-                                             {"verified": obs.finding.value, "after": obs.after})
+                                             {"verified": obs.finding.value, "after": obs.after}, red)
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)
                            else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
                              "reason_code": reason}))
-            store.append_events_txn(cur, action_id, rt.settings.worker_id, events, envelope.evidence.redact_fields)
+            store.append_events_txn(cur, action_id, rt.settings.worker_id, events, red)
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
                                  finding=obs.finding.value, reason_code=reason, result=recovered,
-                                 recovery_data={"after": obs.after} if obs.after is not None else None)
+                                 recovery_data={"after": obs.after} if obs.after is not None else None,
+                                 redactor=red)
     except TransitionRefused:
         # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:
-            store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence)
+            store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence, red)
         return {"status": "superseded", "action_id": action_id}
     log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
     from recovery.settle import after_settle

@@ -22,7 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
-from ledger import store
+from ledger import seal, store
 from ledger.migrate import upgrade
 from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, publish_run, send_message, signed_message
@@ -132,6 +132,10 @@ class Stack:
     _live: tuple[str | None, dict[str, str]] | None = None
     #: The TCP fault proxy between workers and the writer ("http-proxy" stacks only).
     proxy: Any = None
+    @property
+    def seal_key(self) -> seal.SealKey:
+        return seal.sealer_for(self.settings)
+
     @property
     def faultpoints(self) -> Path:
         return self.workdir / "faultpoints.json"
@@ -278,6 +282,9 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     broker = f"{redis_url or REDIS_URL}/{redis_db}"
     # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
     sor_db = tmp / "var" / "sor.sqlite3"
+    seal_key = tmp / "keys" / "seal.key"
+    if not seal_key.exists():
+        seal.write_key(seal_key)
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
@@ -292,8 +299,10 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         # A credential in the worker's environment that no MCP server may inherit.
         "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
         # Test-only kill points inside the worker (worker/faultpoints.py), armed per test.
-        "PROOFLINE_FAULT_POINTS_ENABLE": "yes-kill-my-workers",
-        "PROOFLINE_FAULT_POINTS": str(tmp / "faultpoints.json"),
+        "PROOFLINE_FAULT_POINTS_ENABLED": "true",
+        "PROOFLINE_FAULT_POINTS_FILE": str(tmp / "faultpoints.json"),
+        # The key sealing stored signed messages (ledger/seal.py), one per stack.
+        "PROOFLINE_SEAL_KEY_FILE": str(seal_key),
     })
     processes = []
     write_port = read_port = None
@@ -319,7 +328,10 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
-    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file)
+    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file,
+                        seal_key_file=seal_key,
+                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}))
+    seal.sealer_for(settings)  # this process opens the stack's sealed messages too
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
     conn = store.connect(runtime_url)

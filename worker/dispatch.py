@@ -1,8 +1,59 @@
-"""How runtime code puts follow-up work on the queues, without importing the Celery app."""
+"""How runtime code puts follow-up work on the queues, without importing the Celery app.
+
+What a task message *shows* (its ``argsrepr``/``kwargsrepr`` headers: Flower's task view, the
+``task-received`` event, Celery's log lines) is only the action id and a digest of the message:
+the envelope carries argument values, and those are not for dashboards. The broker body itself
+still holds the signed message the worker must verify.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any, Protocol
+
+from celery import signals
+
+from ledger.redact import scrub_text
+from proofline.canonical import canonical_bytes
+
+_ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+
+
+def _digest(value: Any) -> str:
+    try:
+        raw = canonical_bytes(value)
+    except Exception:  # noqa: BLE001 - any input at all gets a digest
+        raw = repr(value).encode(errors="replace")
+    return "sha256:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _action_id(value: Any) -> str:
+    if isinstance(value, dict) and isinstance(value.get("envelope"), dict):
+        value = value["envelope"].get("action_id")
+    if isinstance(value, str) and _ACTION_ID.fullmatch(value):
+        return scrub_text(value)
+    return "?"
+
+
+def task_repr(args: Any, kwargs: Any = None) -> tuple[str, str]:
+    """``(argsrepr, kwargsrepr)`` for a Proofline task: the action id and a digest, nothing else."""
+    args = list(args or ())
+    first = args[0] if len(args) == 1 else args
+    shown = repr((_action_id(first), _digest(first))) if isinstance(first, dict | list) else repr(
+        tuple(_action_id(a) for a in args))
+    return shown, (repr({"digest": _digest(kwargs)}) if kwargs else "{}")
+
+
+@signals.before_task_publish.connect
+def _hide_arguments(sender: str | None = None, body: Any = None, headers: dict[str, Any] | None = None,
+                    **_: Any) -> None:
+    """Every path that publishes a Proofline task (Celery's own retries included, which compute
+    a full repr) shows the same summary: the headers dict here is the one that is published."""
+    if headers is None or not str(sender or headers.get("task", "")).startswith("proofline."):
+        return
+    if isinstance(body, tuple | list) and len(body) >= 2:
+        headers["argsrepr"], headers["kwargsrepr"] = task_repr(body[0], body[1])
 
 
 class Dispatch(Protocol):
@@ -23,18 +74,22 @@ class CeleryDispatch:
         self.app = app
 
     def verify(self, action_id: str) -> None:
-        self.app.send_task("proofline.verify", args=[action_id], queue="verify", serializer="json")
+        self._send("proofline.verify", [action_id], queue="verify")
 
     def recover(self, action_id: str) -> None:
-        self.app.send_task("proofline.recover", args=[action_id], queue="reconcile", serializer="json")
+        self._send("proofline.recover", [action_id], queue="reconcile")
+
+    def _send(self, name: str, args: list[Any], **options: Any) -> Any:
+        argsrepr, kwargsrepr = task_repr(args)
+        return self.app.send_task(name, args=args, serializer="json", argsrepr=argsrepr, kwargsrepr=kwargsrepr,
+                                  **options)
 
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:
         """Send an execute message. ``countdown`` is only ever a short retry backoff: deadlines are
         kept in Postgres, never in broker ETAs."""
         name = "proofline.compensate" if queue == "compensate" else "proofline.execute"
-        return str(self.app.send_task(name, args=[message], queue=queue, serializer="json", task_id=task_id,
-                                      countdown=countdown).id)
+        return str(self._send(name, [message], queue=queue, task_id=task_id, countdown=countdown).id)
 
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)

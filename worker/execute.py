@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 
 from ledger import store
+from ledger.redact import Redactor, current_redactor, for_envelope, for_message
 from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
@@ -109,10 +110,26 @@ class TaskSummary:
 
 
 def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dict[str, Any]) -> None:
-    """A refused message gets its own chain; it never touches a real action's state."""
+    """A refused message gets its own chain; it never touches a real action's state. Its evidence
+    (the refusal text can quote the input) is redacted by whatever the message itself declares
+    secret, as far as it can be read."""
     with store.transaction(rt.conn) as cur:
         store.append_event_txn(cur, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
-                               {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery})
+                               {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery},
+                               redactor_for_message(rt, message))
+
+
+def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
+    """The policy, the message's declarations, and its contract's sensitive fields when it names a
+    known contract (any shape of input is accepted: this also redacts refusals)."""
+    env = message.get("envelope") if isinstance(message, dict) else None
+    fields: tuple[str, ...] = ()
+    if isinstance(env, dict) and isinstance(env.get("action_type"), str):
+        try:
+            fields = rt.contract(env["action_type"]).sensitive_fields
+        except ProoflineError:
+            fields = ()
+    return for_message(message, fields)
 
 
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
@@ -131,6 +148,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})
         return TaskSummary("refused", exc.code).as_dict()
 
+    red = for_envelope(message["envelope"], contract.sensitive_fields)
+    current_redactor.set(red)  # logs and Sentry events of this task are scrubbed with it too
     aid = envelope.action_id
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
@@ -153,7 +172,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         existing = facts["action"]
         if existing is not None:
             if existing["idempotency_key"] != envelope.idempotency_key:
-                return _conflict(rt, envelope, events, f"action {aid} was published with a different idempotency "
+                return _conflict(rt, envelope, red, events, f"action {aid} was published with a different idempotency "
                                  "key (different arguments, target or approval)")
             if existing["status"] in SETTLED_STATUSES:
                 return _already_settled(rt, envelope, existing["status"], delivery)
@@ -161,7 +180,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
                 # A later step delivered before the runtime released it: it waits its turn.
                 return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
             if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
-                return _close_before_effect(rt, envelope, events, "cancelled_before_start",
+                return _close_before_effect(rt, envelope, red, events, "cancelled_before_start",
                                             {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
                                             existing, Outcome.not_started, dispatch, status=ActionStatus.cancelled)
             if existing["status"] == ActionStatus.verifying:
@@ -179,26 +198,27 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
         except RevalidationFailed as exc:
-            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing,
-                                dispatch)
+            return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code,
+                                existing, dispatch)
         except McpUnavailable as exc:
-            return _transient_before(rt, envelope, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, red, events, exc, existing, dispatch)
         events.append(("revalidated", {**static, **live}))
 
         try:
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
-            return _transient_before(rt, envelope, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, red, events, exc, existing, dispatch)
         failures = check_preconditions(contract, envelope, before)
 
         with store.transaction(conn) as cur:
             if existing is None:
-                store.insert_action_txn(cur, message["envelope"], key_id=message.get("key_id"),
-                                        signature=message.get("signature"))
+                store.insert_action_txn(cur, message["envelope"], message=message, seal_key=rt.seal_key,
+                                        redactor=red)
             token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
             events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                               "ttl_seconds": settings.lease_ttl_seconds}))
-            step = _claim_txn(cur, envelope, events, failures, before, token, actor, settings.replay_window_seconds)
+            step = _claim_txn(cur, envelope, red, events, failures, before, token, actor,
+                              settings.replay_window_seconds)
             if step != "call":
                 release_lease_txn(cur, aid, token)
                 cur.execute(*unlock_sql(locks))
@@ -214,7 +234,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         report = _call(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract)
         locked = False  # the result transaction releases both locks as its last statement
-        return _record_result(rt, envelope, verdict, report, token, locks, dispatch)
+        return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch)
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
@@ -240,12 +260,12 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
     raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
 
 
-def _conflict(rt: Runtime, envelope: Envelope, events: list, detail: str) -> dict[str, Any]:
+def _conflict(rt: Runtime, envelope: Envelope, red: Redactor, events: list, detail: str) -> dict[str, Any]:
     exc = IdempotencyConflict(detail, idempotency_key=envelope.idempotency_key,
                               arguments_hash=envelope.arguments_hash)
     with store.transaction(rt.conn) as cur:
         store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
-                                [*events, ("idempotency_conflict", exc.as_evidence())], envelope.evidence.redact_fields)
+                                [*events, ("idempotency_conflict", exc.as_evidence())], red)
     _unlock_now(rt, envelope)
     return TaskSummary("refused", exc.code, envelope.action_id).as_dict()
 
@@ -264,14 +284,13 @@ def _unlock_now(rt: Runtime, envelope: Envelope) -> None:
                                 target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id)))
 
 
-def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: str, evidence: dict[str, Any],
-                         reason: str, existing: dict | None, outcome: Outcome, dispatch: Dispatch,
-                         status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
+def _close_before_effect(rt: Runtime, envelope: Envelope, red: Redactor, events: list, event: str,
+                         evidence: dict[str, Any], reason: str, existing: dict | None, outcome: Outcome,
+                         dispatch: Dispatch, status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
         if existing is None:
-            store.insert_action_txn(cur, envelope.model_dump(mode="json"))
-        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)],
-                                envelope.evidence.redact_fields)
+            store.insert_action_txn(cur, envelope.model_dump(mode="json"), redactor=red)
+        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)], red)
         store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
                              outcome=outcome, reason_code=reason)
     _unlock_now(rt, envelope)
@@ -279,8 +298,8 @@ def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: s
     return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
 
 
-def _not_started(rt, envelope, events, event, evidence, reason, existing, dispatch) -> dict[str, Any]:
-    return _close_before_effect(rt, envelope, events, event, evidence, reason, existing, Outcome.not_started,
+def _not_started(rt, envelope, red, events, event, evidence, reason, existing, dispatch) -> dict[str, Any]:
+    return _close_before_effect(rt, envelope, red, events, event, evidence, reason, existing, Outcome.not_started,
                                 dispatch)
 
 
@@ -293,27 +312,25 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
                  outcome=outcome)
 
 
-def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: ProoflineError,
+def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: list, exc: ProoflineError,
                       existing: dict | None, dispatch: Dispatch) -> dict[str, Any]:
     """Nothing was sent: retry the same envelope later while the deadline allows."""
     remaining = envelope.deadline.timestamp() - time.time()
     if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
         with store.transaction(rt.conn) as cur:
             store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
-                                    [*events, ("precheck_unavailable", exc.as_evidence())],
-                                    envelope.evidence.redact_fields)
+                                    [*events, ("precheck_unavailable", exc.as_evidence())], red)
         _unlock_now(rt, envelope)
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
-    return _close_before_effect(rt, envelope, events, "precheck_unavailable", exc.as_evidence(), exc.code, existing,
-                                Outcome.failed_before_side_effect, dispatch)
+    return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
+                                existing, Outcome.failed_before_side_effect, dispatch)
 
 
-def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, str]], before: dict[str, Any],
-               token: int, actor: str, replay_window: float) -> str:
+def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
+               before: dict[str, Any], token: int, actor: str, replay_window: float) -> str:
     """Claim the idempotency record (or dispatch on the one that exists) and record the pre-call
     evidence, all in the lease's transaction. Returns "call", "not_started" or a dispatch decision."""
     aid = envelope.action_id
-    redact = envelope.evidence.redact_fields
     if failures:
         record = store.get_idempotency_txn(cur, envelope.idempotency_key)
         if record is None:
@@ -321,7 +338,8 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
             events.append(("preconditions_failed", {"failures": failures, "before": before}))
             store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
-                                 reason_code=failures[0]["reason"], recovery_data={"before": before})
+                                 reason_code=failures[0]["reason"], recovery_data={"before": before},
+                                 redactor=redact)
             return "not_started"
         if record.status == IdempotencyStatus.failed and not record.expired and \
                 record.argument_hash == envelope.arguments_hash:
@@ -332,7 +350,8 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
             store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.verifying,
                                  reason_code="retry_preconditions_failed",
-                                 recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]})
+                                 recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]},
+                                 redactor=redact)
             return "reconcile"
         claimed = False  # the read reflects our own earlier effect: dispatch on the record instead
     else:
@@ -352,7 +371,7 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
                    else {}))
     store.append_events_txn(cur, aid, actor, events, redact)
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
-                         recovery_data={"before": before})
+                         recovery_data={"before": before}, redactor=redact)
     return "call"
 
 
@@ -466,23 +485,23 @@ def _result_evidence(envelope: Envelope, verdict: Classification, report: CallRe
     return evidence
 
 
-def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, report: CallReport, token: int,
-                   locks: Locks, dispatch) -> dict[str, Any]:
+def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,
+                   token: int, locks: Locks, dispatch) -> dict[str, Any]:
     aid = envelope.action_id
     evidence = _result_evidence(envelope, verdict, report)
     try:
         try:
-            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks, report.sandbox_violation)
+            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation)
         except psycopg.OperationalError:
             # The session died while we called (and its locks with it). Write again on a new
             # session: the fencing token still decides whether this worker may record the result.
             rt.reset_connection()
-            retry = _write_result_txn(rt, envelope, verdict, evidence, token, locks, report.sandbox_violation)
+            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation)
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
             store.append_event_txn(cur, aid, "stale_write_refused", rt.settings.worker_id,
-                                   {**exc.as_evidence(), "observed": evidence}, envelope.evidence.redact_fields)
+                                   {**exc.as_evidence(), "observed": evidence}, red)
         unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
     if verdict.outcome == Outcome.failed_before_side_effect:
@@ -495,8 +514,9 @@ def _record_result(rt: Runtime, envelope: Envelope, verdict: Classification, rep
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
 
 
-def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, evidence: dict[str, Any],
-                      token: int, locks: Locks, violation: dict[str, Any] | None = None) -> bool:
+def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
+                      evidence: dict[str, Any], token: int, locks: Locks,
+                      violation: dict[str, Any] | None = None) -> bool:
     """Record the classified call, settle the idempotency record, release the lease: one commit.
 
     Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
@@ -510,7 +530,8 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, 
         attempts = store.update_idempotency_txn(
             cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
             status=RECORD_AFTER_CALL[verdict.outcome],
-            result={"values": verdict.values, "operation_id": verdict.operation_id, "outcome": verdict.outcome.value})
+            result={"values": verdict.values, "operation_id": verdict.operation_id, "outcome": verdict.outcome.value},
+            redactor=red)
         retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
         if violation is not None:
@@ -521,11 +542,12 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, 
         else:
             status = ActionStatus.verifying
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
-        store.append_events_txn(cur, aid, actor, events, envelope.evidence.redact_fields)
+        store.append_events_txn(cur, aid, actor, events, red)
         store.transition_txn(
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
             result={"values": verdict.values} if verdict.values is not None else None,
-            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None)
+            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
+            redactor=red)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry

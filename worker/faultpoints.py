@@ -2,11 +2,15 @@
 
 They exist to prove crash safety at exact stages (before the request is sent, after the response
 arrived but before the ledger write, after the ledger write but before the broker ack). They are
-off unless two environment variables are set together, and ``PROOFLINE_ENVIRONMENT=production``
-refuses them outright, so no production configuration can turn them on by accident:
+read through the settings object only, off unless both are set, and ``Settings`` refuses to load
+(a validation error) when they are enabled in any environment but development or test, so no
+production configuration can turn them on by accident:
 
-    PROOFLINE_FAULT_POINTS_ENABLE=yes-kill-my-workers
-    PROOFLINE_FAULT_POINTS=/path/to/points.json   # {"after_send": {"remaining": 1, "action": "kill"}}
+    PROOFLINE_FAULT_POINTS_ENABLED=true
+    PROOFLINE_FAULT_POINTS_FILE=/path/to/points.json   # {"after_send": {"remaining": 1, "action": "kill"}}
+
+Actions: ``kill`` (SIGKILL), ``stop`` (sleep ``seconds``: a frozen process) and ``raise`` (an
+unforeseen exception, as a defect would raise: the task's error path, logs and Sentry run).
 
 The file is read at every point and its counters are decremented under a file lock, so a point
 fires a bounded number of times across all worker processes.
@@ -21,21 +25,26 @@ import signal
 import time
 from pathlib import Path
 
-ENABLE_VALUE = "yes-kill-my-workers"
+from proofline.settings import get_settings
+
 POINTS = ("before_send", "after_send", "after_ledger", "before_verify_commit")
+ACTIONS = ("kill", "stop", "raise")
+
+
+class FaultPointRaised(RuntimeError):
+    """Raised by a fault point armed with ``raise``: stands in for an unforeseen defect."""
 
 
 def _path() -> Path | None:
-    if os.environ.get("PROOFLINE_FAULT_POINTS_ENABLE") != ENABLE_VALUE:
+    settings = get_settings()
+    if not settings.fault_points_enabled or settings.fault_points_file is None:
         return None
-    if os.environ.get("PROOFLINE_ENVIRONMENT", "").lower() == "production":
-        return None
-    value = os.environ.get("PROOFLINE_FAULT_POINTS")
-    return Path(value) if value else None
+    return Path(settings.fault_points_file)
 
 
 def hit(point: str) -> None:
-    """Maybe act at ``point``: ``kill`` (SIGKILL this process) or ``stop`` (freeze for a while)."""
+    """Maybe act at ``point``: ``kill`` (SIGKILL this process), ``stop`` (freeze for a while) or
+    ``raise`` (:class:`FaultPointRaised`)."""
     path = _path()
     if path is None or not path.exists():
         return
@@ -56,8 +65,11 @@ def hit(point: str) -> None:
         handle.write(json.dumps(points))
         handle.flush()
         os.fsync(handle.fileno())
-    if spec.get("action", "kill") == "kill":
+    action = spec.get("action", "kill")
+    if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise FaultPointRaised(f"fault point {point} raised")
     else:
         time.sleep(float(spec.get("seconds", 10)))
 
@@ -66,6 +78,8 @@ def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", second
     """Test helper: arm one point (other points in the file are kept)."""
     if point not in POINTS:
         raise ValueError(f"unknown fault point {point!r}")
+    if action not in ACTIONS:
+        raise ValueError(f"unknown fault point action {action!r}")
     points = json.loads(path.read_text() or "{}") if path.exists() else {}
     fired_so_far = points.get(point, {}).get("fired", 0)
     points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far}

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 
+from ledger import seal
 from ledger.store import connect
 from proofline.contracts import Contract, contract_for
 from proofline.settings import Settings, get_settings
@@ -30,6 +31,11 @@ class Runtime:
     def mcp(self) -> McpSessions:
         # Relative working directories in the servers file are relative to that file.
         return sessions(Path(self.settings.servers_file).resolve().parent, self.settings.environment)
+
+    @property
+    def seal_key(self) -> seal.SealKey:
+        """The key stored signed messages are sealed with (``Settings.seal_key_file``)."""
+        return seal.sealer_for(self.settings)
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
     _last_used: float = 0.0

@@ -6,13 +6,15 @@ import logging
 from typing import Any
 
 import psycopg
-from celery import Celery, signals
+from celery import Celery, Task, signals
 
+from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings
-from worker.dispatch import CeleryDispatch
+from worker.dispatch import CeleryDispatch, task_repr
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
+from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
 
@@ -24,16 +26,24 @@ COMPENSATE = "proofline.compensate"
 UNEXPECTED_RETRIES = 5
 VERIFY = "proofline.verify"
 
-app = Celery("proofline")
+class ProoflineTask(Task):
+    """Every publication of a Proofline task shows the action id and a digest, never the envelope:
+    Celery's own retries compute a full repr for their ``task-sent`` event before any hook runs."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.get("argsrepr") is None:
+            options["argsrepr"], options["kwargsrepr"] = task_repr(args or (), kwargs)
+        return super().apply_async(args, kwargs, **options)
+
+
+app = Celery("proofline", task_cls=ProoflineTask)
 app.config_from_object("celeryconfig")
 
 
-def _init_sentry() -> None:
-    dsn = get_settings().sentry_dsn
-    if dsn:
-        import sentry_sdk
-
-        sentry_sdk.init(dsn=dsn)
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    install_log_scrubbing(*([logger] if logger is not None else []))
 
 
 @signals.worker_process_shutdown.connect
@@ -81,6 +91,8 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Execute one envelope. Any argument shape is accepted so that malformed input is refused
     and recorded by the runtime instead of failing inside Celery."""
     message = args[0] if len(args) == 1 and not kwargs else {"args": list(args), "kwargs": kwargs}
+    # Until the envelope is validated, scrub logs and errors with what the message itself declares.
+    current_redactor.set(for_message(message))
     rt = runtime()
     try:
         return execute(rt, message, _delivery(self), dispatch)
@@ -103,6 +115,7 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
     """Run a follow-up stage (verify, recover): a lost database connection is retried without limit
     (nothing past the last commit happened); anything else a bounded number of times, after which
     the reconciler re-drives the action from the ledger."""
+    current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
         return fn(rt, action_id, dispatch)
@@ -132,6 +145,7 @@ def recover_task(self, action_id: str) -> dict[str, Any]:
 def reconcile_task() -> dict[str, int]:
     from recovery.reconciler import sweep
 
+    current_redactor.set(POLICY)
     rt = runtime()
     s = rt.settings
     try:
@@ -167,4 +181,5 @@ def checkpoint_task() -> dict[str, Any]:
         return {"skipped": exc.code}
 
 
-_init_sentry()
+init_sentry(get_settings())
+install_log_scrubbing()

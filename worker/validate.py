@@ -19,6 +19,7 @@ from proofline.errors import (
     ArgumentHashMismatch,
     ContractMismatch,
     DeadlinePassed,
+    EnvironmentMismatch,
     IdempotencyKeyMismatch,
     IdentityRevoked,
     KillSwitchEngaged,
@@ -88,6 +89,10 @@ def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tupl
 def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, revoked: list[str],
                       kill_switches: list[dict[str, Any]]) -> dict[str, Any]:
     """Checks that need no MCP call; ``now`` is the database clock."""
+    if envelope.environment != settings.environment:
+        # A staging approval is no authority in production (and the reverse).
+        raise EnvironmentMismatch(f"envelope approved for environment {envelope.environment[:100]!r}; this "
+                                  f"worker runs {settings.environment!r}")
     if envelope.approval.expires_at <= now:
         raise ApprovalExpired(f"approval {envelope.approval.id} expired at {envelope.approval.expires_at.isoformat()}")
     if envelope.deadline <= now:
@@ -102,7 +107,7 @@ def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, rev
         raise KillSwitchEngaged(f"kill switch {first['scope']}={first['value']} set by {first['set_by']}: "
                                 f"{first['reason']}")
     return {"approval_expires_at": envelope.approval.expires_at.isoformat(), "policy_version": envelope.policy_version,
-            "checked_at": now.isoformat()}
+            "environment": envelope.environment, "checked_at": now.isoformat()}
 
 
 def revalidate_live(envelope: Envelope, live_version: str | None, expected_version: str | None,

@@ -60,6 +60,14 @@ def register(server: MCPServer, run: Runner, config: SorConfig) -> None:
         ) -> Annotated[CallToolResult, models.TicketCreated]:
             """Open a ticket. Honours the idempotency key in _meta["proofline/idempotency_key"]."""
             return await _create(ctx, tenant, title, owner, priority)
+    elif config.contract_variant == "3":
+        # Variant 3 keeps every schema and rewords the description only (what a model reads).
+        @server.tool(annotations=CREATE)
+        async def create_ticket(
+            tenant: str, title: str, owner: str, ctx: Context
+        ) -> Annotated[CallToolResult, models.TicketCreated]:
+            """Open a ticket and page its owner. Honours the idempotency key in _meta["proofline/idempotency_key"]."""
+            return await _create(ctx, tenant, title, owner, None)
     else:
 
         @server.tool(annotations=CREATE)
