@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 
 from ledger.redact import redact
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
-from proofline.errors import StaleLease, TransitionRefused
+from proofline.errors import PrivilegeRefused, StaleLease, TransitionRefused
 
 Cursor = psycopg.Cursor[dict[str, Any]]
 
@@ -33,8 +33,15 @@ def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
 
 @contextmanager
 def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
-    with conn.transaction(), conn.cursor() as cur:
-        yield cur
+    try:
+        with conn.transaction(), conn.cursor() as cur:
+            yield cur
+    except psycopg.Error as exc:
+        # The role guards (ledger/roles_ddl.py) raise SQLSTATE PL001..PL005; the transaction has
+        # rolled back. Anything else stays a driver error (connection loss is retried upstream).
+        if exc.sqlstate and exc.sqlstate.startswith("PL"):
+            raise PrivilegeRefused(exc.diag.message_primary or str(exc), sqlstate=exc.sqlstate) from exc
+        raise
 
 
 # An escaped NUL in JSON text: "\u0000" preceded by an even number of backslashes.
@@ -312,3 +319,12 @@ def revoke_identity_txn(cur: Cursor, identity: str, by: str, reason: str) -> Non
         "INSERT INTO revoked_identities (identity, revoked_by, reason) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
         (identity, by, reason),
     )
+
+
+def contain_txn(cur: Cursor, action_id: str, by: str, reason: str) -> bool:
+    """Engage the tool@tenant kill switch of an action in recovery (containment). The database
+    derives the switch from the action row, so this role can contain but never clear or choose a
+    scope. Returns whether a new switch was engaged (its ``kill_switch_set`` event is recorded)."""
+    cur.execute("SELECT proofline_contain(%s, %s, %s) AS engaged", (action_id, by, reason))
+    row = cur.fetchone()
+    return bool(row and row["engaged"])

@@ -21,6 +21,7 @@ from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Out
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
+    ActionNotPublished,
     EnvelopeRefused,
     IdempotencyConflict,
     LeaseBusy,
@@ -151,25 +152,33 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     locked = True
     try:
         existing = facts["action"]
-        if existing is not None:
-            if existing["idempotency_key"] != envelope.idempotency_key:
-                return _conflict(rt, envelope, events, f"action {aid} was published with a different idempotency "
-                                 "key (different arguments, target or approval)")
-            if existing["status"] in SETTLED_STATUSES:
-                return _already_settled(rt, envelope, existing["status"], delivery)
-            if existing["status"] == ActionStatus.pending:
-                # A later step delivered before the runtime released it: it waits its turn.
-                return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
-            if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
-                return _close_before_effect(rt, envelope, events, "cancelled_before_start",
-                                            {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
-                                            existing, Outcome.not_started, dispatch, status=ActionStatus.cancelled)
-            if existing["status"] == ActionStatus.verifying:
-                with store.transaction(conn) as cur:
-                    store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
-                _unlock_now(rt, envelope)
-                dispatch.verify(aid)
-                return TaskSummary("verifying", "redelivered", aid).as_dict()
+        if existing is None:
+            # Only a controller (or recovery, for a derived action) creates actions; the database
+            # refuses this role the insert anyway. A signed message for an action nobody published
+            # is recorded as a refusal on its own chain and touches nothing else.
+            refused = ActionNotPublished(f"no action {aid} was published", action_id=aid)
+            record_refusal(rt, message, refused, delivery)
+            _unlock_now(rt, envelope)
+            locked = False
+            return TaskSummary("refused", refused.code).as_dict()
+        if existing["idempotency_key"] != envelope.idempotency_key:
+            return _conflict(rt, envelope, events, f"action {aid} was published with a different idempotency "
+                             "key (different arguments, target or approval)")
+        if existing["status"] in SETTLED_STATUSES:
+            return _already_settled(rt, envelope, existing["status"], delivery)
+        if existing["status"] == ActionStatus.pending:
+            # A later step delivered before the runtime released it: it waits its turn.
+            return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
+        if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
+            return _close_before_effect(rt, envelope, events, "cancelled_before_start",
+                                        {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
+                                        Outcome.not_started, dispatch, status=ActionStatus.cancelled)
+        if existing["status"] == ActionStatus.verifying:
+            with store.transaction(conn) as cur:
+                store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
+            _unlock_now(rt, envelope)
+            dispatch.verify(aid)
+            return TaskSummary("verifying", "redelivered", aid).as_dict()
 
         server = rt.server(envelope.server.name)
         try:
@@ -179,22 +188,18 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
         except RevalidationFailed as exc:
-            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, existing,
-                                dispatch)
+            return _not_started(rt, envelope, events, "revalidation_failed", exc.as_evidence(), exc.code, dispatch)
         except McpUnavailable as exc:
-            return _transient_before(rt, envelope, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, events, exc, dispatch)
         events.append(("revalidated", {**static, **live}))
 
         try:
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
-            return _transient_before(rt, envelope, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, events, exc, dispatch)
         failures = check_preconditions(contract, envelope, before)
 
         with store.transaction(conn) as cur:
-            if existing is None:
-                store.insert_action_txn(cur, message["envelope"], key_id=message.get("key_id"),
-                                        signature=message.get("signature"))
             token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
             events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                               "ttl_seconds": settings.lease_ttl_seconds}))
@@ -265,11 +270,9 @@ def _unlock_now(rt: Runtime, envelope: Envelope) -> None:
 
 
 def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: str, evidence: dict[str, Any],
-                         reason: str, existing: dict | None, outcome: Outcome, dispatch: Dispatch,
+                         reason: str, outcome: Outcome, dispatch: Dispatch,
                          status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
-        if existing is None:
-            store.insert_action_txn(cur, envelope.model_dump(mode="json"))
         store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)],
                                 envelope.evidence.redact_fields)
         store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
@@ -279,9 +282,8 @@ def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: s
     return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
 
 
-def _not_started(rt, envelope, events, event, evidence, reason, existing, dispatch) -> dict[str, Any]:
-    return _close_before_effect(rt, envelope, events, event, evidence, reason, existing, Outcome.not_started,
-                                dispatch)
+def _not_started(rt, envelope, events, event, evidence, reason, dispatch) -> dict[str, Any]:
+    return _close_before_effect(rt, envelope, events, event, evidence, reason, Outcome.not_started, dispatch)
 
 
 def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: Outcome | None,
@@ -294,7 +296,7 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
 
 
 def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: ProoflineError,
-                      existing: dict | None, dispatch: Dispatch) -> dict[str, Any]:
+                      dispatch: Dispatch) -> dict[str, Any]:
     """Nothing was sent: retry the same envelope later while the deadline allows."""
     remaining = envelope.deadline.timestamp() - time.time()
     if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
@@ -304,7 +306,7 @@ def _transient_before(rt: Runtime, envelope: Envelope, events: list, exc: Proofl
                                     envelope.evidence.redact_fields)
         _unlock_now(rt, envelope)
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
-    return _close_before_effect(rt, envelope, events, "precheck_unavailable", exc.as_evidence(), exc.code, existing,
+    return _close_before_effect(rt, envelope, events, "precheck_unavailable", exc.as_evidence(), exc.code,
                                 Outcome.failed_before_side_effect, dispatch)
 
 
