@@ -292,6 +292,32 @@ BEGIN
 END $$;
 """
 
+# A guarded transition and its ledger events in one round trip. SECURITY INVOKER on purpose: the
+# guards see the caller's role, exactly as for the separate statements it replaces. The events are
+# appended only when the row moved (the caller's transaction rolls back on a refusal anyway).
+TRANSITION_FUNCTION = r"""
+CREATE FUNCTION proofline_transition(
+    p_action_id text, p_allowed action_status[], p_status action_status, p_outcome outcome_class,
+    p_finding text, p_reason text, p_result jsonb, p_recovery jsonb, p_kind recovery_kind,
+    p_actor text, p_events jsonb) RETURNS SETOF actions
+LANGUAGE plpgsql SET search_path = public, pg_temp AS $$
+BEGIN
+  UPDATE actions SET status = p_status, outcome = COALESCE(p_outcome, outcome),
+         finding = COALESCE(p_finding, finding), reason_code = COALESCE(p_reason, reason_code),
+         result = COALESCE(p_result, result), recovery_data = recovery_data || p_recovery,
+         recovery_kind = COALESCE(p_kind, recovery_kind), updated_at = clock_timestamp()
+   WHERE action_id = p_action_id AND status = ANY (p_allowed);
+  IF NOT FOUND THEN
+    RETURN;
+  END IF;
+  INSERT INTO ledger_events (action_id, event, actor, evidence)
+  SELECT p_action_id, e.value->>0, p_actor, e.value->1
+    FROM jsonb_array_elements(p_events) WITH ORDINALITY AS e(value, n) ORDER BY e.n;
+  -- Read after the appends: the chain trigger moved the head on this row.
+  RETURN QUERY SELECT * FROM actions WHERE action_id = p_action_id;
+END $$;
+"""
+
 # The chain trigger anchors the head on the action row as the owner, so no writing role needs a
 # privilege on actions.ledger_seq / ledger_head.
 CHAIN_DEFINER = """
@@ -341,6 +367,8 @@ DROP TRIGGER kill_switch_guard ON kill_switches;
 DROP TRIGGER ledger_events_authorize ON ledger_events;
 DROP TRIGGER idempotency_guard ON idempotency_records;
 DROP TRIGGER actions_guard ON actions;
+DROP FUNCTION proofline_transition(text, action_status[], action_status, outcome_class, text, text, jsonb, jsonb,
+  recovery_kind, text, jsonb);
 DROP FUNCTION proofline_contain(text, text, text), kill_switch_guard(), ledger_event_guard(), idempotency_guard(),
   actions_guard(), proofline_acts_as(text[]), proofline_trusted();
 DROP TABLE ledger_event_rights, idempotency_transitions, action_transitions;

@@ -175,25 +175,29 @@ def transition_txn(
     result: dict[str, Any] | None = None,
     recovery_data: dict[str, Any] | None = None,
     recovery_kind: Any = None,
+    events: list[tuple[str, dict[str, Any]]] | None = None,
+    actor: str | None = None,
+    redact_fields: Iterable[str] = (),
 ) -> ActionRow:
-    """Move an action to ``status`` only from one of ``allowed``; raise when no row moved."""
-    allowed_values = [s.value for s in allowed]
+    """Move an action to ``status`` only from one of ``allowed``; raise when no row moved.
+
+    ``events`` (appended by ``actor``, in order, redacted) go in the same round trip, through the
+    database function ``proofline_transition``; the role guards judge the move either way.
+    """
+    fields = frozenset(f.lower() for f in redact_fields)
+    batch = [[name, redact(ev, fields)] for name, ev in (events or [])]
+    if batch and actor is None:
+        raise ValueError("events need an actor")
     cur.execute(
-        """UPDATE actions SET status = %(status)s,
-               outcome = COALESCE(%(outcome)s::outcome_class, outcome),
-               finding = COALESCE(%(finding)s, finding),
-               reason_code = COALESCE(%(reason)s, reason_code),
-               result = COALESCE(%(result)s, result),
-               recovery_data = recovery_data || %(recovery)s,
-               recovery_kind = COALESCE(%(kind)s::recovery_kind, recovery_kind),
-               updated_at = clock_timestamp()
-           WHERE action_id = %(id)s AND status = ANY(%(allowed)s::action_status[])
-           RETURNING *""",
+        """SELECT * FROM proofline_transition(%(id)s, %(allowed)s::action_status[], %(status)s,
+               %(outcome)s::outcome_class, %(finding)s, %(reason)s, %(result)s, %(recovery)s,
+               %(kind)s::recovery_kind, %(actor)s, %(events)s)""",
         {
             "status": status.value, "outcome": outcome.value if outcome else None, "finding": finding,
             "reason": reason_code, "result": _json(result) if result is not None else None,
-            "recovery": _json(recovery_data or {}), "id": action_id, "allowed": allowed_values,
-            "kind": recovery_kind.value if recovery_kind is not None else None,
+            "recovery": _json(recovery_data or {}), "id": action_id, "allowed": [s.value for s in allowed],
+            "kind": recovery_kind.value if recovery_kind is not None else None, "actor": actor or "",
+            "events": _json(batch),
         },
     )
     row = cur.fetchone()

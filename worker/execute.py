@@ -273,10 +273,9 @@ def _close_before_effect(rt: Runtime, envelope: Envelope, events: list, event: s
                          reason: str, outcome: Outcome, dispatch: Dispatch,
                          status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
-        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)],
-                                envelope.evidence.redact_fields)
         store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
-                             outcome=outcome, reason_code=reason)
+                             outcome=outcome, reason_code=reason, events=[*events, (event, evidence)],
+                             actor=rt.settings.worker_id, redact_fields=envelope.evidence.redact_fields)
     _unlock_now(rt, envelope)
     closed_hook(rt, envelope, status, outcome, dispatch)
     return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
@@ -321,9 +320,9 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
         if record is None:
             # A failed precondition ends the action unstarted; it is never adapted to the new state.
             events.append(("preconditions_failed", {"failures": failures, "before": before}))
-            store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
-                                 reason_code=failures[0]["reason"], recovery_data={"before": before})
+                                 reason_code=failures[0]["reason"], recovery_data={"before": before},
+                                 events=events, actor=actor, redact_fields=redact)
             return "not_started"
         if record.status == IdempotencyStatus.failed and not record.expired and \
                 record.argument_hash == envelope.arguments_hash:
@@ -331,10 +330,10 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
             # attempt: perhaps by someone else, perhaps by that attempt's own late effect. Never
             # call on a changed target; let verification tell which it is.
             events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "retry"}))
-            store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.verifying,
                                  reason_code="retry_preconditions_failed",
-                                 recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]})
+                                 recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]},
+                                 events=events, actor=actor, redact_fields=redact)
             return "reconcile"
         claimed = False  # the read reflects our own earlier effect: dispatch on the record instead
     else:
@@ -352,9 +351,9 @@ def _claim_txn(cur, envelope: Envelope, events: list, failures: list[dict[str, s
         events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
     events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
                    else {}))
-    store.append_events_txn(cur, aid, actor, events, redact)
+    # The pre-call evidence and the move to executing: one round trip.
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
-                         recovery_data={"before": before})
+                         recovery_data={"before": before}, events=events, actor=actor, redact_fields=redact)
     return "call"
 
 
@@ -516,11 +515,11 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, verdict: Classification, 
         else:
             status = ActionStatus.verifying
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
-        store.append_events_txn(cur, aid, actor, events, envelope.evidence.redact_fields)
         store.transition_txn(
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
             result={"values": verdict.values} if verdict.values is not None else None,
-            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None)
+            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
+            events=events, actor=actor, redact_fields=envelope.evidence.redact_fields)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry

@@ -23,7 +23,8 @@ def upgrade() -> None:
     op.execute(roles_ddl.RULE_TABLES)
     op.execute(rule_rows_sql())
     for ddl in (roles_ddl.HELPERS, roles_ddl.ACTION_GUARD, roles_ddl.IDEMPOTENCY_GUARD, roles_ddl.EVENT_GUARD,
-                roles_ddl.KILL_SWITCH_GUARD, roles_ddl.CONTAIN_FUNCTION, roles_ddl.CHAIN_DEFINER):
+                roles_ddl.KILL_SWITCH_GUARD, roles_ddl.CONTAIN_FUNCTION, roles_ddl.TRANSITION_FUNCTION,
+                roles_ddl.CHAIN_DEFINER):
         op.execute(ddl)
     database = op.get_bind().execute(sa.text("SELECT current_database()")).scalar_one()
     op.execute(roles_ddl.grants_sql(database))
