@@ -50,16 +50,19 @@ CREATE TABLE ledger_event_rights (
 
 HELPERS = r"""
 -- True for the owning role (and superusers): migrations and the SECURITY DEFINER functions.
+-- Catalog names are qualified (no SET clause), so the planner inlines these into the guards.
 CREATE FUNCTION proofline_trusted() RETURNS boolean
-LANGUAGE sql STABLE SET search_path = public, pg_temp AS $$
-  SELECT pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = 'public.actions'::regclass), 'USAGE')
+LANGUAGE sql STABLE AS $$
+  SELECT pg_catalog.pg_has_role(current_user, (SELECT c.relowner FROM pg_catalog.pg_class c
+                                                WHERE c.oid = 'public.actions'::pg_catalog.regclass), 'USAGE')
 $$;
 
 -- Does the writing role hold one of these roles (names without the proofline_ prefix)?
 CREATE FUNCTION proofline_acts_as(p_roles text[]) RETURNS boolean
-LANGUAGE sql STABLE SET search_path = public, pg_temp AS $$
-  SELECT EXISTS (SELECT 1 FROM unnest(p_roles) r JOIN pg_roles g ON g.rolname = 'proofline_' || r
-                  WHERE pg_has_role(current_user, g.oid, 'USAGE'))
+LANGUAGE sql STABLE AS $$
+  SELECT EXISTS (SELECT 1 FROM pg_catalog.unnest(p_roles) r
+                   JOIN pg_catalog.pg_roles g ON g.rolname = 'proofline_' || r
+                  WHERE pg_catalog.pg_has_role(current_user, g.oid, 'USAGE'))
 $$;
 """
 
@@ -335,6 +338,8 @@ def grants_sql(database: str) -> str:
 GRANT CONNECT ON DATABASE "{database}" TO {all_roles};
 GRANT USAGE ON SCHEMA public TO {all_roles};
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+-- No temporary tables either: nothing may shadow a rule table, whatever search_path a caller sets.
+REVOKE TEMPORARY ON DATABASE "{database}" FROM PUBLIC;
 -- Start from nothing: proofline_runtime's old table-wide rights go, it inherits worker + recovery.
 REVOKE ALL ON {", ".join(TABLES)} FROM {RUNTIME}, {all_roles};
 REVOKE ALL ON SEQUENCE lease_fencing_seq, kill_switches_id_seq, ledger_events_id_seq FROM {RUNTIME};

@@ -419,6 +419,9 @@ def test_no_role_may_change_the_rules(conns):
     for role in ("runtime", "worker", "recovery", "operator", "controller"):
         refused(conns[role], lambda cur: cur.execute("DELETE FROM action_transitions"), Denied)
         refused(conns[role], lambda cur: cur.execute("ALTER TABLE actions DISABLE TRIGGER actions_guard"), Denied)
+        # Nor shadow them: no temporary tables, no objects in public (the guards read public's tables).
+        refused(conns[role], lambda cur: cur.execute("CREATE TEMP TABLE action_transitions (x int)"), Denied)
+        refused(conns[role], lambda cur: cur.execute("CREATE TABLE public.shadow (x int)"), Denied)
 
 
 # --- the roles and rules as installed ----------------------------------------------------------------
