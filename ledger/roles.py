@@ -97,7 +97,6 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cancel_requested", OP),
     ("kill_switch_set", OP),
     ("kill_switch_cleared", OP),
-    ("identity_revoked", OP),
     # follow-ups an operator's cancellation runs (recovery/settle.py, recovery/runs.py)
     ("final_state", WO),
     ("run_aborted", WO),
