@@ -396,8 +396,10 @@ def test_operator_cancels_a_published_action(conns):
     "UPDATE action_transitions SET roles = ARRAY['reader']",
     "INSERT INTO ledger_event_rights (event, roles) VALUES ('x', ARRAY['reader'])",
     "SELECT proofline_contain('x', 'r', 'r')",
+    "SELECT * FROM proofline_transition((SELECT min(action_id) FROM actions), ARRAY['published']::action_status[], "
+    "'closed', 'completed_verified', NULL, NULL, NULL, '{}', NULL, 'r', '[]')",
 ], ids=["event", "actions", "kill-insert", "kill-clear", "revoke", "idem", "leases", "delete", "rules",
-        "rights", "contain"])
+        "rights", "contain", "transition"])
 def test_reader_cannot_write_anything(conns, statement):
     refused(conns["reader"], lambda cur: cur.execute(statement), Denied)
 
