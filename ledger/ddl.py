@@ -1,5 +1,6 @@
 """Database objects SQLAlchemy Core does not declare: the ledger's chain and insert-only triggers,
-and the runtime role's privileges. Migrations execute these strings."""
+and the runtime role's original privileges (migration 0003 replaces them with the roles of
+``ledger/roles_ddl.py``). Migrations execute these strings."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Enum,
@@ -12,6 +14,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     Sequence,
     Table,
     Text,
@@ -166,4 +169,33 @@ Index(
     kill_switches.c.value,
     unique=True,
     postgresql_where=kill_switches.c.cleared_at.is_(None),
+)
+
+# --- the rules the role guards enforce (ledger/roles.py fills them; ledger/roles_ddl.py reads them) --
+
+action_transitions = Table(
+    "action_transitions",
+    metadata,
+    Column("from_status", status_type, nullable=False),
+    Column("to_status", status_type, nullable=False),
+    Column("roles", ARRAY(Text), nullable=False),
+    Column("keeps_outcome", Boolean, nullable=False),
+    Column("outcomes", ARRAY(Text), nullable=False),
+    Column("from_outcomes", ARRAY(Text), nullable=True),
+    PrimaryKeyConstraint("from_status", "to_status", name="action_transitions_pk"),
+)
+
+idempotency_transitions = Table(
+    "idempotency_transitions",
+    metadata,
+    Column("from_status", idem_status_type, nullable=False),
+    Column("to_status", idem_status_type, nullable=False),
+    PrimaryKeyConstraint("from_status", "to_status", name="idempotency_transitions_pk"),
+)
+
+ledger_event_rights = Table(
+    "ledger_event_rights",
+    metadata,
+    Column("event", Text, primary_key=True),
+    Column("roles", ARRAY(Text), nullable=False),
 )

@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from ledger import seal
 from ledger.redact import POLICY, Redactor, as_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
-from proofline.errors import ConfigurationError, StaleLease, TransitionRefused
+from proofline.errors import ConfigurationError, PrivilegeRefused, StaleLease, TransitionRefused
 
 Cursor = psycopg.Cursor[dict[str, Any]]
 
@@ -34,8 +34,15 @@ def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
 
 @contextmanager
 def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
-    with conn.transaction(), conn.cursor() as cur:
-        yield cur
+    try:
+        with conn.transaction(), conn.cursor() as cur:
+            yield cur
+    except psycopg.Error as exc:
+        # The role guards (ledger/roles_ddl.py) raise SQLSTATE PL001..PL005; the transaction has
+        # rolled back. Anything else stays a driver error (connection loss is retried upstream).
+        if exc.sqlstate and exc.sqlstate.startswith("PL"):
+            raise PrivilegeRefused(exc.diag.message_primary or str(exc), sqlstate=exc.sqlstate) from exc
+        raise
 
 
 # An escaped NUL in JSON text: "\u0000" preceded by an even number of backslashes.
@@ -204,28 +211,32 @@ def transition_txn(
     recovery_data: dict[str, Any] | None = None,
     recovery_kind: Any = None,
     redactor: Redactor = POLICY,
+    events: list[tuple[str, dict[str, Any]]] | None = None,
+    actor: str | None = None,
+    redact_fields: Redactor | Iterable[str] = (),
 ) -> ActionRow:
     """Move an action to ``status`` only from one of ``allowed``; raise when no row moved.
-    ``result`` and ``recovery_data`` are stored redacted by ``redactor``."""
-    allowed_values = [s.value for s in allowed]
+
+    ``result`` and ``recovery_data`` are stored redacted by ``redactor``. ``events`` (appended by
+    ``actor``, in order, redacted by ``redactor`` plus ``redact_fields``) go in the same round trip,
+    through the database function ``proofline_transition``; the role guards judge the move either way.
+    """
     result = redactor(result) if result is not None else None
     recovery_data = redactor(recovery_data) if recovery_data else None
+    clean = redactor.merged(as_redactor(redact_fields)) if redact_fields else redactor
+    batch = [[name, clean(ev)] for name, ev in (events or [])]
+    if batch and actor is None:
+        raise ValueError("events need an actor")
     cur.execute(
-        """UPDATE actions SET status = %(status)s,
-               outcome = COALESCE(%(outcome)s::outcome_class, outcome),
-               finding = COALESCE(%(finding)s, finding),
-               reason_code = COALESCE(%(reason)s, reason_code),
-               result = COALESCE(%(result)s, result),
-               recovery_data = recovery_data || %(recovery)s,
-               recovery_kind = COALESCE(%(kind)s::recovery_kind, recovery_kind),
-               updated_at = clock_timestamp()
-           WHERE action_id = %(id)s AND status = ANY(%(allowed)s::action_status[])
-           RETURNING *""",
+        """SELECT * FROM proofline_transition(%(id)s, %(allowed)s::action_status[], %(status)s,
+               %(outcome)s::outcome_class, %(finding)s, %(reason)s, %(result)s, %(recovery)s,
+               %(kind)s::recovery_kind, %(actor)s, %(events)s)""",
         {
             "status": status.value, "outcome": outcome.value if outcome else None, "finding": finding,
             "reason": reason_code, "result": _json(result) if result is not None else None,
-            "recovery": _json(recovery_data or {}), "id": action_id, "allowed": allowed_values,
-            "kind": recovery_kind.value if recovery_kind is not None else None,
+            "recovery": _json(recovery_data or {}), "id": action_id, "allowed": [s.value for s in allowed],
+            "kind": recovery_kind.value if recovery_kind is not None else None, "actor": actor or "",
+            "events": _json(batch),
         },
     )
     row = cur.fetchone()
@@ -355,3 +366,12 @@ def revoke_identity_txn(cur: Cursor, identity: str, by: str, reason: str) -> Non
         "INSERT INTO revoked_identities (identity, revoked_by, reason) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
         (identity, by, POLICY.text(reason)),
     )
+
+
+def contain_txn(cur: Cursor, action_id: str, by: str, reason: str) -> bool:
+    """Engage the tool@tenant kill switch of an action in recovery (containment). The database
+    derives the switch from the action row, so this role can contain but never clear or choose a
+    scope. Returns whether a new switch was engaged (its ``kill_switch_set`` event is recorded)."""
+    cur.execute("SELECT proofline_contain(%s, %s, %s) AS engaged", (action_id, by, reason))
+    row = cur.fetchone()
+    return bool(row and row["engaged"])

@@ -559,7 +559,8 @@ class Bench:
         port = self.proxy.start()
         proxied = with_port(stack.database_url, port)
         stack.env = {**stack.env, "PROOFLINE_DATABASE_URL": proxied}
-        stack.conn = store.connect(proxied, application_name=CONTROLLER_APP)
+        # The controller side publishes as proofline_controller (the workers run as the runtime role).
+        stack.conn = store.connect(with_port(stack.urls["controller"], port), application_name=CONTROLLER_APP)
         worker = start_workers(stack, count=1, concurrency=args.concurrency, name="acct")[0]
         probe = self.connect_probe()
         try:

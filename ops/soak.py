@@ -262,7 +262,7 @@ class Workload:
                 conn.close()
             except Exception:  # noqa: BLE001
                 pass
-            self.stack.conn = store.connect(self.stack.database_url, application_name="proofline-soak-controller",
+            self.stack.conn = store.connect(self.stack.urls["controller"], application_name="proofline-soak-controller",
                                             connect_timeout=10)
             self.counters["controller_reconnects"] += 1
 

@@ -31,6 +31,7 @@ from tests.conftest import (
     create_database,
     drop_database,
     free_port,
+    role_urls,
     start_process,
     start_workers,
     stop_process,
@@ -281,9 +282,10 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         seal.sealer_for(settings)
         app = Celery("proofline-soak-controller", broker=soak.redis.url)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
-        conn = store.connect(runtime_url, application_name="proofline-soak-controller")
+        urls = role_urls(soak.admin_url)
+        conn = store.connect(urls["controller"], application_name="proofline-soak-controller")
         soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, soak.redis.url, sor_db, servers_file,
-                           settings, app, conn, env, [])
+                           settings, app, conn, env, [], urls=urls)
         # The controller probes the live server with the same environment the workers get.
         soak._saved_sor_db, soak._env_touched = os.environ.get("SOR_DB"), True
         os.environ["SOR_DB"] = str(sor_db)

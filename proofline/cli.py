@@ -13,8 +13,12 @@ from ledger import store
 from proofline.settings import get_settings
 
 
-def _conn():
-    return store.connect(get_settings().database_url)
+def _conn(role: str | None = None):
+    """A connection as this command's database role: ``controller``, ``operator`` or ``reader`` use
+    their own URL when configured; everything else (and an unset URL) uses ``database_url``."""
+    settings = get_settings()
+    url = getattr(settings, f"{role}_database_url") if role else None
+    return store.connect(url or settings.database_url)
 
 
 @click.group()
@@ -51,7 +55,7 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     envelope = prepare(settings, action_type=action_type, arguments=json.loads(args_json),
                        target=json.loads(target_json), tenant=tenant, run_id=run_id, action_id=action_id,
                        requester=requester, workload_identity=workload_identity)
-    with _conn() as conn:
+    with _conn("controller") as conn:
         click.echo(json.dumps(do_publish(settings, conn, app, envelope)))
 
 
@@ -63,7 +67,7 @@ def status(action_id: str, timeline: bool, as_json: bool) -> None:
     """An action's current state and its ledger timeline."""
     from proofline.report import action_report
 
-    with _conn() as conn, conn.cursor() as cur:
+    with _conn("reader") as conn, conn.cursor() as cur:
         report = action_report(cur, action_id)
     if report is None:
         raise click.ClickException(f"no action {action_id}")
@@ -83,7 +87,7 @@ def verify_ledger(as_json: bool) -> None:
     from ledger.anchor_check import verify_ledger as check
 
     settings = get_settings()
-    with _conn() as conn:
+    with _conn("reader") as conn:
         report = check(conn, settings)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
@@ -122,7 +126,7 @@ def checkpoint() -> None:
 @click.option("--reason", required=True)
 def revoke(identity: str, by: str, reason: str) -> None:
     """Revoke a requester or workload identity: its queued actions will not start."""
-    with _conn() as conn, store.transaction(conn) as cur:
+    with _conn("operator") as conn, store.transaction(conn) as cur:
         store.revoke_identity_txn(cur, identity, by, reason)
     click.echo(f"revoked {identity}")
 
@@ -142,7 +146,7 @@ def cancel(action_id: str, who: str, why: str) -> None:
     """Cancel an action: stop new work, signal an in-flight call, reconcile before calling it cancelled."""
     from recovery.cancel import cancel as do_cancel
 
-    with _conn() as conn:
+    with _conn("operator") as conn:
         click.echo(json.dumps(do_cancel(conn, _dispatch(), action_id, who, why)))
 
 
@@ -175,7 +179,7 @@ def _switch_options(command):
 def kill_set(scope: str, value: str, who: str, why: str) -> None:
     from recovery.operator import set_switch
 
-    with _conn() as conn:
+    with _conn("operator") as conn:
         engaged = set_switch(conn, _scope(scope), value, who, why)
     click.echo(f"kill switch {scope}:{value} {'set' if engaged else 'was already set'}")
 
@@ -185,7 +189,7 @@ def kill_set(scope: str, value: str, who: str, why: str) -> None:
 def kill_clear(scope: str, value: str, who: str, why: str) -> None:
     from recovery.operator import clear_switch
 
-    with _conn() as conn:
+    with _conn("operator") as conn:
         cleared = clear_switch(conn, _scope(scope), value, who, why)
     click.echo(f"kill switch {scope}:{value} {'cleared' if cleared else 'was not set'}")
 
@@ -194,7 +198,7 @@ def kill_clear(scope: str, value: str, who: str, why: str) -> None:
 def kill_list() -> None:
     from recovery.operator import list_switches
 
-    with _conn() as conn:
+    with _conn("reader") as conn:
         for row in list_switches(conn):
             click.echo(f"{row['scope']:<12} {row['value']:<30} {row['set_by']:<24} {row['set_at']:%Y-%m-%d %H:%M:%S}  "
                        f"{row['reason']}")
@@ -210,7 +214,7 @@ def manual() -> None:
 def manual_list(as_json: bool) -> None:
     from recovery.operator import manual_queue
 
-    with _conn() as conn:
+    with _conn("reader") as conn:
         rows = manual_queue(conn)
     if as_json:
         click.echo(json.dumps(rows, default=str, indent=2))
@@ -230,7 +234,7 @@ def manual_list(as_json: bool) -> None:
 def manual_resolve(action_id: str, resolution: str, who: str, reason: str, evidence: str) -> None:
     from recovery.operator import resolve
 
-    with _conn() as conn:
+    with _conn("operator") as conn:
         resolve(conn, action_id, resolution, who, reason, json.loads(evidence))
     click.echo(f"{action_id} resolved as {resolution}")
 
@@ -241,7 +245,7 @@ def run(run_id: str) -> None:
     """A multi-step run: its steps and the outcome derived from them."""
     from recovery.runs import load_steps, run_outcome
 
-    with _conn() as conn, conn.cursor() as cur:
+    with _conn("reader") as conn, conn.cursor() as cur:
         steps = load_steps(cur, run_id)
     if not steps:
         raise click.ClickException(f"no run {run_id}")
@@ -269,7 +273,7 @@ def forensics(action_id: str) -> None:
     """Reconstruct an action and its recovery from the ledger alone."""
     from proofline.forensics import reconstruct
 
-    with _conn() as conn, conn.cursor() as cur:
+    with _conn("reader") as conn, conn.cursor() as cur:
         text = reconstruct(cur, action_id)
     if text is None:
         raise click.ClickException(f"no ledger events for {action_id}")

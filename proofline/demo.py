@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from celery import Celery
@@ -32,6 +33,14 @@ from proofline.sor import store as sor
 
 WORKDIR = ROOT / "var" / "demo"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
+
+
+def _as_role(url: str, role: str) -> str:
+    """The same database URL for another (password-less) role: the demo's controller side publishes
+    as proofline_controller, its worker runs as the URL's own role."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, f"{role}@{host}", parts.path, parts.query, parts.fragment))
 
 
 def _embedded_postgres(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
@@ -112,7 +121,9 @@ def run_demo(keep: bool = False) -> int:
         app = Celery("proofline-demo-controller", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         stack.callback(app.close)
-        conn = store.connect(runtime)
+        # Publishing is the controller's right alone (README "Database roles").
+        controller = os.environ.get("PROOFLINE_CONTROLLER_DATABASE_URL") or _as_role(runtime, "proofline_controller")
+        conn = store.connect(controller)
         stack.callback(conn.close)
         rows = _scenarios(settings, conn, app, sor_db)
         _wait(conn, [r["action_id"] for r in rows])

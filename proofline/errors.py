@@ -258,3 +258,17 @@ class SealedMessageUnreadable(ProoflineError):
     """A stored sealed signed message cannot be opened (no key loaded for it, or it fails authentication)."""
 
     code = "sealed_message_unreadable"
+# --- database roles ---------------------------------------------------------------------------
+
+
+class ActionNotPublished(EnvelopeRefused):
+    """An execute message names an action no controller published: workers never create actions."""
+
+    code = "action_not_published"
+
+
+class PrivilegeRefused(ProoflineError):
+    """Postgres refused a write this database role may not make (an illegal transition, an event
+    reserved for another role, a row this role may not create). Never retried into success."""
+
+    code = "privilege_refused"

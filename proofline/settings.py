@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     #: (``environment_mismatch``), and only development/test may enable fault points.
     environment: str = "development"
 
-    #: Postgres for the ledger, as the runtime role (no UPDATE/DELETE on ledger events).
+    #: Postgres for the ledger, as this process's own role (README "Database roles"); the default
+    #: proofline_runtime is the development role (worker + recovery).
     database_url: str = "postgresql://proofline_runtime@127.0.0.1:5432/proofline"
     #: Postgres as a role that may run migrations.
     admin_database_url: str | None = None
@@ -95,6 +96,13 @@ class Settings(BaseSettings):
             raise ValueError(f"fault points may only be enabled in {', '.join(FAULT_POINT_ENVIRONMENTS)}, "
                              f"not in environment {self.environment!r}")
         return self
+    # --- database roles ---
+    #: The CLI's commands that act as another role connect here when set, else to ``database_url``:
+    #: ``publish`` as proofline_controller; kill switches, revoke, cancel and ``manual resolve`` as
+    #: proofline_operator; status, verify-ledger, forensics and the listings as proofline_reader.
+    controller_database_url: str | None = None
+    operator_database_url: str | None = None
+    reader_database_url: str | None = None
 
     @property
     def visibility_timeout(self) -> int:

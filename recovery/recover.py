@@ -14,13 +14,13 @@ from typing import Any
 
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
-from ledger.states import ActionStatus, KillSwitchScope, RecoveryKind, VerificationFinding
+from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
 from proofline.controller import signed_message
 from proofline.envelope import Envelope
 from proofline.errors import ProoflineError
 from recovery.derive import derive_envelope
 from recovery.policy import Decision, Facts, decide
-from recovery.settle import after_settle, set_kill_switch_txn
+from recovery.settle import after_settle
 from worker.dispatch import Dispatch
 from worker.runtime import Runtime
 
@@ -97,8 +97,7 @@ def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelo
                                                                                                  exclude_none=True)})
     if decision.contain:
         value = f"{action.tool}@{action.tenant}"
-        set_kill_switch_txn(cur, KillSwitchScope.tool_tenant, value, actor, f"containment for {action_id}: "
-                            f"{decision.reason}")
+        store.contain_txn(cur, action_id, actor, f"containment for {action_id}: {decision.reason}")
         store.append_event_txn(cur, action_id, "contained", actor, {"kill_switch": f"tool_tenant:{value}"})
     if decision.kind == RecoveryKind.retry:
         if action.signed_message is None:

@@ -59,8 +59,8 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
                                  reason_code="compensated")
         else:
             value = f"{parent.tool}@{parent.tenant}"
-            engaged = set_kill_switch_txn(cur, KillSwitchScope.tool_tenant, value, actor,
-                                          f"compensation of {parent_id} failed ({recovery_env.action_id})")
+            engaged = store.contain_txn(cur, parent_id, actor,
+                                        f"compensation of {parent_id} failed ({recovery_env.action_id})")
             store.append_event_txn(cur, parent_id, "compensation_failed", actor,
                                    {**evidence, "contained": value, "kill_switch_set": engaged,
                                     "escalated_to": "manual intervention queue"})

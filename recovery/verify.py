@@ -185,11 +185,10 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
                            else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
                              "reason_code": reason}))
-            store.append_events_txn(cur, action_id, rt.settings.worker_id, events, red)
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
                                  finding=obs.finding.value, reason_code=reason, result=recovered,
                                  recovery_data={"after": obs.after} if obs.after is not None else None,
-                                 redactor=red)
+                                 redactor=red, events=events, actor=rt.settings.worker_id)
     except TransitionRefused:
         # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:

@@ -63,14 +63,25 @@ def with_database(url: str, dbname: str, user: str | None = None) -> str:
     return urlunsplit((parts.scheme, netloc, f"/{dbname}", parts.query, parts.fragment))
 
 
+#: The database roles migration 0003 creates (short name -> role), and the development role.
+DB_ROLES = {"controller": "proofline_controller", "worker": "proofline_worker", "recovery": "proofline_recovery",
+            "operator": "proofline_operator", "reader": "proofline_reader", "runtime": "proofline_runtime"}
+
+
 def create_database(prefix: str, maintenance_url: str = ADMIN_URL) -> tuple[str, str]:
-    """A new, migrated database; returns (admin url, runtime-role url)."""
+    """A new, migrated database; returns (admin url, runtime-role url). ``role_urls`` gives the rest."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(maintenance_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     admin = with_database(maintenance_url, name)
     upgrade(admin)
     return admin, with_database(maintenance_url, name, user="proofline_runtime")
+
+
+def role_urls(admin_url: str) -> dict[str, str]:
+    """The URL of each database role (``DB_ROLES`` keys) for the database ``admin_url`` names."""
+    name = urlsplit(admin_url).path.lstrip("/")
+    return {short: with_database(admin_url, name, user=role) for short, role in DB_ROLES.items()}
 
 
 def drop_database(admin_url: str) -> None:
@@ -142,6 +153,17 @@ class Stack:
 
     #: How to (re)start the HTTP writer: argv, environment, port ("http" stacks only).
     writer: dict[str, Any] = field(default_factory=dict)
+    #: URL per database role (``DB_ROLES`` keys). ``conn`` is the controller's, the workers run as
+    #: ``runtime`` (development: worker + recovery), ``operator`` is for operator paths.
+    urls: dict[str, str] = field(default_factory=dict)
+    _operator: psycopg.Connection | None = None
+
+    @property
+    def operator(self) -> psycopg.Connection:
+        """A connection as proofline_operator: kill switches, revocations, cancellations, resolutions."""
+        if self._operator is None or self._operator.closed:
+            self._operator = store.connect(self.urls["operator"])
+        return self._operator
 
     def restart_writer(self, **env: str) -> None:
         """Restart the HTTP system-of-record writer on the same port with extra environment
@@ -288,8 +310,12 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
+    urls = role_urls(admin)
     env.update({
         "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker,
+        # The CLI's controller, operator and reader commands each connect as their own role.
+        "PROOFLINE_CONTROLLER_DATABASE_URL": urls["controller"], "PROOFLINE_OPERATOR_DATABASE_URL": urls["operator"],
+        "PROOFLINE_READER_DATABASE_URL": urls["reader"],
         "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
         "SOR_DB": str(sor_db), "SOR_RESTART_SECONDS": "0.6", "PYTHONPATH": str(ROOT),
         "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
@@ -334,9 +360,9 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     seal.sealer_for(settings)  # this process opens the stack's sealed messages too
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
-    conn = store.connect(runtime_url)
+    conn = store.connect(urls["controller"])  # the controller side publishes as proofline_controller
     stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
-                  processes, proxy=proxy, writer=writer)
+                  processes, proxy=proxy, writer=writer, urls=urls)
     # The controller probes the live server with the same environment the workers get.
     os.environ["SOR_DB"] = str(sor_db)
     return stack
@@ -348,6 +374,8 @@ def teardown_stack(stack: Stack) -> None:
     for proc in stack.workers + stack.processes:
         stop_process(proc)
     stack.conn.close()
+    if stack._operator is not None:
+        stack._operator.close()
     stack.app.close()
     release_redis_db(stack.broker_url)
     if not os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):  # keep them to read a failure's ledger

@@ -22,6 +22,7 @@ from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Out
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
+    ActionNotPublished,
     EnvelopeRefused,
     IdempotencyConflict,
     LeaseBusy,
@@ -170,25 +171,33 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     locked = True
     try:
         existing = facts["action"]
-        if existing is not None:
-            if existing["idempotency_key"] != envelope.idempotency_key:
-                return _conflict(rt, envelope, red, events, f"action {aid} was published with a different idempotency "
-                                 "key (different arguments, target or approval)")
-            if existing["status"] in SETTLED_STATUSES:
-                return _already_settled(rt, envelope, existing["status"], delivery)
-            if existing["status"] == ActionStatus.pending:
-                # A later step delivered before the runtime released it: it waits its turn.
-                return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
-            if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
-                return _close_before_effect(rt, envelope, red, events, "cancelled_before_start",
-                                            {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
-                                            existing, Outcome.not_started, dispatch, status=ActionStatus.cancelled)
-            if existing["status"] == ActionStatus.verifying:
-                with store.transaction(conn) as cur:
-                    store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
-                _unlock_now(rt, envelope)
-                dispatch.verify(aid)
-                return TaskSummary("verifying", "redelivered", aid).as_dict()
+        if existing is None:
+            # Only a controller (or recovery, for a derived action) creates actions; the database
+            # refuses this role the insert anyway. A signed message for an action nobody published
+            # is recorded as a refusal on its own chain and touches nothing else.
+            refused = ActionNotPublished(f"no action {aid} was published", action_id=aid)
+            record_refusal(rt, message, refused, delivery)
+            _unlock_now(rt, envelope)
+            locked = False
+            return TaskSummary("refused", refused.code).as_dict()
+        if existing["idempotency_key"] != envelope.idempotency_key:
+            return _conflict(rt, envelope, red, events, f"action {aid} was published with a different idempotency "
+                             "key (different arguments, target or approval)")
+        if existing["status"] in SETTLED_STATUSES:
+            return _already_settled(rt, envelope, existing["status"], delivery)
+        if existing["status"] == ActionStatus.pending:
+            # A later step delivered before the runtime released it: it waits its turn.
+            return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
+        if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
+            return _close_before_effect(rt, envelope, red, events, "cancelled_before_start",
+                                        {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
+                                        Outcome.not_started, dispatch, status=ActionStatus.cancelled)
+        if existing["status"] == ActionStatus.verifying:
+            with store.transaction(conn) as cur:
+                store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
+            _unlock_now(rt, envelope)
+            dispatch.verify(aid)
+            return TaskSummary("verifying", "redelivered", aid).as_dict()
 
         server = rt.server(envelope.server.name)
         try:
@@ -198,22 +207,18 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
         except RevalidationFailed as exc:
-            return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code,
-                                existing, dispatch)
+            return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code, dispatch)
         except McpUnavailable as exc:
-            return _transient_before(rt, envelope, red, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, red, events, exc, dispatch)
         events.append(("revalidated", {**static, **live}))
 
         try:
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
-            return _transient_before(rt, envelope, red, events, exc, existing, dispatch)
+            return _transient_before(rt, envelope, red, events, exc, dispatch)
         failures = check_preconditions(contract, envelope, before)
 
         with store.transaction(conn) as cur:
-            if existing is None:
-                store.insert_action_txn(cur, message["envelope"], message=message, seal_key=rt.seal_key,
-                                        redactor=red)
             token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
             events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                               "ttl_seconds": settings.lease_ttl_seconds}))
@@ -284,23 +289,20 @@ def _unlock_now(rt: Runtime, envelope: Envelope) -> None:
                                 target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id)))
 
 
-def _close_before_effect(rt: Runtime, envelope: Envelope, red: Redactor, events: list, event: str,
-                         evidence: dict[str, Any], reason: str, existing: dict | None, outcome: Outcome,
-                         dispatch: Dispatch, status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
+def _close_before_effect(rt: Runtime, envelope: Envelope, red: Redactor, events: list, event: str, evidence: dict[str, Any],
+                         reason: str, outcome: Outcome, dispatch: Dispatch,
+                         status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
-        if existing is None:
-            store.insert_action_txn(cur, envelope.model_dump(mode="json"), redactor=red)
-        store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id, [*events, (event, evidence)], red)
         store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
-                             outcome=outcome, reason_code=reason)
+                             outcome=outcome, reason_code=reason, events=[*events, (event, evidence)],
+                             actor=rt.settings.worker_id, redactor=red)
     _unlock_now(rt, envelope)
     closed_hook(rt, envelope, status, outcome, dispatch)
     return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
 
 
-def _not_started(rt, envelope, red, events, event, evidence, reason, existing, dispatch) -> dict[str, Any]:
-    return _close_before_effect(rt, envelope, red, events, event, evidence, reason, existing, Outcome.not_started,
-                                dispatch)
+def _not_started(rt, envelope, red, events, event, evidence, reason, dispatch) -> dict[str, Any]:
+    return _close_before_effect(rt, envelope, red, events, event, evidence, reason, Outcome.not_started, dispatch)
 
 
 def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: Outcome | None,
@@ -313,7 +315,7 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
 
 
 def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: list, exc: ProoflineError,
-                      existing: dict | None, dispatch: Dispatch) -> dict[str, Any]:
+                      dispatch: Dispatch) -> dict[str, Any]:
     """Nothing was sent: retry the same envelope later while the deadline allows."""
     remaining = envelope.deadline.timestamp() - time.time()
     if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
@@ -323,7 +325,7 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
         _unlock_now(rt, envelope)
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
     return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
-                                existing, Outcome.failed_before_side_effect, dispatch)
+                                Outcome.failed_before_side_effect, dispatch)
 
 
 def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
@@ -336,10 +338,9 @@ def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures
         if record is None:
             # A failed precondition ends the action unstarted; it is never adapted to the new state.
             events.append(("preconditions_failed", {"failures": failures, "before": before}))
-            store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
                                  reason_code=failures[0]["reason"], recovery_data={"before": before},
-                                 redactor=redact)
+                                 redactor=redact, events=events, actor=actor)
             return "not_started"
         if record.status == IdempotencyStatus.failed and not record.expired and \
                 record.argument_hash == envelope.arguments_hash:
@@ -347,11 +348,10 @@ def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures
             # attempt: perhaps by someone else, perhaps by that attempt's own late effect. Never
             # call on a changed target; let verification tell which it is.
             events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "retry"}))
-            store.append_events_txn(cur, aid, actor, events, redact)
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.verifying,
                                  reason_code="retry_preconditions_failed",
                                  recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]},
-                                 redactor=redact)
+                                 redactor=redact, events=events, actor=actor)
             return "reconcile"
         claimed = False  # the read reflects our own earlier effect: dispatch on the record instead
     else:
@@ -369,9 +369,9 @@ def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures
         events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
     events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
                    else {}))
-    store.append_events_txn(cur, aid, actor, events, redact)
+    # The pre-call evidence and the move to executing: one round trip.
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
-                         recovery_data={"before": before}, redactor=redact)
+                         recovery_data={"before": before}, redactor=redact, events=events, actor=actor)
     return "call"
 
 
@@ -542,12 +542,11 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: C
         else:
             status = ActionStatus.verifying
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
-        store.append_events_txn(cur, aid, actor, events, red)
         store.transition_txn(
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
             result={"values": verdict.values} if verdict.values is not None else None,
             recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
-            redactor=red)
+            redactor=red, events=events, actor=actor)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry

@@ -45,9 +45,11 @@ from hypothesis import strategies as st
 
 from ledger.states import ActionStatus, Outcome
 from proofline.canonical import canonical_bytes
+from proofline.controller import publish_message
 from proofline.envelope import derive_idempotency_key
 from proofline.sor import store as sor
 from tests.conftest import Stack, wait_for
+from tests.helpers import LosingBroker
 from worker.validate import MAX_MESSAGE_BYTES, refusal_chain_id
 
 MALFORMED = "envelope_malformed"
@@ -612,7 +614,10 @@ class CrossTenant:
         else:
             assume(self.tenant != self.other)
             env = ticket_envelope(stack, self.tenant, self.other)
-        result = Sent(stack.message(env), TENANT_MISMATCH, {env.idempotency_key}, {env.action_id})
+        # Published by the controller (recorded, not sent): a worker refuses any action nobody published.
+        message = stack.message(env)
+        publish_message(stack.conn, LosingBroker(), message, env)
+        result = Sent(message, TENANT_MISMATCH, {env.idempotency_key}, {env.action_id})
         result.action_id = env.action_id
         return result
 

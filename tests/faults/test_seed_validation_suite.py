@@ -208,7 +208,7 @@ def test_expired_approval(stack: Stack) -> None:
 def test_revoked_workload_identity(stack: Stack) -> None:
     identity = f"agent:rogue-{time.monotonic_ns()}"
     env = refund(stack, new_account(stack), workload_identity=identity)
-    with store.transaction(stack.conn) as cur:
+    with store.transaction(stack.operator) as cur:
         store.revoke_identity_txn(cur, identity, "secops@example.com", "credential leaked")
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
@@ -308,7 +308,7 @@ def test_ignored_cancellation(stack: Stack) -> None:
     stack.publish(env)
     stack.wait_event(env.action_id, "preconditions_passed")
     wait_for(lambda: stack.effects(env.idempotency_key) == 1, 20, what="the refund to be applied")
-    result = cancel(stack.conn, CeleryDispatch(stack.app), env.action_id, "ops@example.com", "wrong customer")
+    result = cancel(stack.operator, CeleryDispatch(stack.app), env.action_id, "ops@example.com", "wrong customer")
     assert result["accepted"] and result["disposition"] == "awaiting external state"
     row = stack.wait_settled(env.action_id, timeout=60)
     assert (row.status, row.outcome) == (ActionStatus.cancelled, Outcome.compensated)
@@ -456,11 +456,11 @@ def test_compensation_failure(stack: Stack) -> None:
     queued = {r["action_id"]: r for r in manual_queue(stack.conn)}
     assert steps[0].action_id in queued
     assert any(e["event"] == "compensation_failed" for e in queued[steps[0].action_id]["evidence"])
-    resolve(stack.conn, steps[0].action_id, "compensated", "oncall@example.com", "closed by hand",
+    resolve(stack.operator, steps[0].action_id, "compensated", "oncall@example.com", "closed by hand",
             {"ticket": "closed in the UI"})
     assert stack.action(steps[0].action_id).reason_code == "operator_compensated"
     assert "operator_intervention" in stack.events(steps[0].action_id)
-    clear_switch(stack.conn, KillSwitchScope.tool_tenant, "create_ticket@acme", "oncall@example.com", "resolved")
+    clear_switch(stack.operator, KillSwitchScope.tool_tenant, "create_ticket@acme", "oncall@example.com", "resolved")
 
 
 # --- 19. operator kill switch ------------------------------------------------------------------------
@@ -472,13 +472,13 @@ def test_operator_kill_switch(stack: Stack) -> None:
     broker = LosingBroker()
     for env in envs:
         publish_message(stack.conn, broker, stack.message(env), env, seal_key=stack.seal_key)
-    set_switch(stack.conn, KillSwitchScope.tool, "issue_refund", "secops@example.com", "refund fraud suspected")
+    set_switch(stack.operator, KillSwitchScope.tool, "issue_refund", "secops@example.com", "refund fraud suspected")
     try:
         for message in broker.lost:  # the queued messages now reach the workers
             stack.deliver(message)
         rows = [stack.wait_settled(e.action_id) for e in envs]
     finally:
-        clear_switch(stack.conn, KillSwitchScope.tool, "issue_refund", "secops@example.com", "cleared")
+        clear_switch(stack.operator, KillSwitchScope.tool, "issue_refund", "secops@example.com", "cleared")
     assert all((r.outcome, r.reason_code) == (Outcome.not_started, "kill_switch_engaged") for r in rows)
     assert all(stack.effects(e.idempotency_key) == 0 for e in envs)
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000

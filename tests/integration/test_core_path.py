@@ -101,3 +101,26 @@ def test_tampered_and_unsigned_envelopes_are_refused_and_recorded(stack: Stack) 
     assert stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
 
 
+
+
+def test_correctly_signed_message_nobody_published_is_refused(stack: Stack) -> None:
+    """Workers never create actions: a validly signed envelope that no controller recorded (a replay
+    from another deployment, a message injected onto the queue) is refused on its own chain."""
+    from worker.validate import refusal_chain_id
+
+    account = new_account(stack)
+    env = refund(stack, account)
+    message = stack.message(env)
+    stack.deliver(message)
+    chain = refusal_chain_id(message)
+    wait_for(lambda: any(r["action_id"] == chain for r in stack.refusals()), 30, what="the refusal")
+    (refusal,) = [r for r in stack.refusals() if r["action_id"] == chain]
+    assert refusal["evidence"]["reason_code"] == "action_not_published"
+    assert refusal["evidence"]["claimed"]["action_id"] == env.action_id
+    assert stack.action(env.action_id) is None and stack.events(env.action_id) == []
+    assert stack.effects(env.idempotency_key) == 0
+    assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
+    # Published afterwards by the controller, the same envelope runs normally.
+    stack.publish(env)
+    assert stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+    assert stack.effects(env.idempotency_key) == 1

@@ -27,7 +27,7 @@ from proofline.envelope import build_envelope
 from proofline.errors import StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT
-from tests.conftest import create_database, drop_database
+from tests.conftest import create_database, drop_database, role_urls
 
 Urls = tuple[str, str]
 
@@ -61,6 +61,13 @@ def admin(db: Urls) -> Iterator[psycopg.Connection]:
 @pytest.fixture
 def runtime(db: Urls) -> Iterator[psycopg.Connection]:
     with store.connect(db[1]) as conn:
+        yield conn
+
+
+@pytest.fixture
+def controller(db: Urls) -> Iterator[psycopg.Connection]:
+    """Only the controller role publishes actions (migration 0003)."""
+    with store.connect(role_urls(db[0])["controller"]) as conn:
         yield conn
 
 
@@ -142,7 +149,7 @@ def test_ledger_functions_and_triggers_exist(admin):
         cur.execute("""SELECT tgname FROM pg_trigger WHERE tgrelid = 'ledger_events'::regclass
                        AND NOT tgisinternal ORDER BY tgname""")
         assert [r["tgname"] for r in cur.fetchall()] == [
-            "ledger_events_chain", "ledger_events_no_truncate", "ledger_events_no_update"]
+            "ledger_events_authorize", "ledger_events_chain", "ledger_events_no_truncate", "ledger_events_no_update"]
 
 
 # --- privileges and the insert-only trigger --------------------------------------------------------
@@ -151,10 +158,10 @@ def test_ledger_functions_and_triggers_exist(admin):
 def test_runtime_role_can_insert_events(runtime):
     action = uid("act-ins")
     with store.transaction(runtime) as cur:
-        store.append_event_txn(cur, action, "published", "controller", {"n": 1})
+        store.append_event_txn(cur, action, "validated", "worker", {"n": 1})
         store.append_event_txn(cur, action, "executing", "worker", {"n": 2})
     rows = events(runtime, action)
-    assert [(r["seq"], r["event"]) for r in rows] == [(1, "published"), (2, "executing")]
+    assert [(r["seq"], r["event"]) for r in rows] == [(1, "validated"), (2, "executing")]
     assert rows[0]["prev_hash"] == ""
     assert rows[1]["prev_hash"] == rows[0]["hash"]
 
@@ -164,7 +171,7 @@ def test_caller_cannot_choose_seq_or_hash(runtime):
     with store.transaction(runtime) as cur:
         cur.execute(
             """INSERT INTO ledger_events (action_id, seq, event, actor, prev_hash, hash, at)
-               VALUES (%s, 41, 'published', 'mallory', 'forged-prev', 'forged', '2000-01-01T00:00:00Z')""",
+               VALUES (%s, 41, 'validated', 'mallory', 'forged-prev', 'forged', '2000-01-01T00:00:00Z')""",
             (action,),
         )
     (row,) = events(runtime, action)
@@ -185,7 +192,7 @@ def test_caller_cannot_choose_seq_or_hash(runtime):
 def test_runtime_role_cannot_change_events(runtime, statement):
     action = uid("act-priv")
     with store.transaction(runtime) as cur:
-        store.append_event_txn(cur, action, "published", "controller", {"n": 1})
+        store.append_event_txn(cur, action, "validated", "worker", {"n": 1})
     params = (action,) if "%s" in statement else ()
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
         with store.transaction(runtime) as cur:
@@ -211,7 +218,7 @@ def test_runtime_role_cannot_disable_the_trigger(runtime):
 def test_trigger_refuses_even_the_superuser(admin, runtime, statement):
     action = uid("act-super")
     with store.transaction(runtime) as cur:
-        store.append_event_txn(cur, action, "published", "controller", {"n": 1})
+        store.append_event_txn(cur, action, "validated", "worker", {"n": 1})
     before = events(admin, action)
     params = (action,) if "%s" in statement else ()
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="insert-only"):
@@ -301,10 +308,10 @@ def test_removed_first_event_is_named(chain_db):
 def test_moving_text_between_event_and_actor_is_detected(chain_db):
     admin_url, runtime_url = chain_db
     with store.connect(runtime_url) as conn, store.transaction(conn) as cur:
-        store.append_event_txn(cur, "act-a", "published", "ops|alice", {"n": 1})
+        store.append_event_txn(cur, "act-a", "validated", "ops|alice", {"n": 1})
     with store.connect(admin_url) as conn:
         superuser_edit(conn, "UPDATE ledger_events SET event = %s, actor = %s WHERE action_id = %s AND seq = %s",
-                       ("published|ops", "alice", "act-a", 1))
+                       ("validated|ops", "alice", "act-a", 1))
         _, _, broken = check_chains(conn)
     assert [(b.action_id, b.seq) for b in broken] == [("act-a", 1)]
 
@@ -317,7 +324,7 @@ def test_evidence_is_redacted_before_it_is_written(runtime, fields):
     action = uid("act-redact")
     evidence = {"user": "ann", "password": "hunter2", "nested": [{"Password": "s3cret", "keep": 1}]}
     with store.transaction(runtime) as cur:
-        store.append_event_txn(cur, action, "published", "controller", evidence, redact_fields=fields)
+        store.append_event_txn(cur, action, "validated", "worker", evidence, redact_fields=fields)
     (row,) = events(runtime, action)
     assert row["evidence"] == {"user": "ann", "password": MARK, "nested": [{"Password": MARK, "keep": 1}]}
     with runtime.cursor() as cur:
@@ -353,10 +360,10 @@ def _envelope(action_id: str) -> dict[str, Any]:
     return env.model_dump(mode="json")
 
 
-def test_insert_action_once(runtime):
+def test_insert_action_once(controller):
     action = uid("act-ins")
     envelope = _envelope(action)
-    with store.transaction(runtime) as cur:
+    with store.transaction(controller) as cur:
         assert store.insert_action_txn(cur, envelope) is True
         assert store.insert_action_txn(cur, envelope) is False
         row = store.get_action(cur, action)
@@ -366,20 +373,22 @@ def test_insert_action_once(runtime):
     assert row.envelope == envelope
 
 
-def test_transition_moves_from_an_allowed_status(runtime):
+def test_transition_moves_from_an_allowed_status(controller, runtime):
     action = uid("act-move")
-    with store.transaction(runtime) as cur:
+    with store.transaction(controller) as cur:
         store.insert_action_txn(cur, _envelope(action))
+    with store.transaction(runtime) as cur:
         row = store.transition_txn(cur, action, [ActionStatus.published], ActionStatus.executing,
                                    recovery_data={"before": {"found": False}})
     assert row.status is ActionStatus.executing
     assert row.recovery_data == {"before": {"found": False}}
 
 
-def test_transition_refused_moves_nothing(runtime):
+def test_transition_refused_moves_nothing(controller, runtime):
     action = uid("act-refuse")
-    with store.transaction(runtime) as cur:
+    with store.transaction(controller) as cur:
         store.insert_action_txn(cur, _envelope(action))
+    with store.transaction(runtime) as cur:
         store.transition_txn(cur, action, [ActionStatus.published], ActionStatus.executing)
     with runtime.cursor() as cur:
         before = store.get_action(cur, action)
@@ -410,44 +419,54 @@ def _token(cur: store.Cursor) -> int:
     return int(cur.fetchone()["t"])
 
 
-def _claim(cur: store.Cursor, key: str, token: int, *, action_id: str = "act-1", argument_hash: str = "h1",
+def _claim(cur: store.Cursor, key: tuple[str, str], token: int, *, argument_hash: str = "h1",
            window: float = 3600.0) -> tuple[bool, store.IdempotencyRecord]:
-    return store.claim_idempotency_txn(cur, key=key, action_id=action_id, tenant="acme", argument_hash=argument_hash,
-                                       contract_hash="c1", fencing_token=token, replay_window_seconds=window)
+    action_id, idempotency_key = key
+    return store.claim_idempotency_txn(cur, key=idempotency_key, action_id=action_id, tenant="acme",
+                                       argument_hash=argument_hash, contract_hash="c1", fencing_token=token,
+                                       replay_window_seconds=window)
 
 
-def test_first_claim_wins_and_second_gets_the_stored_record(runtime):
-    key = uid("pl1")
+@pytest.fixture
+def published(controller) -> tuple[str, str]:
+    """(action id, idempotency key) of a freshly published action: a claim needs one (migration 0003)."""
+    envelope = _envelope(uid("act-idem"))
+    with store.transaction(controller) as cur:
+        store.insert_action_txn(cur, envelope)
+    return envelope["action_id"], envelope["idempotency_key"]
+
+
+def test_first_claim_wins_and_second_gets_the_stored_record(runtime, published):
+    key = published
     with store.transaction(runtime) as cur:
         first_token = _token(cur)
         claimed, record = _claim(cur, key, first_token)
     assert claimed is True
     assert (record.key, record.status, record.fencing_token, record.attempts, record.expired) == (
-        key, IdempotencyStatus.in_progress, first_token, 1, False)
+        key[1], IdempotencyStatus.in_progress, first_token, 1, False)
 
     with store.transaction(runtime) as cur:
         second_token = _token(cur)
-        claimed, again = _claim(cur, key, second_token, action_id="act-2", argument_hash="h2")
+        claimed, again = _claim(cur, key, second_token, argument_hash="h2")
     assert second_token != first_token
     assert claimed is False
     assert again == record  # the stored record, untouched by the second claim
 
 
-def test_expired_record_is_reported_expired(runtime):
-    key = uid("pl1")
+def test_expired_record_is_reported_expired(runtime, published):
     with store.transaction(runtime) as cur:
-        claimed, record = _claim(cur, key, _token(cur), window=-1)
+        claimed, record = _claim(cur, published, _token(cur), window=-1)
         assert claimed is True
-        claimed, again = _claim(cur, key, _token(cur))
+        claimed, again = _claim(cur, published, _token(cur))
     assert claimed is False
     assert again.expired is True
 
 
-def test_update_with_the_current_token(runtime):
-    key = uid("pl1")
+def test_update_with_the_current_token(runtime, published):
+    key = published[1]
     with store.transaction(runtime) as cur:
         token = _token(cur)
-        _claim(cur, key, token)
+        _claim(cur, published, token)
         attempts = store.update_idempotency_txn(cur, key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
                                                 status=IdempotencyStatus.completed, result={"ticket": "T-1"},
                                                 count_attempt=True)
@@ -457,11 +476,11 @@ def test_update_with_the_current_token(runtime):
     assert (record.status, record.result, record.attempts) == (IdempotencyStatus.completed, {"ticket": "T-1"}, 2)
 
 
-def test_update_with_a_stale_token_raises_and_moves_nothing(runtime):
-    key = uid("pl1")
+def test_update_with_a_stale_token_raises_and_moves_nothing(runtime, published):
+    key = published[1]
     with store.transaction(runtime) as cur:
         old = _token(cur)
-        _claim(cur, key, old)
+        _claim(cur, published, old)
         new = _token(cur)
         # A new lease holder takes the record over with its own token.
         store.update_idempotency_txn(cur, key, fencing_token=old, allowed=[IdempotencyStatus.in_progress],
@@ -478,11 +497,11 @@ def test_update_with_a_stale_token_raises_and_moves_nothing(runtime):
         assert store.get_idempotency_txn(cur, key) == before
 
 
-def test_update_from_a_status_not_allowed_raises(runtime):
-    key = uid("pl1")
+def test_update_from_a_status_not_allowed_raises(runtime, published):
+    key = published[1]
     with store.transaction(runtime) as cur:
         token = _token(cur)
-        _claim(cur, key, token)
+        _claim(cur, published, token)
         with pytest.raises(StaleLease):
             store.update_idempotency_txn(cur, key, fencing_token=token, allowed=[IdempotencyStatus.unknown],
                                          status=IdempotencyStatus.completed)
@@ -495,8 +514,9 @@ def test_removed_tail_is_caught_by_the_anchored_head(chain_db):
     anchors on the action row is what gives it away."""
     admin_url, runtime_url = chain_db
     action = uid("act-tail")
-    with store.connect(runtime_url) as conn, store.transaction(conn) as cur:
+    with store.connect(role_urls(admin_url)["controller"]) as conn, store.transaction(conn) as cur:
         store.insert_action_txn(cur, _envelope(action))
+    with store.connect(runtime_url) as conn, store.transaction(conn) as cur:
         for n in range(4):
             store.append_event_txn(cur, action, f"step-{n}", "worker", {"n": n})
     with store.connect(admin_url) as conn:

@@ -23,7 +23,7 @@ def test_cancelling_a_queued_step_cancels_it_and_unwinds_the_run(stack: Stack) -
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
     sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=1.5)
     stack.publish_run(steps)
-    result = cancel(stack.conn, CeleryDispatch(stack.app), steps[1].action_id, "ops@example.com", "not needed")
+    result = cancel(stack.operator, CeleryDispatch(stack.app), steps[1].action_id, "ops@example.com", "not needed")
     assert result["disposition"] == "cancelled"
     row = stack.action(steps[1].action_id)
     assert (row.status, row.outcome) == (ActionStatus.cancelled, Outcome.not_started)

@@ -6,14 +6,14 @@ migration holds no key to seal with, and re-driving them still works from ``enve
 ``key_id`` and ``signature`` only until they settle (see README, Secrets and redaction).
 
 Revision ID: 0006
-Revises: 0002
+Revises: 0003
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0006"
-down_revision = "0002"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
