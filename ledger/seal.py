@@ -85,6 +85,13 @@ _BY_PATH: dict[Path, SealKey] = {}
 _LOCK = threading.Lock()
 
 
+def remember(key: SealKey) -> SealKey:
+    """Make ``key`` available for opening rows in this process (a key loaded some other way)."""
+    with _LOCK:
+        _KEYS[key.key_id] = key
+    return key
+
+
 def key_file(settings: Settings) -> Path:
     path = settings.seal_key_file
     if path is None:

@@ -5,6 +5,7 @@ in the database equal their Python source (ledger/roles.py)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -13,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger import store
+from ledger import seal, store
 from ledger.roles import ACTION_TRANSITIONS, EVENT_RIGHTS, IDEMPOTENCY_TRANSITIONS, ROLES
 from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
 from proofline.envelope import build_envelope
@@ -24,6 +25,9 @@ from recovery.operator import clear_switch, resolve, set_switch
 from tests.conftest import create_database, drop_database, role_urls
 
 Denied = psycopg.errors.InsufficientPrivilege
+
+# Stored signed messages are sealed (ledger/seal.py); a throwaway key for these role tests.
+SEAL = seal.remember(seal.SealKey("seal-roles-test", os.urandom(32)))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +85,8 @@ def publish(conns: dict[str, psycopg.Connection], **kw: Any) -> dict[str, Any]:
     """The controller's legal path: the action row and its ``published`` event."""
     env = envelope(**kw)
     with store.transaction(conns["controller"]) as cur:
-        assert store.insert_action_txn(cur, env, key_id="k1", signature="sig")
+        assert store.insert_action_txn(cur, env, message={"envelope": env, "key_id": "k1", "signature": "sig"},
+                                       seal_key=SEAL)
         store.append_event_txn(cur, env["action_id"], "published", "controller", {"n": 1})
     return env
 
