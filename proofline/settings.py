@@ -11,7 +11,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,11 +31,6 @@ class Settings(BaseSettings):
     admin_database_url: str | None = None
     #: Celery broker. ``redis://`` in production; ``sqla+postgresql+psycopg://`` needs no server.
     broker_url: str = "redis://127.0.0.1:6379/0"
-
-    #: HMAC keys by key id, for envelope signatures. JSON object in the environment.
-    signing_keys: dict[str, str] = Field(default_factory=lambda: {"dev-1": "proofline-development-key"})
-    #: The key id controllers sign new envelopes with.
-    active_key_id: str = "dev-1"
 
     servers_file: Path = ROOT / "servers.yaml"
     contracts_dir: Path = ROOT / "contracts"
@@ -66,6 +61,26 @@ class Settings(BaseSettings):
     sentry_dsn: str | None = None
 
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+    # --- keys and signatures ---
+    #: Directory written by ``proofline keys generate``; each key file below defaults to a file in it.
+    keys_dir: Path | None = None
+    #: The controller's Ed25519 private key (controllers only).
+    signing_key_file: Path | None = None
+    #: The recovery key that signs derived envelopes (recovery processes only).
+    recovery_key_file: Path | None = None
+    #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
+    keyring_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_files_default_to_keys_dir(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("keys_dir"):
+            for name, default in (("signing_key_file", "controller.key"), ("recovery_key_file", "recovery.key"),
+                                  ("keyring_file", "keyring.json")):
+                if not data.get(name):
+                    data[name] = Path(str(data["keys_dir"])) / default
+        return data
 
     @property
     def visibility_timeout(self) -> int:

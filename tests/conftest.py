@@ -27,6 +27,7 @@ from ledger.migrate import upgrade
 from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, publish_run, send_message, signed_message
 from proofline.envelope import Envelope
+from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 
@@ -226,22 +227,23 @@ def _servers_yaml(transport: str, write_port: int | None, read_port: int | None)
 
 
 def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w",
-                  beat: bool = True) -> list[subprocess.Popen]:
-    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to."""
+                  beat: bool = True, role: str = "all", env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to.
+    ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process)."""
     started = []
     for i in range(count):
         # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
-        argv = [sys.executable, "-m", "proofline", "worker", "--queues", "actions,verify,compensate,reconcile",
-                "--concurrency", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
+        argv = [sys.executable, "-m", "proofline", "worker", "--role", role, "--concurrency", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
                 "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
         if beat and i == 0:
             argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
-        proc = start_process(argv, stack.env, stack.workdir / f"worker-{name}{i}.log")
+        proc = start_process(argv, env or stack.env, stack.workdir / f"worker-{name}{i}.log")
         started.append(proc)
     stack.workers.extend(started)
     client = redis.Redis.from_url(stack.broker_url)
     # A worker is ready when it has subscribed to its queues (it then shows in the broker's bindings).
-    wait_for(lambda: client.exists("_kombu.binding.actions") and all(p.poll() is None for p in started), 30,
+    binding = "_kombu.binding.recovery" if role == "recovery" else "_kombu.binding.actions"
+    wait_for(lambda: client.exists(binding) and all(p.poll() is None for p in started), 30,
              what="workers to start")
     time.sleep(1.0)
     return started
@@ -280,8 +282,10 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
+    keys_dir = tmp / "keys"
+    generate_keys(keys_dir, force=True, development=True)
     env.update({
-        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker,
+        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker, "PROOFLINE_KEYS_DIR": str(keys_dir),
         "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
         "SOR_DB": str(sor_db), "SOR_RESTART_SECONDS": "0.6", "PYTHONPATH": str(ROOT),
         "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
@@ -318,7 +322,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
-    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file)
+    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir)
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
     conn = store.connect(runtime_url)

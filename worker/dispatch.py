@@ -26,7 +26,8 @@ class CeleryDispatch:
         self.app.send_task("proofline.verify", args=[action_id], queue="verify", serializer="json")
 
     def recover(self, action_id: str) -> None:
-        self.app.send_task("proofline.recover", args=[action_id], queue="reconcile", serializer="json")
+        # Its own queue: only recovery processes (which hold the recovery key) consume it.
+        self.app.send_task("proofline.recover", args=[action_id], queue="recovery", serializer="json")
 
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:
