@@ -23,6 +23,7 @@ from celery import Celery
 
 from ledger import store
 from proofline.faults import FaultProxy
+from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 from tests.conftest import (
@@ -258,8 +259,11 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         sor.seed_demo(sor_db)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
         env.update(STACK_ENV)
+        # Development keys of the soak's own (the soak process signs as the controller).
+        keys_dir = workdir / "keys"
+        generate_keys(keys_dir, force=True, development=True)
         env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
-                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT)})
+                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir)})
         soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
         soak.writer_port, soak.reader_port = free_port(), free_port()
         for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
@@ -273,7 +277,8 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port))
         env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
         env.update(extra_env or {})
-        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file)
+        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file,
+                            keys_dir=keys_dir)
         app = Celery("proofline-soak-controller", broker=soak.redis.url)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         conn = store.connect(runtime_url, application_name="proofline-soak-controller")
