@@ -45,9 +45,15 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     """Build, sign and publish one envelope onto the actions queue."""
     from proofline.controller import prepare
     from proofline.controller import publish as do_publish
+    from proofline.errors import ConfigurationError
+    from proofline.keys import check_process_keys
     from worker.tasks import app
 
     settings = get_settings()
+    try:
+        check_process_keys(settings, "controller")  # before anything is recorded
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
     envelope = prepare(settings, action_type=action_type, arguments=json.loads(args_json),
                        target=json.loads(target_json), tenant=tenant, run_id=run_id, action_id=action_id,
                        requester=requester, workload_identity=workload_identity)
