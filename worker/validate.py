@@ -93,6 +93,13 @@ def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tupl
     return envelope, contract
 
 
+def _canonical_or_repr(value: Any) -> bytes:
+    try:
+        return canonical_bytes(value)
+    except Exception:  # noqa: BLE001 - a hostile row may hold anything; it then simply does not match
+        return repr(value).encode()
+
+
 def authenticate_row(row: ActionRow, keyring: Keyring, role: KeyRole) -> Envelope:
     """The envelope a stored action row really carries: its stored signed message verified against
     the keyring (signed by ``role``), and the row's own columns equal to what that message says.
@@ -122,7 +129,7 @@ def authenticate_row(row: ActionRow, keyring: Keyring, role: KeyRole) -> Envelop
             ("action_type", row.action_type, envelope.action_type),
             ("tool", row.tool, envelope.tool.name),
             ("idempotency_key", row.idempotency_key, envelope.idempotency_key),
-            ("target", canonical_bytes(stored.get("target")), canonical_bytes(verified.document.get("target"))),
+            ("target", _canonical_or_repr(stored.get("target")), _canonical_or_repr(verified.document.get("target"))),
         )
         if have != want
     }
