@@ -24,15 +24,12 @@ from proofline.errors import ParentRowMismatch, ParentSignatureInvalid, Prooflin
 from proofline.keys import KeyRole, load_keyring
 from recovery.derive import derive_envelope, recovery_signed_message
 from recovery.policy import Decision, Facts, decide
-from recovery.settle import after_settle, set_kill_switch_txn
+from recovery.settle import SECURITY_ALERTS, after_settle, set_kill_switch_txn
 from worker.dispatch import Dispatch
 from worker.runtime import Runtime
 from worker.validate import authenticate_row
 
 log = logging.getLogger(__name__)
-
-#: The ledger chain every security alert is also appended to, so operators read them in one place.
-SECURITY_ALERTS = "alerts:security"
 
 WORKFLOW = {RecoveryKind.compensation: "compensation", RecoveryKind.native_rollback: "rollback",
             RecoveryKind.forward_recovery: "forward"}

@@ -274,6 +274,37 @@ def test_a_forged_actions_row_gets_no_compensation(split: Stack) -> None:
     assert "ERROR" in log and "security_alert recovery_refused" in log and forged_id in log
 
 
+def test_a_forged_recovery_row_cannot_settle_its_parent(split: Stack) -> None:
+    """While a real compensation runs (its call delayed), a forged rollback row naming the same parent,
+    already 'closed, completed_verified', is swept by the reconciler: it must not close the parent as
+    compensated. Only the real compensation does."""
+    steps = run_of(split, [lambda **kw: ticket_env(split, **kw), lambda **kw: stale_close_env(split, **kw)])
+    sor.set_fault(split.sor_db, "close_ticket", "delay", remaining=1, delay_seconds=4.0)
+    try:
+        split.publish_run(steps)
+        parent_id = steps[0].action_id
+        split.wait_event(parent_id, "recovery_action_published", timeout=60)
+        parent = split.action(parent_id)
+        forged = _derived(split, parent, kind="rollback")
+        insert_forged_row(split, forged, action_id=forged.action_id, key_id=recovery_key(split).key_id,
+                          signature=base64.b64encode(secrets.token_bytes(64)).decode(), recovery_data={},
+                          status="closed")
+        with worker_db(split) as conn:
+            conn.execute("""UPDATE actions SET kind = 'rollback', parent_action_id = %s, outcome = 'completed_verified',
+                                   updated_at = clock_timestamp() - interval '10 seconds' WHERE action_id = %s""",
+                         (parent_id, forged.action_id))
+        assert run_settled(split, steps[0].run_id)["outcome"] == "compensated"
+    finally:
+        sor.clear_faults(split.sor_db)
+    compensated = [e["evidence"] for e in split.timeline(parent_id) if e["event"] == "compensated"]
+    assert [e["recovery_action"] for e in compensated] == [recovery_action(split, parent_id)]
+    assert recovery_action(split, parent_id) != forged.action_id
+    # The reconciler did meet the forged row while the parent was in recovery, and refused it.
+    assert "settlement_refused" in split.events(forged.action_id)
+    alerts = [e["evidence"] for e in split.timeline("alerts:security") if e["evidence"]["action_id"] == forged.action_id]
+    assert [a["alert"] for a in alerts] == ["settlement_refused"]
+
+
 def _derived(split: Stack, parent: Any, *, kind: str = "compensation", tenant: str = "acme",
              action_type: str = "ticket.close", link: str | None = None, recovers: str | None = None,
              target: dict[str, Any] | None = None) -> Envelope:
