@@ -12,7 +12,8 @@ COPY recovery ./recovery
 COPY contracts ./contracts
 COPY schemas ./schemas
 COPY ops ./ops
-# /keys: the mount point of the keys volume, private to the proofline user (a new volume takes it over).
-RUN pip install --no-cache-dir . && useradd --create-home --uid 10001 proofline && mkdir -p /data /app/var /keys \
-    && chown -R proofline /data /app/var /keys && chmod 700 /keys
+# /keys/*: mount points for the key volumes, owned by the runtime user and closed to others.
+RUN pip install --no-cache-dir . && useradd --create-home --uid 10001 proofline && mkdir -p /data /app/var \
+    /keys/master /keys/controller /keys/recovery /keys/worker \
+    && chown -R proofline /data /app/var /keys && chmod 700 /keys/master /keys/controller /keys/recovery /keys/worker
 USER proofline

@@ -44,6 +44,8 @@ task_routes = {
     "proofline.execute": {"queue": "actions"},
     "proofline.verify": {"queue": "verify"},
     "proofline.compensate": {"queue": "compensate"},
+    # Deciding and signing recovery envelopes: only processes holding the recovery key consume it.
+    "proofline.recover": {"queue": "recovery"},
     "proofline.reconcile": {"queue": "reconcile"},
     "proofline.checkpoint": {"queue": "checkpoint"},
 }

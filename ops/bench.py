@@ -98,7 +98,7 @@ TARGET_RATIO = 0.5
 STATS_FLUSH_SECONDS = 10.5
 #: kombu's Redis transport keeps priorities 3, 6 and 9 in lists suffixed with "\x06\x16<n>".
 PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-FULL_QUEUES = ("actions", "verify", "compensate")
+FULL_QUEUES = ("actions", "verify", "compensate", "recovery")
 CONTROLLER_APP = "proofline-bench-controller"
 #: Settings the test stack shortens so tests see leases lapse and the reconciler act within seconds.
 #: The bench puts them back to the runtime's defaults unless --test-timings is given: with a

@@ -21,8 +21,9 @@ import psycopg
 import redis
 from celery import Celery
 
-from ledger import seal, store
+from ledger import store
 from proofline.faults import FaultProxy
+from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 from tests.conftest import (
@@ -257,13 +258,13 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         sor_db = workdir / "sor.sqlite3"
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
-        seal_key = workdir / "keys" / "seal.key"
-        if not seal_key.exists():
-            seal.write_key(seal_key)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
         env.update(STACK_ENV)
+        # Development keys of the soak's own (the soak process signs as the controller).
+        keys_dir = workdir / "keys"
+        generate_keys(keys_dir, force=True, development=True)
         env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
-                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_SEAL_KEY_FILE": str(seal_key)})
+                    "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir)})
         soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
         soak.writer_port, soak.reader_port = free_port(), free_port()
         for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
@@ -278,8 +279,7 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
         env.update(extra_env or {})
         settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file,
-                            seal_key_file=seal_key)
-        seal.sealer_for(settings)
+                            keys_dir=keys_dir)
         app = Celery("proofline-soak-controller", broker=soak.redis.url)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         urls = role_urls(soak.admin_url)

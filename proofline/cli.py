@@ -49,9 +49,15 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     """Build, sign and publish one envelope onto the actions queue."""
     from proofline.controller import prepare
     from proofline.controller import publish as do_publish
+    from proofline.errors import ConfigurationError
+    from proofline.keys import check_process_keys
     from worker.tasks import app
 
     settings = get_settings()
+    try:
+        check_process_keys(settings, "controller")  # before anything is recorded
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
     envelope = prepare(settings, action_type=action_type, arguments=json.loads(args_json),
                        target=json.loads(target_json), tenant=tenant, run_id=run_id, action_id=action_id,
                        requester=requester, workload_identity=workload_identity)
@@ -303,19 +309,91 @@ def envelope_schema(out: Path) -> None:
     click.echo(f"wrote {out}")
 
 
+#: What each kind of worker process consumes. Execution never holds the recovery key; recovery
+#: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
+ROLE_QUEUES = {"execute": "actions,verify,compensate", "recovery": "recovery,reconcile",
+               "all": "actions,verify,compensate,recovery,reconcile"}
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--queues", default="actions,verify,compensate,reconcile")
+@click.option("--role", type=click.Choice(sorted(ROLE_QUEUES)), default="all", show_default=True,
+              help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
+@click.option("--queues", default=None, help="override the role's queues")
 @click.option("--concurrency", default=2)
 @click.pass_context
-def worker(ctx: click.Context, queues: str, concurrency: int) -> None:
-    """Run a supervised Celery worker (prefork) on the given queues; extra options go to Celery.
+def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) -> None:
+    """Run a supervised Celery worker (prefork) for a role; extra options go to Celery.
 
-    The worker is restarted if it dies (for example when the broker crashes under it)."""
+    Its keys are checked before it starts (a production process refuses development keys, an
+    execute worker that can read a private key, and the combined role). The worker is restarted if
+    it dies (for example when the broker crashes under it)."""
+    from proofline.errors import ConfigurationError
+    from proofline.keys import check_process_keys
     from proofline.supervise import supervise
 
-    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", queues, "-c", str(concurrency),
-            "-P", "prefork", "--loglevel", "INFO", *ctx.args]
+    try:
+        for warning in check_process_keys(get_settings(), role):
+            click.echo(f"proofline worker: warning: {warning}", err=True)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", queues or ROLE_QUEUES[role],
+            "-c", str(concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
     sys.exit(supervise(argv))
+
+
+@main.group()
+def keys() -> None:
+    """Key files: generate, rotate, revoke."""
+
+
+@keys.command("generate")
+@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="replace existing key files")
+@click.option("--development", is_flag=True, help="mark the keys as development keys (refused in production)")
+def keys_generate(directory: Path, force: bool, development: bool) -> None:
+    """Write controller.key, recovery.key, ledger.key, seal.key (0600) and keyring.json."""
+    from proofline.errors import ConfigurationError
+    from proofline.keys import generate
+
+    try:
+        for path in generate(directory, force=force, development=development):
+            click.echo(f"wrote {path}")
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@keys.command("rotate")
+@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
+@click.option("--role", type=click.Choice(["controller", "recovery", "ledger"]), default="controller")
+@click.option("--overlap-seconds", default=7200.0, show_default=True,
+              help="the old key still verifies for this long (longer than the longest deadline)")
+def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
+    """A new key signs from now on; the old one verifies until its not_after."""
+    from datetime import timedelta
+
+    from proofline.errors import ConfigurationError
+    from proofline.keys import KeyRole, rotate
+
+    try:
+        old, new = rotate(directory, KeyRole(role), timedelta(seconds=overlap_seconds))
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{role} key {new} signs now; {old} verifies for {overlap_seconds:g} s more")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+def keys_revoke(key_id: str, keyring: Path) -> None:
+    """Mark a key revoked: every message it signed is refused from now on."""
+    from proofline.errors import ConfigurationError
+    from proofline.keys import revoke
+
+    try:
+        revoke(keyring, key_id)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"revoked {key_id}")
 
 
 @main.command()

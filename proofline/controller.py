@@ -21,6 +21,7 @@ from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
 from proofline.errors import IdempotencyConflict
+from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import Settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
@@ -88,7 +89,8 @@ def prepare(
 
 
 def signed_message(settings: Settings, envelope: Envelope) -> dict[str, Any]:
-    return sign(envelope, settings.signing_keys, settings.active_key_id)
+    """Sign a fresh action with the controller's private key (read from its key file)."""
+    return sign(envelope, load_signing_key(settings.signing_key_file, KeyRole.controller, settings.environment))
 
 
 def send_message(app: Any, message: Any, queue: str = "actions", task_id: str | None = None) -> str:

@@ -24,10 +24,11 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from celery import Celery
 
-from ledger import seal, store
+from ledger import store
 from ledger.migrate import sqlalchemy_url, upgrade
 from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, send_message, signed_message
+from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 
@@ -77,7 +78,7 @@ def _services(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
 
 
 def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify,compensate,reconcile", "-c", "2",
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify,compensate,recovery,reconcile", "-c", "2",
             "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
@@ -106,16 +107,15 @@ def run_demo(keep: bool = False) -> int:
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
         os.environ["SOR_DB"] = str(sor_db)
-        # The demo's own seal key (ledger/seal.py), kept with the rest of its state.
-        seal_key = WORKDIR / "keys" / "seal.key"
-        if not seal_key.exists():
-            seal.write_key(seal_key)
-        settings = Settings(database_url=runtime, broker_url=broker, seal_key_file=seal_key)
+        # Development keys, made fresh for each demo (a production process refuses them).
+        keys_dir = WORKDIR / "keys"
+        generate_keys(keys_dir, force=True, development=True)
+        settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
         # The worker runs in the controller's environment: it refuses envelopes for any other.
         env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
-                    "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT),
-                    "PROOFLINE_SEAL_KEY_FILE": str(seal_key), "PROOFLINE_ENVIRONMENT": settings.environment})
+                    "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir),
+                    "PROOFLINE_ENVIRONMENT": settings.environment})
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(_stop, worker)
         app = Celery("proofline-demo-controller", broker=broker)

@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proofline.canonical import sha256_hex
 
@@ -126,6 +126,9 @@ class Envelope(_Frozen):
     compensation_ref: str | None = None
     #: Set on a recovery action (compensation, rollback, forward fix): the action it recovers.
     recovers: str | None = None
+    #: On a recovery action only (and required there): sha256 of the canonical JSON of the parent's
+    #: controller-signed message, so the executing worker can prove which authority it derives from.
+    parent_message_hash: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     evidence: EvidenceRequirements = EvidenceRequirements()
     irreversible: bool = False
 
@@ -136,12 +139,28 @@ class Envelope(_Frozen):
             raise ValueError("deadline must carry a time zone")
         return value
 
+    @model_validator(mode="after")
+    def _parent_link_only_on_recovery(self) -> Envelope:
+        if (self.recovers is None) != (self.parent_message_hash is None):
+            raise ValueError("parent_message_hash is required on a recovery envelope (recovers set) "
+                             "and allowed nowhere else")
+        return self
+
     @field_validator("operation")
     @classmethod
     def _normalized_operation(cls, value: str) -> str:
         if value != value.strip().lower():
             raise ValueError("operation must be normalized (lower case, no surrounding space)")
         return value
+
+
+#: The recovery actions a contract may declare (``recovery.<kind>``); derived action ids end in ``.<kind>``.
+DERIVED_KINDS = ("compensation", "rollback", "forward")
+
+
+def derived_action_id(action_id: str, kind: str) -> str:
+    """A recovery action's id. Deterministic, so deciding twice never creates a second one."""
+    return f"{action_id}.{kind}"
 
 
 def arguments_hash(arguments: dict[str, Any]) -> str:

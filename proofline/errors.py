@@ -272,3 +272,44 @@ class PrivilegeRefused(ProoflineError):
     reserved for another role, a row this role may not create). Never retried into success."""
 
     code = "privilege_refused"
+# --- keys and signatures ----------------------------------------------------------------------
+
+
+class RevokedSigningKey(EnvelopeRefused):
+    """The envelope is signed with a key the keyring marks as revoked."""
+
+    code = "envelope_key_revoked"
+
+
+class ExpiredSigningKey(EnvelopeRefused):
+    """The envelope is signed with a key past its ``not_after``."""
+
+    code = "envelope_key_expired"
+
+
+class WrongKeyRole(EnvelopeRefused):
+    """The signing key's role may not sign this envelope: a recovery key signed a fresh action, a
+    controller key signed a derived recovery envelope, or some other role signed an envelope."""
+
+    code = "envelope_wrong_key_role"
+
+
+class ParentLinkInvalid(EnvelopeRefused):
+    """A recovery envelope's parent link does not hold: the parent is missing, not controller-signed,
+    does not hash to ``parent_message_hash``, is another tenant's, or does not declare this recovery."""
+
+    code = "envelope_parent_link_invalid"
+
+
+class ParentSignatureInvalid(ProoflineError):
+    """A stored action's signed message is missing, does not verify, or is signed by the wrong role:
+    nothing may be derived from it."""
+
+    code = "parent_signature_invalid"
+
+
+class ParentRowMismatch(ProoflineError):
+    """A stored action's columns (id, tenant, action type, tool, target, idempotency key) differ from
+    the envelope its signed message carries: the row was not written by the runtime."""
+
+    code = "parent_row_mismatch"

@@ -36,11 +36,6 @@ class Settings(BaseSettings):
     #: Celery broker. ``redis://`` in production; ``sqla+postgresql+psycopg://`` needs no server.
     broker_url: str = "redis://127.0.0.1:6379/0"
 
-    #: HMAC keys by key id, for envelope signatures. JSON object in the environment.
-    signing_keys: dict[str, str] = Field(default_factory=lambda: {"dev-1": "proofline-development-key"})
-    #: The key id controllers sign new envelopes with.
-    active_key_id: str = "dev-1"
-
     servers_file: Path = ROOT / "servers.yaml"
     contracts_dir: Path = ROOT / "contracts"
     #: Policy versions this runtime still accepts.
@@ -103,6 +98,23 @@ class Settings(BaseSettings):
     controller_database_url: str | None = None
     operator_database_url: str | None = None
     reader_database_url: str | None = None
+    # --- keys and signatures ---
+    #: The controller's Ed25519 private key (controllers only).
+    signing_key_file: Path | None = None
+    #: The recovery key that signs derived envelopes (recovery processes only).
+    recovery_key_file: Path | None = None
+    #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
+    keyring_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_files_default_to_keys_dir(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("keys_dir"):
+            for name, default in (("signing_key_file", "controller.key"), ("recovery_key_file", "recovery.key"),
+                                  ("keyring_file", "keyring.json")):
+                if not data.get(name):
+                    data[name] = Path(str(data["keys_dir"])) / default
+        return data
 
     @property
     def visibility_timeout(self) -> int:

@@ -1,34 +1,96 @@
-"""HMAC-SHA256 envelope signatures with key ids, so keys can rotate.
+"""Ed25519 envelope signatures with key ids and key roles.
 
-The signature covers the canonical JSON of the envelope exactly as sent; the worker checks it on
-the raw document *before* parsing, so no parsing quirk can make two different documents verify.
+The signature covers the RFC 8785 canonical JSON of the envelope document exactly as sent; the
+worker checks it on the raw document *before* parsing, so no parsing quirk can make two different
+documents verify. Controllers sign fresh actions with the controller key; recovery processes sign
+derived envelopes (retry-free compensations, rollbacks, forward fixes) with the recovery key; workers
+hold only the keyring of public keys, so nothing a worker host holds can mint an envelope.
+
+Refusal order: shape, signature presence, key id known, key revoked, key expired, key role may sign
+envelopes at all, canonical JSON, signature. Whether the role fits the content (a fresh action or a
+derived one) is checked once the envelope is parsed (:func:`check_role`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
+import binascii
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from proofline.canonical import canonical_bytes
+from cryptography.exceptions import InvalidSignature
+
+from proofline.canonical import canonical_bytes, sha256_hex
 from proofline.envelope import Envelope
-from proofline.errors import BadSignature, MalformedEnvelope, UnknownSigningKey, UnsignedEnvelope
+from proofline.errors import (
+    BadSignature,
+    ExpiredSigningKey,
+    MalformedEnvelope,
+    RevokedSigningKey,
+    UnknownSigningKey,
+    UnsignedEnvelope,
+    WrongKeyRole,
+)
+from proofline.keys import Keyring, KeyRole, PublicKey, SigningKey
+
+SIGNATURE_BYTES = 64
+ENVELOPE_ROLES = (KeyRole.controller, KeyRole.recovery)
 
 
-def _mac(secret: str, document: dict[str, Any]) -> str:
-    return hmac.new(secret.encode(), canonical_bytes(document), hashlib.sha256).hexdigest()
+@dataclass(frozen=True)
+class Verified:
+    """A verified message: the signed envelope document and the keyring entry that verified it."""
+
+    document: dict[str, Any]
+    key: PublicKey
 
 
-def sign(envelope: Envelope, keys: dict[str, str], key_id: str) -> dict[str, Any]:
-    """The message body a controller publishes: the envelope, its key id and signature."""
-    if key_id not in keys:
-        raise UnknownSigningKey(f"no signing key {key_id!r}")
-    document = envelope.model_dump(mode="json")
-    return {"envelope": document, "key_id": key_id, "signature": _mac(keys[key_id], document)}
+def encode_signature(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
-def verify(message: Any, keys: dict[str, str]) -> dict[str, Any]:
-    """Return the signed envelope document, or raise the precise refusal."""
+def sign_document(document: dict[str, Any], key: SigningKey) -> dict[str, Any]:
+    """Sign any document as given (tests use this to sign hostile documents with real keys)."""
+    return {"envelope": document, "key_id": key.key_id, "signature": encode_signature(key.sign(canonical_bytes(document)))}
+
+
+def check_role(envelope: Envelope, role: KeyRole) -> None:
+    """A controller key signs fresh actions only; a recovery key signs derived envelopes only (with a
+    parent link); no other role signs envelopes."""
+    if role == KeyRole.controller and envelope.recovers is not None:
+        raise WrongKeyRole("a controller key may not sign a derived recovery envelope", role=role.value)
+    if role == KeyRole.recovery and (envelope.recovers is None or envelope.parent_message_hash is None):
+        raise WrongKeyRole("a recovery key may not sign a fresh action", role=role.value)
+    if role not in ENVELOPE_ROLES:
+        raise WrongKeyRole(f"a {role.value} key may not sign envelopes", role=role.value)
+
+
+def sign(envelope: Envelope, key: SigningKey) -> dict[str, Any]:
+    """The message body a controller (or recovery process) publishes: envelope, key id, signature."""
+    check_role(envelope, key.role)
+    return sign_document(envelope.model_dump(mode="json"), key)
+
+
+def message_hash(message: dict[str, Any]) -> str:
+    """sha256 of a signed message's canonical JSON: what a derived envelope's parent link names."""
+    return sha256_hex({"envelope": message["envelope"], "key_id": message["key_id"],
+                       "signature": message["signature"]})
+
+
+def _decode(signature: str) -> bytes:
+    """Exactly one accepted spelling per signature: strict base64 of 64 bytes, re-encoding to itself."""
+    try:
+        raw = base64.b64decode(signature.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error, ValueError):
+        raise BadSignature("signature is not base64 of an Ed25519 signature") from None
+    if len(raw) != SIGNATURE_BYTES or encode_signature(raw) != signature:
+        raise BadSignature("signature is not base64 of an Ed25519 signature")
+    return raw
+
+
+def verify(message: Any, keyring: Keyring, now: datetime | None = None) -> Verified:
+    """Return the signed envelope document and its key, or raise the precise refusal."""
     if not isinstance(message, dict) or not isinstance(message.get("envelope"), dict):
         raise MalformedEnvelope("message is not an object with an 'envelope' object")
     signature = message.get("signature")
@@ -37,14 +99,21 @@ def verify(message: Any, keys: dict[str, str]) -> dict[str, Any]:
         raise UnsignedEnvelope("message has no signature or key id")
     if not isinstance(signature, str) or not isinstance(key_id, str):
         raise MalformedEnvelope("signature and key_id must be strings")
-    secret = keys.get(key_id)
-    if secret is None:
+    key = keyring.get(key_id)
+    if key is None:
         raise UnknownSigningKey(f"unknown signing key id {key_id[:64]!r}")
+    if key.revoked:
+        raise RevokedSigningKey(f"signing key {key_id} is revoked", key_id=key_id)
+    if key.expired(now or datetime.now(UTC)):
+        raise ExpiredSigningKey(f"signing key {key_id} expired at {key.not_after.isoformat()}", key_id=key_id)
+    if key.role not in ENVELOPE_ROLES:
+        raise WrongKeyRole(f"key {key_id} is a {key.role.value} key; it may not sign envelopes", key_id=key_id)
     try:
-        expected = _mac(secret, message["envelope"])
+        data = canonical_bytes(message["envelope"])
     except Exception as exc:  # rfc8785 refuses NaN, huge ints, non-str keys
         raise MalformedEnvelope(f"envelope is not canonicalisable JSON: {exc}") from exc
-    # Compare bytes: a str comparison raises on non-ASCII input, and any input must be refused cleanly.
-    if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogatepass")):
-        raise BadSignature("signature does not match the envelope content")
-    return message["envelope"]
+    try:
+        key.public.verify(_decode(signature), data)
+    except InvalidSignature:
+        raise BadSignature("signature does not match the envelope content") from None
+    return Verified(message["envelope"], key)

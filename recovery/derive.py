@@ -12,7 +12,10 @@ from ledger.redact import leaf_names
 from ledger.store import ActionRow
 from proofline.conditions import build_arguments
 from proofline.contracts import Contract, DerivedAction, contract_for
-from proofline.envelope import Envelope, build_envelope
+from proofline.envelope import Envelope, build_envelope, derived_action_id
+from proofline.keys import KeyRole, load_signing_key
+from proofline.settings import Settings
+from proofline.signing import message_hash, sign
 from worker.preflight import live_contract
 from worker.runtime import Runtime
 
@@ -26,14 +29,17 @@ def recovery_variables(action: ActionRow, envelope: Envelope) -> dict[str, Any]:
             "after": data.get("after") or {}, "result": (action.result or {}).get("values") or {}}
 
 
-def recovery_action_id(action_id: str, kind: str) -> str:
-    # Deterministic, so deciding twice never creates a second recovery action.
-    return f"{action_id}.{kind}"
+def recovery_signed_message(settings: Settings, envelope: Envelope) -> dict[str, Any]:
+    """Sign a derived envelope with the recovery key: only recovery processes hold it."""
+    return sign(envelope, load_signing_key(settings.recovery_key_file, KeyRole.recovery, settings.environment))
 
 
 def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: DerivedAction, kind: str,
                     deadline: timedelta = timedelta(minutes=10)) -> tuple[Envelope, Contract]:
-    """The recovery action: its own id, key, lease, preconditions, verification and evidence."""
+    """The recovery action: its own id, key, lease, preconditions, verification and evidence.
+
+    ``envelope`` is the parent's *verified* envelope (``authenticate_row``), never the row's copy;
+    the derived one names the parent's signed message by hash, on the parent's tenant."""
     contract = contract_for(Path(rt.settings.contracts_dir), spec.action_type)
     variables = recovery_variables(action, envelope)
     target = {"type": contract.target_type, **build_arguments(spec.target, variables)}
@@ -42,7 +48,7 @@ def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: De
     version, hashes = live_contract(rt, rt.server(contract.server))
     now = datetime.now(UTC)
     derived = build_envelope(
-        run_id=f"{envelope.run_id}/recovery", action_id=recovery_action_id(action.action_id, kind), step=0,
+        run_id=f"{envelope.run_id}/recovery", action_id=derived_action_id(envelope.action_id, kind), step=0,
         run_steps=1, workflow_type="proofline.recovery", action_type=contract.action_type,
         requester=RECOVERY_IDENTITY, workload_identity=RECOVERY_IDENTITY, tenant=envelope.tenant,
         environment=envelope.environment, target=target, operation=contract.operation, arguments=arguments,
@@ -54,6 +60,7 @@ def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: De
                   "expires_at": now + deadline},
         timeout_seconds=contract.timeout_seconds, deadline=now + deadline,
         compensation_ref=envelope.compensation_ref or envelope.action_id, recovers=envelope.action_id,
+        parent_message_hash=message_hash(action.signed_message or {}),
         # The original's declarations, plus what the recovery action's own contract declares.
         evidence=envelope.evidence.model_copy(update={"redact_fields": tuple(dict.fromkeys(
             (*envelope.evidence.redact_fields, *leaf_names(contract.sensitive_fields))))}),

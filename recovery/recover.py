@@ -4,6 +4,11 @@ Retry re-drives the controller's original signed message (same key); compensatio
 forward recovery publish a separately governed recovery action onto the ``compensate`` queue;
 containment engages a kill switch for the tool and tenant; manual intervention escalates to the
 operator queue. Nothing here calls a write tool directly.
+
+Before any of that, the action's stored signed message is verified against the keyring and the
+row's columns are compared with it (``worker.validate.authenticate_row``): a row the runtime did not
+write is refused (``recovery_refused``), escalated and alerted on, and nothing is derived or signed.
+Derived envelopes are signed with the recovery key, which only recovery processes hold.
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from typing import Any
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
-from proofline.controller import signed_message
 from proofline.envelope import Envelope
-from proofline.errors import ProoflineError
-from recovery.derive import derive_envelope
+from proofline.errors import ParentRowMismatch, ParentSignatureInvalid, ProoflineError
+from proofline.keys import KeyRole, load_keyring
+from recovery.derive import derive_envelope, recovery_signed_message
 from recovery.policy import Decision, Facts, decide
-from recovery.settle import after_settle
+from recovery.settle import SECURITY_ALERTS, after_settle
 from worker.dispatch import Dispatch
 from worker.runtime import Runtime
+from worker.validate import authenticate_row
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +59,12 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         action = store.get_action(cur, action_id)
         if action is None or action.status != ActionStatus.recovery:
             return {"status": "skipped", "action_id": action_id}
-        # The envelope as signed: recovery derives from its arguments (the stored copy is redacted).
-        envelope = Envelope.model_validate(action.signed_envelope)
+        try:
+            # Every fact below comes from the verified signed message, never from the row's copy.
+            envelope = authenticate_row(action, load_keyring(rt.settings.keyring_file, rt.settings.environment),
+                                        KeyRole.controller if action.kind == "action" else KeyRole.recovery)
+        except (ParentSignatureInvalid, ParentRowMismatch) as exc:
+            return _refuse_txn(cur, action, exc, actor)
         contract = rt.contract(envelope.action_type)
         current_redactor.set(for_envelope(action.signed_envelope, contract.sensitive_fields))
         if action.recovery_kind in {k.value for k in WORKFLOW}:
@@ -77,6 +87,23 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     else:
         after_settle(rt.conn, actor, action_id, dispatch)
     return {"status": decision.kind.value, "action_id": action_id, "reason": decision.reason}
+
+
+def _refuse_txn(cur: Any, action: store.ActionRow, exc: ProoflineError, actor: str) -> dict[str, Any]:
+    """A row recovery cannot trust: record the refusal, escalate it, raise the alert. Nothing is
+    derived, signed, sent or called."""
+    evidence = {**exc.as_evidence(), "reason": exc.code, "kind": action.kind, "claimed_tenant": action.tenant,
+                "claimed_action_type": action.action_type, "key_id": action.key_id}
+    store.append_event_txn(cur, action.action_id, "recovery_refused", actor, evidence)
+    store.append_event_txn(cur, action.action_id, "escalated", actor,
+                           {"reason_code": exc.code, "queue": "manual intervention"})
+    store.transition_txn(cur, action.action_id, [ActionStatus.recovery], ActionStatus.escalated,
+                         reason_code=exc.code, recovery_kind=RecoveryKind.manual_intervention)
+    store.append_event_txn(cur, SECURITY_ALERTS, "security_alert", actor,
+                           {"alert": "recovery_refused", "action_id": action.action_id, **evidence})
+    log.error("security_alert recovery_refused: %s for action %s (%s)", exc.code, action.action_id, exc.detail,
+              extra={"event": "recovery_refused", "action_id": action.action_id, "reason_code": exc.code})
+    return {"status": "refused", "action_id": action.action_id, "reason": exc.code}
 
 
 def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
@@ -133,7 +160,7 @@ def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envel
                                  reason_code="recovery_action_underivable",
                                  recovery_kind=RecoveryKind.manual_intervention)
         return {"status": "escalated", "action_id": action.action_id}
-    message = signed_message(rt.settings, derived)
+    message = recovery_signed_message(rt.settings, derived)
     published = publish_message(rt.conn, dispatch, message, derived, seal_key=rt.seal_key, queue="compensate",
                                 kind=kind, parent_action_id=action.action_id, actor=actor)
     red = for_envelope(action.signed_envelope, contract.sensitive_fields).merged(

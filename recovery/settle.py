@@ -13,7 +13,14 @@ from ledger import store
 from ledger.redact import scrub_text
 from ledger.states import ActionStatus, KillSwitchScope, Outcome
 from proofline.envelope import Envelope
+from proofline.errors import ParentRowMismatch, ParentSignatureInvalid
+from proofline.keys import KeyRole, load_keyring
+from proofline.settings import get_settings
 from worker.dispatch import Dispatch
+from worker.validate import authenticate_row
+
+#: The ledger chain every security alert is also appended to, so operators read them in one place.
+SECURITY_ALERTS = "alerts:security"
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +50,14 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
                   dispatch: Dispatch) -> None:
     """A recovery action has settled: close the action it recovers as compensated, or as
     compensation_failed (escalated, with automation contained for that tool and tenant)."""
-    parent_id = recovery_env.recovers
-    assert parent_id is not None
     succeeded = status == ActionStatus.closed and outcome == Outcome.completed_verified
     with store.transaction(conn) as cur:
+        own = store.get_action(cur, recovery_env.action_id)
+        verified = _authentic_recovery_row(cur, own, actor) if own is not None else None
+        if verified is None:
+            return  # a recovery row the runtime did not write never settles anything
+        parent_id = verified.recovers
+        assert parent_id is not None
         parent = store.get_action(cur, parent_id)
         if parent is None or parent.status != ActionStatus.recovery:
             return  # already settled by an earlier call of this hook
@@ -68,6 +79,26 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
                                  outcome=Outcome.compensation_failed, reason_code="compensation_failed")
     log.info("recovery settled", extra={"action_id": parent_id, "event": "recovery_settled", "ok": succeeded})
     after_settle(conn, actor, parent_id, dispatch)
+
+
+def _authentic_recovery_row(cur: Any, row: store.ActionRow, actor: str) -> Envelope | None:
+    """The recovery action's verified envelope (its stored message signed by the recovery key, its
+    columns matching), or None after recording the refusal and raising the alert once."""
+    settings = get_settings()
+    try:
+        return authenticate_row(row, load_keyring(settings.keyring_file, settings.environment), KeyRole.recovery)
+    except (ParentSignatureInvalid, ParentRowMismatch) as exc:
+        cur.execute("SELECT 1 FROM ledger_events WHERE action_id = %s AND event = 'settlement_refused'",
+                    (row.action_id,))
+        if cur.fetchone() is None:
+            evidence = {**exc.as_evidence(), "reason": exc.code, "kind": row.kind,
+                        "claimed_parent": row.parent_action_id}
+            store.append_event_txn(cur, row.action_id, "settlement_refused", actor, evidence)
+            store.append_event_txn(cur, SECURITY_ALERTS, "security_alert", actor,
+                                   {"alert": "settlement_refused", "action_id": row.action_id, **evidence})
+            log.error("security_alert settlement_refused: %s for recovery action %s (%s)", exc.code, row.action_id,
+                      exc.detail, extra={"event": "settlement_refused", "action_id": row.action_id})
+        return None
 
 
 def set_kill_switch_txn(cur: Any, scope: KillSwitchScope, value: str, by: str, reason: str) -> bool:

@@ -27,6 +27,7 @@ from ledger.migrate import upgrade
 from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, publish_run, send_message, signed_message
 from proofline.envelope import Envelope
+from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline.sor import store as sor
 
@@ -252,22 +253,23 @@ def _servers_yaml(transport: str, write_port: int | None, read_port: int | None)
 
 
 def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w",
-                  beat: bool = True) -> list[subprocess.Popen]:
-    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to."""
+                  beat: bool = True, role: str = "all", env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to.
+    ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process)."""
     started = []
     for i in range(count):
         # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
-        argv = [sys.executable, "-m", "proofline", "worker", "--queues", "actions,verify,compensate,reconcile",
-                "--concurrency", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
+        argv = [sys.executable, "-m", "proofline", "worker", "--role", role, "--concurrency", str(concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat",
                 "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
         if beat and i == 0:
             argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
-        proc = start_process(argv, stack.env, stack.workdir / f"worker-{name}{i}.log")
+        proc = start_process(argv, env or stack.env, stack.workdir / f"worker-{name}{i}.log")
         started.append(proc)
     stack.workers.extend(started)
     client = redis.Redis.from_url(stack.broker_url)
     # A worker is ready when it has subscribed to its queues (it then shows in the broker's bindings).
-    wait_for(lambda: client.exists("_kombu.binding.actions") and all(p.poll() is None for p in started), 30,
+    binding = "_kombu.binding.recovery" if role == "recovery" else "_kombu.binding.actions"
+    wait_for(lambda: client.exists(binding) and all(p.poll() is None for p in started), 30,
              what="workers to start")
     time.sleep(1.0)
     return started
@@ -304,15 +306,15 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     broker = f"{redis_url or REDIS_URL}/{redis_db}"
     # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
     sor_db = tmp / "var" / "sor.sqlite3"
-    seal_key = tmp / "keys" / "seal.key"
-    if not seal_key.exists():
-        seal.write_key(seal_key)
     sor.init_db(sor_db)
     sor.seed_demo(sor_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
     urls = role_urls(admin)
+    # Development keys per stack: controller, recovery, ledger and seal keys and the keyring.
+    keys_dir = tmp / "keys"
+    generate_keys(keys_dir, force=True, development=True)
     env.update({
-        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker,
+        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker, "PROOFLINE_KEYS_DIR": str(keys_dir),
         # The CLI's controller, operator and reader commands each connect as their own role.
         "PROOFLINE_CONTROLLER_DATABASE_URL": urls["controller"], "PROOFLINE_OPERATOR_DATABASE_URL": urls["operator"],
         "PROOFLINE_READER_DATABASE_URL": urls["reader"],
@@ -327,8 +329,6 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         # Test-only kill points inside the worker (worker/faultpoints.py), armed per test.
         "PROOFLINE_FAULT_POINTS_ENABLED": "true",
         "PROOFLINE_FAULT_POINTS_FILE": str(tmp / "faultpoints.json"),
-        # The key sealing stored signed messages (ledger/seal.py), one per stack.
-        "PROOFLINE_SEAL_KEY_FILE": str(seal_key),
     })
     processes = []
     write_port = read_port = None
@@ -354,8 +354,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
-    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file,
-                        seal_key_file=seal_key,
+    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
                         **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}))
     seal.sealer_for(settings)  # this process opens the stack's sealed messages too
     app = Celery("proofline-test-controller", broker=broker)

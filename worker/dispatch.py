@@ -77,7 +77,8 @@ class CeleryDispatch:
         self._send("proofline.verify", [action_id], queue="verify")
 
     def recover(self, action_id: str) -> None:
-        self._send("proofline.recover", [action_id], queue="reconcile")
+        # Its own queue: only recovery processes (which hold the recovery key) consume it.
+        self._send("proofline.recover", [action_id], queue="recovery")
 
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
         argsrepr, kwargsrepr = task_repr(args)

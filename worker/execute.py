@@ -23,6 +23,7 @@ from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
     ActionNotPublished,
+    ConfigurationError,
     EnvelopeRefused,
     IdempotencyConflict,
     LeaseBusy,
@@ -34,6 +35,7 @@ from proofline.errors import (
     StaleLease,
     TargetReadFailed,
 )
+from proofline.keys import load_keyring
 from worker import calls, faultpoints
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
@@ -58,6 +60,7 @@ from worker.preflight import (
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.validate import (
+    check_parent_link,
     claimed_fields,
     refusal_chain_id,
     revalidate_live,
@@ -140,8 +143,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     try:
         try:
             envelope, contract = validate_envelope(message, settings, rt.contract)
-        except (EnvelopeRefused, psycopg.Error):
-            raise
+            parent_link = _check_parent_link(rt, envelope) if envelope.recovers is not None else None
+        except (EnvelopeRefused, psycopg.Error, ConfigurationError):
+            raise  # a worker without its keyring must not refuse good envelopes as malformed
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
             raise MalformedEnvelope(f"unreadable envelope: {exc!r}"[:500]) from exc
     except EnvelopeRefused as exc:
@@ -156,7 +160,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
                        "contract_digest": contract.digest, "idempotency_key": envelope.idempotency_key,
-                       "arguments_hash": envelope.arguments_hash, **delivery}),
+                       "arguments_hash": envelope.arguments_hash, **delivery,
+                       **({"parent_link": parent_link} if parent_link else {})}),
     ]
     locks = Locks(action_lock_name(aid), target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id))
     conn = rt.conn
@@ -247,6 +252,14 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             except psycopg.Error:
                 rt.reset_connection()
         raise
+
+
+def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:
+    """A recovery-signed envelope must derive from a stored, controller-signed parent (one read)."""
+    with rt.conn.cursor() as cur:
+        parent = store.get_action(cur, envelope.recovers)
+    keyring = load_keyring(rt.settings.keyring_file, rt.settings.environment)
+    return check_parent_link(envelope, parent, keyring, rt.contract)
 
 
 # --- the branches ------------------------------------------------------------------------------

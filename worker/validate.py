@@ -11,25 +11,32 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ledger.store import ActionRow
 from proofline.canonical import canonical_bytes
 from proofline.contracts import Contract
-from proofline.envelope import Envelope, arguments_hash, key_for
+from proofline.envelope import DERIVED_KINDS, Envelope, arguments_hash, derived_action_id, key_for
 from proofline.errors import (
     ApprovalExpired,
     ArgumentHashMismatch,
     ContractMismatch,
     DeadlinePassed,
+    EnvelopeRefused,
     EnvironmentMismatch,
     IdempotencyKeyMismatch,
     IdentityRevoked,
     KillSwitchEngaged,
     MalformedEnvelope,
+    ParentLinkInvalid,
+    ParentRowMismatch,
+    ParentSignatureInvalid,
     PolicyVersionRejected,
     ServerVersionChanged,
     ToolContractChanged,
+    WrongKeyRole,
 )
+from proofline.keys import Keyring, KeyRole, load_keyring
 from proofline.settings import Settings
-from proofline.signing import verify
+from proofline.signing import check_role, message_hash, verify
 
 MAX_MESSAGE_BYTES = 256 * 1024
 
@@ -60,11 +67,12 @@ def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tupl
         raise MalformedEnvelope(f"message is not JSON: {exc}") from exc
     if size > MAX_MESSAGE_BYTES:
         raise MalformedEnvelope(f"message is {size} bytes; the limit is {MAX_MESSAGE_BYTES}")
-    document = verify(message, settings.signing_keys)
+    verified = verify(message, load_keyring(settings.keyring_file, settings.environment))
     try:
-        envelope = Envelope.model_validate(document)
+        envelope = Envelope.model_validate(verified.document)
     except ValidationError as exc:
         raise MalformedEnvelope(f"envelope does not match schema v1: {exc.errors(include_url=False)[:3]}") from exc
+    check_role(envelope, verified.key.role)
     if arguments_hash(envelope.arguments) != envelope.arguments_hash:
         raise ArgumentHashMismatch("arguments do not hash to arguments_hash")
     if key_for(envelope) != envelope.idempotency_key:
@@ -84,6 +92,79 @@ def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tupl
         raise ContractMismatch(f"envelope does not match contract {contract.action_type} v{contract.version}",
                                mismatches=mismatches)
     return envelope, contract
+
+
+def _canonical_or_repr(value: Any) -> bytes:
+    try:
+        return canonical_bytes(value)
+    except Exception:  # noqa: BLE001 - a hostile row may hold anything; it then simply does not match
+        return repr(value).encode()
+
+
+def authenticate_row(row: ActionRow, keyring: Keyring, role: KeyRole) -> Envelope:
+    """The envelope a stored action row really carries: its stored signed message verified against
+    the keyring (signed by ``role``), and the row's own columns equal to what that message says.
+
+    A row the runtime did not write (a forged INSERT, an edited column) fails here, so nothing is
+    ever derived from it."""
+    message = row.signed_message
+    if message is None:
+        raise ParentSignatureInvalid(f"action {row.action_id} has no signed message", action_id=row.action_id)
+    try:
+        verified = verify(message, keyring)
+        envelope = Envelope.model_validate(verified.document)
+        if verified.key.role != role:
+            raise WrongKeyRole(f"signed by a {verified.key.role.value} key, not a {role.value} key")
+        check_role(envelope, role)
+    except (EnvelopeRefused, ValidationError) as exc:
+        cause = exc.code if isinstance(exc, EnvelopeRefused) else "envelope_malformed"
+        raise ParentSignatureInvalid(f"stored message of {row.action_id} does not verify: {exc}"[:500],
+                                     action_id=row.action_id, cause=cause) from None
+    stored = row.envelope if isinstance(row.envelope, dict) else {}
+    mismatches = {
+        name: (str(have)[:100], str(want)[:100])
+        for name, have, want in (
+            ("action_id", row.action_id, envelope.action_id),
+            ("run_id", row.run_id, envelope.run_id),
+            ("tenant", row.tenant, envelope.tenant),
+            ("action_type", row.action_type, envelope.action_type),
+            ("tool", row.tool, envelope.tool.name),
+            ("idempotency_key", row.idempotency_key, envelope.idempotency_key),
+            ("target", _canonical_or_repr(stored.get("target")), _canonical_or_repr(verified.document.get("target"))),
+        )
+        if have != want
+    }
+    if mismatches:
+        raise ParentRowMismatch(f"action row {row.action_id} differs from its signed message",
+                                action_id=row.action_id, mismatches=mismatches)
+    return envelope
+
+
+def check_parent_link(envelope: Envelope, parent_row: ActionRow | None, keyring: Keyring, contract_lookup) -> dict:
+    """A recovery-signed envelope is executed only when its parent is a stored, controller-signed
+    action whose message hashes to ``parent_message_hash``, of the same tenant, whose contract
+    declares this action type as the recovery this envelope's id names."""
+    def refuse(reason: str, detail: str) -> ParentLinkInvalid:
+        return ParentLinkInvalid(f"recovery envelope {envelope.action_id}: {detail}", reason=reason,
+                                 parent=str(envelope.recovers))
+
+    if parent_row is None:
+        raise refuse("parent_missing", f"parent {envelope.recovers} is not recorded")
+    try:
+        parent = authenticate_row(parent_row, keyring, KeyRole.controller)
+    except (ParentSignatureInvalid, ParentRowMismatch) as exc:
+        raise refuse(exc.code, exc.detail) from None
+    if message_hash(parent_row.signed_message or {}) != envelope.parent_message_hash:
+        raise refuse("parent_hash_mismatch", "parent_message_hash does not match the parent's signed message")
+    if parent.tenant != envelope.tenant:
+        raise refuse("tenant_mismatch", f"parent is tenant {parent.tenant!r}, this envelope {envelope.tenant!r}")
+    recovery = contract_lookup(parent.action_type).recovery
+    kind = next((k for k in DERIVED_KINDS if envelope.action_id == derived_action_id(parent.action_id, k)), None)
+    spec = getattr(recovery, kind) if kind else None
+    if spec is None or spec.action_type != envelope.action_type:
+        raise refuse("recovery_not_declared", f"{parent.action_type}'s contract declares no {kind or 'recovery'} "
+                     f"of type {envelope.action_type}")
+    return {"parent": parent.action_id, "kind": kind, "parent_message_hash": envelope.parent_message_hash}
 
 
 def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, revoked: list[str],

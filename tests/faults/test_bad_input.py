@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import hmac
 import itertools
 import json
 import math
@@ -40,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, Phase, assume, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +47,8 @@ from ledger.states import ActionStatus, Outcome
 from proofline.canonical import canonical_bytes
 from proofline.controller import publish_message
 from proofline.envelope import derive_idempotency_key
+from proofline.keys import KeyRole, SigningKey, load_keyring, load_signing_key
+from proofline.signing import encode_signature
 from proofline.sor import store as sor
 from tests.conftest import Stack, wait_for
 from tests.helpers import LosingBroker
@@ -177,8 +179,10 @@ def set_path(doc: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def mac(secret: str, document: Any) -> str:
-    """HMAC-SHA256 over the RFC 8785 canonical JSON of the envelope document (the signature spec)."""
-    return hmac.new(secret.encode(), canonical_bytes(document), hashlib.sha256).hexdigest()
+    """An Ed25519 signature over the RFC 8785 canonical JSON of the document (the signature spec), made
+    with a key derived from ``secret``: any key but the real one."""
+    seed = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+    return encode_signature(Ed25519PrivateKey.from_private_bytes(seed).sign(canonical_bytes(document)))
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -232,12 +236,16 @@ class Ctx:
     stack: Stack
 
     @property
-    def key_id(self) -> str:
-        return self.stack.settings.active_key_id
+    def key(self) -> SigningKey:
+        return load_signing_key(self.stack.settings.signing_key_file, KeyRole.controller)
 
     @property
-    def secret(self) -> str:
-        return self.stack.settings.signing_keys[self.key_id]
+    def key_id(self) -> str:
+        return self.key.key_id
+
+    @property
+    def known_key_ids(self) -> set[str]:
+        return set(load_keyring(self.stack.settings.keyring_file).keys)
 
     def base(self, which: str) -> dict[str, Any]:
         """A fresh, correctly signed message for a ticket.create or a refund.issue."""
@@ -247,9 +255,10 @@ class Ctx:
             env = refund_envelope(self.stack, "acct-1", "acme", "acme", 1500)
         return self.stack.message(env)
 
-    def sign(self, document: dict[str, Any], key_id: str | None = None, secret: str | None = None) -> dict[str, Any]:
-        return {"envelope": document, "key_id": key_id or self.key_id,
-                "signature": mac(secret or self.secret, document)}
+    def sign(self, document: dict[str, Any]) -> dict[str, Any]:
+        """Signed again with the real controller key."""
+        return {"envelope": document, "key_id": self.key_id,
+                "signature": encode_signature(self.key.sign(canonical_bytes(document)))}
 
 
 def ticket_envelope(stack: Stack, tenant: str, args_tenant: str, title: str = "disk full"):
@@ -373,7 +382,7 @@ class SignatureFields:
             expected = UNSIGNED
         elif not isinstance(self.value, str):
             expected = MALFORMED
-        elif self.which == "key_id" and self.value not in ctx.stack.settings.signing_keys:
+        elif self.which == "key_id" and self.value not in ctx.known_key_ids:
             expected = UNKNOWN_KEY
         else:
             expected = BAD_SIGNATURE
@@ -389,7 +398,7 @@ class UnknownKey:
     secret: str | None
 
     def apply(self, ctx: Ctx) -> Sent:
-        assume(self.key_id not in ctx.stack.settings.signing_keys)
+        assume(self.key_id not in ctx.known_key_ids)
         original = ctx.base(self.base)
         document = original["envelope"]
         signature = mac(self.secret, document) if self.secret is not None else original["signature"]
@@ -398,7 +407,7 @@ class UnknownKey:
 
 @dataclass
 class WrongSignature:
-    """The real key id, but a signature made with another secret, random hex or the right hex upper-cased."""
+    """The real key id, but a signature made with another key, random hex or the right signature upper-cased."""
 
     base: str
     how: str
@@ -409,7 +418,6 @@ class WrongSignature:
         original = ctx.base(self.base)
         message = copy.deepcopy(original)
         if self.how == "secret":
-            assume(self.secret != ctx.secret)
             message["signature"] = mac(self.secret, message["envelope"])
         elif self.how == "hex":
             assume(self.hex_digits != original["signature"])
