@@ -67,6 +67,11 @@ class Settings(BaseSettings):
 
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
+    # --- containment: conditions, outputs and budgets ---
+    #: Largest tool result (bytes of text, binary and structured content) a worker reads. A server
+    #: (``max_result_bytes`` in the servers file) or a contract may lower it, never raise it.
+    max_result_bytes: int = Field(default=256 * 1024, gt=0)
+
     @property
     def visibility_timeout(self) -> int:
         """Broker visibility timeout: longer than the longest absolute deadline, so Redis never redelivers a live task."""

@@ -6,6 +6,8 @@ The rules, in order:
   output-schema error, cancellation) → unknown outcome: never retried blindly;
 - a tool error with a machine-readable class → the class the contract maps it to; without one
   → the contract's default (unknown outcome unless the contract knows better);
+- a result larger than the limit for its server and contract → unknown outcome (it was sent and
+  the tool may have acted; nothing of it is parsed, verification settles it);
 - a success from an asynchronous tool → accepted, with its downstream operation id;
 - any other success → completed but unverified, until verification says otherwise.
 MCP protocol errors and tool errors are different channels and are kept apart.
@@ -20,7 +22,8 @@ from typing import Any
 from ledger.states import Outcome
 from proofline.conditions import evaluate
 from proofline.contracts import Contract, extract
-from proofline.errors import ConditionError, ExtractionFailed
+from proofline.errors import ConditionError, ExtractionFailed, ResultTooLarge
+from worker.results import measure
 
 # JSON-RPC errors the server sends *before* running the tool: the request was refused outright.
 REFUSED_BEFORE_RUNNING = {-32700, -32600, -32601, -32602}
@@ -71,7 +74,7 @@ def _tool_error_class(result: Any, class_field: str) -> str | None:
     return None
 
 
-def classify(report: CallReport, contract: Contract) -> Classification:
+def classify(report: CallReport, contract: Contract, limit: int | None = None) -> Classification:
     if not report.sent:
         return Classification(Outcome.failed_before_side_effect, "not_sent",
                               evidence={"error": _error_summary(report.error) if report.error else None})
@@ -85,6 +88,12 @@ def classify(report: CallReport, contract: Contract) -> Classification:
         return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})
 
     result = report.result
+    if limit is not None:
+        payload = measure(result)
+        if payload.size > limit:
+            exc = ResultTooLarge(f"the result is {payload.size} bytes; the limit is {limit}")
+            return Classification(Outcome.unknown_outcome, exc.code,
+                                  evidence={**exc.as_evidence(), **payload.as_evidence(limit)})
     if getattr(result, "is_error", False):
         error_class = _tool_error_class(result, contract.tool_errors.class_field)
         mapped = contract.tool_errors.classes.get(error_class or "", contract.tool_errors.default)
