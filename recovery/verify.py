@@ -181,7 +181,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     recovered = None
     if obs.finding == VerificationFinding.expected and not (action.result or {}).get("values"):
         # The response was lost; the original result is recovered from the system of record.
-        recovered = {"values": obs.after, "recovered_by": "verification"}
+        # What the call's own result weighed (past the size limit) stays next to the recovered values.
+        recovered = {**(action.result or {}), "values": obs.after, "recovered_by": "verification"}
     # Polling may have outlasted the session's idle timeout: take the connection afresh.
     conn = rt.conn
     faultpoints.hit("before_verify_commit")
