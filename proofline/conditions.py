@@ -64,19 +64,36 @@ def _longest_list(value: Any, limit: int) -> int:
     return longest
 
 
-def evaluate(source: str, variables: dict[str, Any]) -> Any:
-    program, shape = _compiled(source)
+def _check_inputs(source: str, shape: Shape, variables: dict[str, Any]) -> None:
     if shape.comprehensions:
         longest = _longest_list(variables, DEFAULT_LIMITS.max_list_items)
         if longest > DEFAULT_LIMITS.max_list_items:
             raise ConditionInputTooLarge(f"{source[:80]!r} iterates; an input list has {longest} items, the limit "
                                          f"is {DEFAULT_LIMITS.max_list_items}")
+
+
+def evaluate_here(source: str, variables: dict[str, Any]) -> Any:
+    """Evaluate in this process (limits checked, program cached, every library failure a ConditionError)."""
+    program, shape = _compiled(source)
+    _check_inputs(source, shape, variables)
     try:
         return program.execute(variables)
     except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
         if _must_propagate(exc):
             raise
         raise ConditionError(f"cannot evaluate {source[:200]!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def evaluate(source: str, variables: dict[str, Any]) -> Any:
+    """Evaluate ``source``. An expression with a comprehension, whose cost grows with its inputs,
+    runs in the watchdog's helper process under a time budget (``proofline/cel_watchdog.py``)."""
+    _, shape = _compiled(source)
+    if not shape.comprehensions:
+        return evaluate_here(source, variables)
+    _check_inputs(source, shape, variables)
+    from proofline.cel_watchdog import evaluate_guarded
+
+    return evaluate_guarded(source, variables)
 
 
 def holds(source: str, variables: dict[str, Any]) -> bool:

@@ -46,7 +46,9 @@ def pool_pids(stack: Stack) -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"celery" in cmdline or b"proofline" in cmdline and b"proofline.sor" not in cmdline:
+        if b"proofline.sor" in cmdline or b"proofline.cel_watchdog" in cmdline:
+            continue  # MCP servers and evaluator helpers come and go with their sessions
+        if b"celery" in cmdline or b"proofline" in cmdline:
             pids.add(pid)
     return pids
 
@@ -125,6 +127,24 @@ def test_a_condition_failing_at_evaluation_is_a_recorded_precondition_failure(st
     failures = event(stack, env.action_id, "preconditions_failed")["failures"]
     assert failures == [{"name": "envelope[0]", "expr": "1 / 0 == 1", "reason": "condition_error"}]
     assert stack.effects(env.idempotency_key) == 0
+    assert pool_pids(stack) == pools
+
+
+def test_a_comprehension_over_its_time_budget_is_a_recorded_failure(stack: Stack) -> None:
+    """Inside every static limit, yet about 20-35 s of work in process: the watchdog's helper stops
+    it at its budget and the action ends not started; the pool process never notices."""
+    pools = pool_pids(stack)
+    slow = "args.items.exists(i, size(" + " + ".join(["args.s"] * 20) + ") < 0)"
+    env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": "t", "owner": "ops",
+                                                     "items": list(range(1000)), "s": "x" * (200 * 1024)},
+                         target={"type": "ticket_queue", "id": "acme-ops"}, preconditions=(slow,))
+    started = time.monotonic()
+    stack.publish(env)
+    row = stack.wait_settled(env.action_id)
+    assert (row.outcome, row.reason_code) == (Outcome.not_started, "condition_error")
+    assert time.monotonic() - started < 20
+    assert stack.effects(env.idempotency_key) == 0
+    assert_good_action_still_served(stack)
     assert pool_pids(stack) == pools
 
 

@@ -3,7 +3,11 @@ per-file contract loading and ``proofline contracts check``, envelope limits, re
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -12,9 +16,10 @@ from click.testing import CliRunner
 from mcp.types import CallToolResult, TextContent
 
 from ledger.states import Outcome
+from proofline import cel_watchdog
 from proofline.cel_limits import ConditionLimits, check, measure
 from proofline.cli import main
-from proofline.conditions import compile_expression, evaluate, holds
+from proofline.conditions import compile_expression, evaluate, evaluate_here, holds
 from proofline.contracts import contract_for, load_contracts
 from proofline.envelope import build_envelope
 from proofline.errors import (
@@ -263,3 +268,45 @@ def test_an_oversize_result_is_an_unknown_outcome_with_digest_and_excerpt():
     small = CallToolResult(content=[TextContent(type="text", text="ok")], structured_content={**data, "padding": ""})
     assert classify(CallReport(sent=True, result=small), create, limit=256 * 1024).outcome == \
         Outcome.completed_unverified
+
+
+# --- the watchdog around comprehensions ------------------------------------------------------------
+
+SLOW = "args.items.exists(i, size(" + " + ".join(["args.s"] * 20) + ") < 0)"
+SLOW_VARIABLES = {"args": {"items": list(range(1000)), "s": "x" * (200 * 1024)}}
+
+
+def test_a_comprehension_past_its_budget_is_stopped_and_the_next_one_works():
+    check(SLOW)  # inside every static limit
+    started = time.monotonic()
+    with pytest.raises(ConditionError) as err:
+        evaluate(SLOW, SLOW_VARIABLES)
+    assert err.value.context["watchdog"] == "_OverBudget"
+    assert time.monotonic() - started < cel_watchdog.BUDGET_SECONDS + 3
+    assert holds("args.items.exists(i, i == 999)", SLOW_VARIABLES)
+
+
+def test_a_dead_helper_is_a_condition_error_and_is_replaced():
+    assert holds("[1, 2].exists(x, x == 2)", {})
+    helper = cel_watchdog._helper
+    assert helper is not None
+    killer = threading.Timer(0.3, lambda: os.kill(helper.proc.pid, signal.SIGKILL))
+    killer.start()
+    with pytest.raises(ConditionError) as err:
+        evaluate(SLOW, SLOW_VARIABLES)
+    killer.join()
+    assert err.value.context["watchdog"] == "_HelperGone"
+    assert holds("[1, 2].all(x, x > 0)", {})
+    assert cel_watchdog._helper is not None and cel_watchdog._helper.proc.pid != helper.proc.pid
+
+
+def test_comprehensions_give_the_same_answers_through_the_watchdog():
+    variables = {"before": {"refunds": [{"id": "R-1", "status": "issued"}, {"id": "R-2", "status": "reversed"}]},
+                 "args": {"refund_id": "R-2"}}
+    for expr in ("before.refunds.exists(r, r.id == args.refund_id && r.status == 'reversed')",
+                 "before.refunds.filter(r, r.status == 'issued').map(r, r.id) == ['R-1']",
+                 "before.refunds.exists_one(r, r.id == 'R-1')"):
+        assert evaluate(expr, variables) is True
+        assert evaluate_here(expr, variables) is True
+    with pytest.raises(ConditionError):
+        evaluate("before.refunds.exists(r, r.missing == 1)", variables)
