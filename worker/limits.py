@@ -27,8 +27,8 @@ from proofline.settings import Settings
 # Actions of the run that count against its budget: everything except those proven to have moved
 # nothing (closed or cancelled as not started / failed before any side effect).
 RUN_SPENT_SQL = """
-SELECT COALESCE(sum((recovery_data->>'amount_cents')::bigint), 0) AS spent,
-       array_agg(action_id) FILTER (WHERE recovery_data ? 'amount_cents') AS counted
+SELECT COALESCE(sum((recovery_data->>'amount_cents')::bigint), 0) AS spent, array_agg(action_id) AS counted,
+       EXISTS (SELECT 1 FROM actions WHERE action_id = %(aid)s AND recovery_data ? 'amount_cents') AS admitted
   FROM actions
  WHERE run_id = %(run)s AND action_id <> %(aid)s AND recovery_data ? 'amount_cents'
    AND NOT (status IN ('closed', 'cancelled') AND outcome IN ('not_started', 'failed_before_side_effect'))
@@ -97,6 +97,9 @@ def check_run_budget_txn(cur: Any, envelope: Envelope, amount: int | None) -> di
     cur.execute(RUN_SPENT_SQL, {"run": envelope.run_id, "aid": envelope.action_id})
     row = cur.fetchone()
     spent = int(row["spent"])
+    if row["admitted"]:
+        # Admitted on an earlier delivery (it may already have called): admission happens once.
+        return {"amount_cents": amount, "run_spent_cents": spent, "max_amount_cents": budget, "admitted": "earlier"}
     if budget is not None and spent + amount > budget:
         raise AuthorityBudgetExceeded(
             f"run {envelope.run_id} has spent {spent} cents; {amount} more exceeds the budget of {budget}",

@@ -22,6 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
 
 from proofline.errors import McpUnavailable
+from worker.bounded_stdio import bounded_stdio_client
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
@@ -29,22 +30,35 @@ Role = Literal["write", "read"]
 CONNECT_TIMEOUT_SECONDS = 15.0
 
 
-def endpoint_target(endpoint: Endpoint, base_dir: Path) -> Any:
-    """What ``mcp.Client`` connects to: a URL, or a stdio command with an explicit environment."""
+def endpoint_target(endpoint: Endpoint, base_dir: Path, max_message_bytes: int | None = None) -> Any:
+    """What ``mcp.Client`` connects to: a URL, or a stdio command with an explicit environment (read
+    through a transport that bounds every message to ``max_message_bytes``, when given)."""
     if endpoint.transport == "http":
         return endpoint.url
     argv = endpoint.argv()
-    return StdioServerParameters(
+    params = StdioServerParameters(
         command=argv[0], args=argv[1:], env=endpoint.stdio_environment(), cwd=endpoint.working_directory(base_dir),
     )
+    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes)
+
+
+def message_limit(server: Server) -> int:
+    """Largest MCP message read from ``server``: room for a result at its size limit twice over (text
+    and structured content), JSON escaping and the envelope; the result itself is checked exactly
+    by the classifier (``worker/results.py``)."""
+    from proofline.settings import get_settings
+
+    limit = min(v for v in (get_settings().max_result_bytes, server.max_result_bytes) if v is not None)
+    return 4 * limit + 64 * 1024
 
 
 class _Session:
     """One open MCP client, owned by one task on the portal's event loop."""
 
-    def __init__(self, endpoint: Endpoint, base_dir: Path) -> None:
+    def __init__(self, endpoint: Endpoint, base_dir: Path, max_message_bytes: int | None = None) -> None:
         self.endpoint = endpoint
         self.base_dir = base_dir
+        self.max_message_bytes = max_message_bytes
         self.client: Client | None = None
         self.error: BaseException | None = None
         self.dead = False
@@ -54,7 +68,8 @@ class _Session:
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
-            async with Client(endpoint_target(self.endpoint, self.base_dir), mode=self.endpoint.protocol) as client:
+            target = endpoint_target(self.endpoint, self.base_dir, self.max_message_bytes)
+            async with Client(target, mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()
@@ -121,7 +136,7 @@ class McpSessions:
             if session is not None and not session.dead:
                 return session
             endpoint = server.write if role == "write" else server.read
-            session = _Session(endpoint, self.base_dir)
+            session = _Session(endpoint, self.base_dir, message_limit(server))
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)

@@ -33,6 +33,7 @@ from proofline.errors import (
     RevalidationFailed,
 )
 from proofline.settings import Settings
+from worker.bounded_stdio import MESSAGE_TOO_LARGE, _Line
 from worker.classify import CallReport, classify
 from worker.limits import check_limits
 from worker.results import measure as measure_result
@@ -310,3 +311,34 @@ def test_comprehensions_give_the_same_answers_through_the_watchdog():
         assert evaluate_here(expr, variables) is True
     with pytest.raises(ConditionError):
         evaluate("before.refunds.exists(r, r.missing == 1)", variables)
+
+
+# --- the bounded stdio reader -------------------------------------------------------------------------
+
+
+def test_a_small_message_is_parsed_as_the_sdk_would():
+    line = _Line(1000)
+    for part in (b'{"jsonrpc": "2.0", "id": 7, ', b'"result": {"content": []}}'):
+        line.add(part)
+    message = line.finish()
+    assert message.message.id == 7
+
+
+@pytest.mark.parametrize(("raw_id", "request_id"), [(b"12", 12), (rb'"req-\"x\"-1"', 'req-"x"-1')])
+def test_an_oversize_message_becomes_an_error_for_its_request(raw_id, request_id):
+    line = _Line(1000)
+    line.add(b'{"jsonrpc":"2.0","id":' + raw_id + b',"result":{"x":"')
+    for _ in range(100):
+        line.add(b"y" * 10_000)
+    line.add(b'"}}')
+    assert line.parts == [] and line.size > 1_000_000
+    error = line.finish().message
+    assert error.error.code == MESSAGE_TOO_LARGE and error.id == request_id
+    assert error.error.data["size"] == line.size and len(error.error.data["sha256"]) == 64
+    assert len(error.error.data["excerpt"]) <= 1024
+
+
+def test_an_oversize_message_without_an_id_is_dropped():
+    line = _Line(10)
+    line.add(b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"' + b"z" * 100 + b'"}}')
+    assert line.finish() is None
