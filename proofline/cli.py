@@ -298,6 +298,30 @@ def soak(ctx: click.Context) -> None:
     sys.exit(soak_main(list(ctx.args)))
 
 
+@main.group()
+def contracts() -> None:
+    """Action contracts."""
+
+
+@contracts.command("check")
+@click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="contracts directory (default: PROOFLINE_CONTRACTS_DIR)")
+def contracts_check(directory: Path | None) -> None:
+    """Load every contract file, with the condition limits; exit 1 naming each refused file and why."""
+    from proofline.contracts import scan_contracts
+
+    directory = directory or get_settings().contracts_dir
+    if not Path(directory).is_dir():
+        raise click.ClickException(f"{directory} is not a directory")
+    loaded = scan_contracts(Path(directory))
+    for action_type, contract in sorted(loaded.contracts.items()):
+        click.echo(f"ok       {action_type} v{contract.version} {contract.digest[:12]}")
+    for action_type, (name, reason) in sorted(loaded.broken.items()):
+        click.echo(f"refused  {name} ({action_type}): {reason}", err=True)
+    if loaded.broken:
+        sys.exit(1)
+
+
 @main.command("envelope-schema")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("schemas/envelope.v1.json"))
 def envelope_schema(out: Path) -> None:

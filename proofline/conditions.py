@@ -4,6 +4,11 @@ Variables available to every expression:
 ``envelope`` (the whole envelope as JSON), ``args`` (its arguments), ``target`` (its target
 resource), ``before`` (the precondition snapshot), ``after`` (the verification read) and
 ``result`` (the values extracted from the tool result, when there is one).
+
+Every expression passes the static limits of ``proofline/cel_limits.py`` before it is compiled,
+is compiled once per process (cached), and every failure of the library, native panics included,
+becomes a :class:`ConditionError`: a condition that cannot be evaluated has not held, and the pool
+process that asked survives.
 """
 
 from __future__ import annotations
@@ -13,24 +18,82 @@ from typing import Any
 
 import cel
 
-from proofline.errors import ConditionError
+from proofline.cel_limits import DEFAULT_LIMITS, ConditionLimits, Shape, check
+from proofline.errors import ConditionError, ConditionInputTooLarge
+
+#: Raised through, never turned into a condition failure: the process is being stopped or timed out.
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
+_PASS_THROUGH_NAMES = frozenset({"SoftTimeLimitExceeded", "TimeLimitExceeded", "Terminated", "WorkerLostError"})
 
 
-@lru_cache(maxsize=1024)
-def compile_expression(source: str) -> Any:
-    """Compile once; a syntax error surfaces when the contract loads, not mid-action."""
+def _must_propagate(exc: BaseException) -> bool:
+    return isinstance(exc, _PASS_THROUGH) or type(exc).__name__ in _PASS_THROUGH_NAMES
+
+
+@lru_cache(maxsize=2048)
+def _compiled(source: str, limits: ConditionLimits = DEFAULT_LIMITS) -> tuple[Any, Shape]:
+    shape = check(source, limits)
     try:
-        return cel.compile(source)
-    except ValueError as exc:
-        raise ConditionError(f"cannot compile {source!r}: {exc}") from exc
+        return cel.compile(source), shape
+    except BaseException as exc:  # noqa: BLE001 - a parser panic is a BaseException, not an Exception
+        if _must_propagate(exc):
+            raise
+        raise ConditionError(f"cannot compile {source[:200]!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def compile_expression(source: str, limits: ConditionLimits = DEFAULT_LIMITS) -> Any:
+    """Check the static limits and compile, once per expression and process; a syntax error or a
+    refused expression surfaces when the contract loads, not mid-action."""
+    return _compiled(source, limits)[0]
+
+
+def _longest_list(value: Any, limit: int) -> int:
+    """The longest list anywhere in ``value`` (iteratively: inputs may nest deeply), stopping early
+    past ``limit``."""
+    longest = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            longest = max(longest, len(item))
+            if longest > limit:
+                return longest
+            stack.extend(item)
+    return longest
+
+
+def _check_inputs(source: str, shape: Shape, variables: dict[str, Any]) -> None:
+    if shape.comprehensions:
+        longest = _longest_list(variables, DEFAULT_LIMITS.max_list_items)
+        if longest > DEFAULT_LIMITS.max_list_items:
+            raise ConditionInputTooLarge(f"{source[:80]!r} iterates; an input list has {longest} items, the limit "
+                                         f"is {DEFAULT_LIMITS.max_list_items}")
+
+
+def evaluate_here(source: str, variables: dict[str, Any]) -> Any:
+    """Evaluate in this process (limits checked, program cached, every library failure a ConditionError)."""
+    program, shape = _compiled(source)
+    _check_inputs(source, shape, variables)
+    try:
+        return program.execute(variables)
+    except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
+        if _must_propagate(exc):
+            raise
+        raise ConditionError(f"cannot evaluate {source[:200]!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def evaluate(source: str, variables: dict[str, Any]) -> Any:
-    program = compile_expression(source)
-    try:
-        return program.execute(variables)
-    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-        raise ConditionError(f"cannot evaluate {source!r}: {exc!r}") from exc
+    """Evaluate ``source``. An expression with a comprehension, whose cost grows with its inputs,
+    runs in the watchdog's helper process under a time budget (``proofline/cel_watchdog.py``)."""
+    _, shape = _compiled(source)
+    if not shape.comprehensions:
+        return evaluate_here(source, variables)
+    _check_inputs(source, shape, variables)
+    from proofline.cel_watchdog import evaluate_guarded
+
+    return evaluate_guarded(source, variables)
 
 
 def holds(source: str, variables: dict[str, Any]) -> bool:
@@ -41,7 +104,7 @@ def holds(source: str, variables: dict[str, Any]) -> bool:
     """
     value = evaluate(source, variables)
     if not isinstance(value, bool):
-        raise ConditionError(f"{source!r} evaluated to {value!r}, not a boolean")
+        raise ConditionError(f"{source[:200]!r} evaluated to {value!r:.200}, not a boolean")
     return value
 
 

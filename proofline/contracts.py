@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from proofline.canonical import sha256_hex
 from proofline.conditions import compile_expression
-from proofline.errors import ExtractionFailed, UnknownActionType
+from proofline.errors import ContractInvalid, ExtractionFailed, UnknownActionType
 
 SENSITIVE_PATH = re.compile(r"(args|result|before|after)(\.[A-Za-z0-9_\-]+)+")
 
@@ -148,6 +149,12 @@ class Contract(_Model):
     #: part is redacted by name wherever it appears in this action's records, and an argument's
     #: value wherever it reappears (ledger/redact.py).
     sensitive_fields: tuple[str, ...] = ()
+    #: CEL over ``args`` (and ``envelope``, ``target``) giving the amount of money this action moves,
+    #: in cents; checked against the envelope's ``authority_budget.max_amount_cents``, per action and
+    #: summed over its run. Every money-moving contract declares it.
+    amount_cents: str | None = None
+    #: Largest tool result (bytes) this contract reads; the servers file and the settings bound it too.
+    max_result_bytes: int | None = Field(default=None, gt=0)
     #: Filled in by the loader: sha256 of the contract's canonical JSON.
     digest: str = ""
 
@@ -168,8 +175,9 @@ class Contract(_Model):
         for read in (self.precondition_read, v.read):
             for expr in (read.arguments.values() if read else ()):
                 compile_expression(expr)
-        if self.operation_id:
-            compile_expression(self.operation_id)
+        for expr in (self.operation_id, self.amount_cents):
+            if expr:
+                compile_expression(expr)
         for derived in (self.recovery.compensation, self.recovery.rollback, self.recovery.forward):
             for expr in ((*derived.target.values(), *derived.arguments.values()) if derived else ()):
                 compile_expression(expr)
@@ -188,18 +196,54 @@ def load_contract(path: Path) -> Contract:
     return Contract.model_validate({**raw, "digest": digest})
 
 
-@lru_cache(maxsize=8)
-def load_contracts(directory: Path) -> dict[str, Contract]:
+@dataclass(frozen=True)
+class ContractSet:
+    """Every contract of a directory, loaded file by file: one broken file refuses its own action
+    type (named by the file, ``<action_type>.yaml``) and nothing else."""
+
+    contracts: dict[str, Contract]
+    #: action type -> (file, reason) for every file that could not be loaded.
+    broken: dict[str, tuple[str, str]]
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors(include_url=False)[:3]
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def scan_contracts(directory: Path) -> ContractSet:
+    """Load every ``*.yaml`` of ``directory`` now (uncached: what ``proofline contracts check`` runs)."""
     contracts: dict[str, Contract] = {}
-    for path in sorted(directory.glob("*.yaml")):
-        contract = load_contract(path)
+    broken: dict[str, tuple[str, str]] = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        try:
+            contract = load_contract(path)
+        except Exception as exc:  # noqa: BLE001 - whatever breaks one file is that file's refusal
+            broken[path.stem] = (path.name, _reason(exc))
+            continue
+        if contract.action_type in contracts or contract.action_type in broken:
+            broken[contract.action_type] = (path.name, f"a second contract for {contract.action_type!r}")
+            contracts.pop(contract.action_type, None)
+            continue
         contracts[contract.action_type] = contract
-    return contracts
+    return ContractSet(contracts, broken)
+
+
+@lru_cache(maxsize=8)
+def load_contracts(directory: Path) -> ContractSet:
+    """The contracts of ``directory``, loaded once per process."""
+    return scan_contracts(directory)
 
 
 def contract_for(directory: Path, action_type: str) -> Contract:
+    loaded = load_contracts(Path(directory))
+    if action_type in loaded.broken:
+        name, reason = loaded.broken[action_type]
+        raise ContractInvalid(f"contract file {name} for {action_type!r} is refused: {reason}", file=name)
     try:
-        return load_contracts(directory)[action_type]
+        return loaded.contracts[action_type]
     except KeyError:
         raise UnknownActionType(f"no contract for action type {action_type!r}") from None
 

@@ -313,3 +313,52 @@ class ParentRowMismatch(ProoflineError):
     the envelope its signed message carries: the row was not written by the runtime."""
 
     code = "parent_row_mismatch"
+# --- containment: conditions, outputs and budgets ---------------------------------------------
+
+
+class LimitExceeded(RevalidationFailed):
+    """The envelope asks for more than this runtime allows; refused before any effect."""
+
+    code = "limit_exceeded"
+
+
+class DeadlineTooFar(LimitExceeded):
+    """The absolute deadline is further away than the runtime's maximum horizon."""
+
+    code = "deadline_too_far"
+
+
+class AuthorityBudgetExceeded(LimitExceeded):
+    """The action (or its run so far) would exceed the envelope's authority budget."""
+
+    code = "authority_budget_exceeded"
+
+
+class ConditionTooComplex(ConditionError, LimitExceeded):
+    """A CEL condition exceeds the static limits (size, nesting, terms, comprehensions)."""
+
+    code = "condition_too_complex"
+
+
+class ConditionInputTooLarge(ConditionError):
+    """A comprehension would iterate over more items than the limit allows."""
+
+    code = "condition_input_too_large"
+
+
+class ContractInvalid(EnvelopeRefused):
+    """The action type's contract file could not be loaded (the file and the reason are named)."""
+
+    code = "contract_invalid"
+
+
+class ResultTooLarge(ProoflineError):
+    """A tool result is larger than the limit for its server and contract."""
+
+    code = "result_too_large"
+
+
+class ConditionInvalid(LimitExceeded):
+    """A condition the envelope adds does not compile."""
+
+    code = "condition_invalid"

@@ -86,6 +86,10 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
              f"in {e.get('elapsed_ms')} ms, {e.get('progress_total')} progress notifications")
         if "result" in e:
             line(f"   result {_j(e['result'], 120)}")
+        if e.get("result_digest"):
+            # The values themselves are kept once, on the action row (past the size limit: not at all).
+            line(f"   result sha256 {e['result_digest']} ({e.get('result_size') or e.get('result_bytes')} bytes)"
+                 + (f", excerpt {_j(e['result_excerpt'], 80)}" if e.get("result_excerpt") else ""))
         if e.get("downstream_operation_id"):
             line(f"   downstream operation {e['downstream_operation_id']}")
         if e.get("error"):

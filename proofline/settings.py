@@ -115,6 +115,10 @@ class Settings(BaseSettings):
                 if not data.get(name):
                     data[name] = Path(str(data["keys_dir"])) / default
         return data
+    # --- containment: conditions, outputs and budgets ---
+    #: Largest tool result (bytes of text, binary and structured content) a worker reads. A server
+    #: (``max_result_bytes`` in the servers file) or a contract may lower it, never raise it.
+    max_result_bytes: int = Field(default=256 * 1024, gt=0)
 
     @property
     def visibility_timeout(self) -> int:

@@ -16,13 +16,15 @@ from typing import Any
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
+from proofline.canonical import sha256_hex
 from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
-from proofline.errors import ConditionError, McpUnavailable, ProoflineError, TransitionRefused
+from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
 from worker import calls, faultpoints
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
+from worker.results import measure, result_limit
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,12 @@ class Observation:
     failed_reads: int = 0
     last_error: str | None = None
     kept: list[dict[str, Any]] = field(default_factory=list)
+    #: Conditions that could not be evaluated (recorded, bounded): they counted as not holding.
+    condition_errors: list[dict[str, str]] = field(default_factory=list)
 
 
-def judge(verification: Verification, variables: dict[str, Any], *, settled: bool) -> VerificationFinding:
+def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
+          errors: list[dict[str, str]] | None = None) -> VerificationFinding:
     """Evaluate one read. ``settled`` is true once the expected consistency delay has passed.
 
     Prohibited wins over everything; expected needs every condition true; a condition that cannot
@@ -50,7 +55,9 @@ def judge(verification: Verification, variables: dict[str, Any], *, settled: boo
     def true(expr: str) -> bool:
         try:
             return holds(expr, variables)
-        except ConditionError:
+        except ConditionError as exc:
+            if errors is not None and len(errors) < READS_KEPT:
+                errors.append({"expr": expr[:200], "reason_code": exc.code, "detail": exc.detail[:300]})
             return False
 
     if any(true(expr) for expr in verification.prohibited):
@@ -67,17 +74,24 @@ def judge(verification: Verification, variables: dict[str, Any], *, settled: boo
 def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str, Any]) -> Observation:
     """Poll the read path until a decisive finding or the bound."""
     v = contract.verification
+    if envelope.expected_postconditions:
+        # The controller's extra post-conditions must hold too (checked against the limits at revalidation).
+        v = v.model_copy(update={"expected": (*v.expected, *envelope.expected_postconditions)})
     server = rt.server(envelope.server.name)
     read = contract.verification_read
     started = time.monotonic()
     bound = started + v.max_duration_seconds
     obs = Observation(VerificationFinding.unavailable)
+    limit = result_limit(rt.settings, server, contract)
     while True:
         settled = time.monotonic() - started >= v.consistency_delay_seconds
         try:
             arguments = build_arguments(read.arguments, base)
             result = rt.mcp.run(server, "read", lambda c, a=arguments: calls.read_tool(  # type: ignore[arg-type]
                 c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds))
+            size = measure(result).size
+            if size > limit:
+                raise ResultTooLarge(f"read tool {read.tool} answered {size} bytes; the limit is {limit}")
             if getattr(result, "is_error", False):
                 text = "".join(getattr(b, "text", "") for b in result.content or [])
                 raise McpUnavailable(f"read tool {read.tool} answered an error: {text[:200]}")
@@ -93,7 +107,7 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
         else:
             obs.reads += 1
             obs.after = after
-            finding = judge(v, {**base, "after": after}, settled=settled)
+            finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors)
             if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
                 obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
             if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):
@@ -166,10 +180,13 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         "after": obs.after, "prior_outcome": action.outcome.value if action.outcome else None,
         "read_tool": contract.verification_read.tool, "identity": "read",
     }
+    if obs.condition_errors:
+        evidence["condition_errors"] = obs.condition_errors
     recovered = None
     if obs.finding == VerificationFinding.expected and not (action.result or {}).get("values"):
         # The response was lost; the original result is recovered from the system of record.
-        recovered = {"values": obs.after, "recovered_by": "verification"}
+        # What the call's own result weighed (past the size limit) stays next to the recovered values.
+        recovered = {**(action.result or {}), "values": obs.after, "recovered_by": "verification"}
     # Polling may have outlasted the session's idle timeout: take the connection afresh.
     conn = rt.conn
     faultpoints.hit("before_verify_commit")
@@ -178,7 +195,9 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             events = [("verification_finished", evidence)]
             if record_status is not None:
                 store.settle_idempotency_txn(cur, envelope.idempotency_key, record_status,
-                                             {"verified": obs.finding.value, "after": obs.after}, red)
+                                             {"verified": obs.finding.value,
+                                              "after_digest": sha256_hex(obs.after) if obs.after is not None else None},
+                                             red)
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)

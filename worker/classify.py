@@ -6,6 +6,9 @@ The rules, in order:
   output-schema error, cancellation) → unknown outcome: never retried blindly;
 - a tool error with a machine-readable class → the class the contract maps it to; without one
   → the contract's default (unknown outcome unless the contract knows better);
+- a result larger than the limit for its server and contract, or a message the transport stopped
+  reading (``worker/bounded_stdio.py``) → unknown outcome (it was sent and the tool may have acted;
+  nothing of it is parsed, verification settles it);
 - a success from an asynchronous tool → accepted, with its downstream operation id;
 - any other success → completed but unverified, until verification says otherwise.
 MCP protocol errors and tool errors are different channels and are kept apart.
@@ -20,7 +23,9 @@ from typing import Any
 from ledger.states import Outcome
 from proofline.conditions import evaluate
 from proofline.contracts import Contract, extract
-from proofline.errors import ConditionError, ExtractionFailed
+from proofline.errors import ConditionError, ExtractionFailed, ResultTooLarge
+from worker.bounded_stdio import MESSAGE_TOO_LARGE
+from worker.results import measure
 
 # JSON-RPC errors the server sends *before* running the tool: the request was refused outright.
 REFUSED_BEFORE_RUNNING = {-32700, -32600, -32601, -32602}
@@ -75,7 +80,7 @@ def _tool_error_class(result: Any, class_field: str) -> str | None:
     return None
 
 
-def classify(report: CallReport, contract: Contract) -> Classification:
+def classify(report: CallReport, contract: Contract, limit: int | None = None) -> Classification:
     if not report.sent:
         return Classification(Outcome.failed_before_side_effect, "not_sent",
                               evidence={"error": _error_summary(report.error) if report.error else None})
@@ -84,11 +89,24 @@ def classify(report: CallReport, contract: Contract) -> Classification:
         if type(report.error).__name__ == "CallCancelled":
             # We cancelled it on an operator's request; the server may or may not have stopped.
             return Classification(Outcome.unknown_outcome, "cancelled_in_flight", evidence={"error": summary})
+        if summary.get("code") == MESSAGE_TOO_LARGE:
+            # The transport stopped reading an oversize answer: sent, and whatever it did is unknown.
+            data = getattr(getattr(report.error, "error", None), "data", None) or {}
+            return Classification(Outcome.unknown_outcome, ResultTooLarge.code, evidence={
+                "error": summary, "result_size": data.get("size"), "result_digest": data.get("sha256"),
+                "result_limit": data.get("limit"), "result_excerpt": str(data.get("excerpt", ""))[:1024],
+                "read_by": "transport"})
         if summary.get("code") in REFUSED_BEFORE_RUNNING:
             return Classification(Outcome.failed_before_side_effect, "protocol_refused", evidence={"error": summary})
         return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})
 
     result = report.result
+    if limit is not None:
+        payload = measure(result)
+        if payload.size > limit:
+            exc = ResultTooLarge(f"the result is {payload.size} bytes; the limit is {limit}")
+            return Classification(Outcome.unknown_outcome, exc.code,
+                                  evidence={**exc.as_evidence(), **payload.as_evidence(limit)})
     if getattr(result, "is_error", False):
         error_class = _tool_error_class(result, contract.tool_errors.class_field)
         mapped = contract.tool_errors.classes.get(error_class or "", contract.tool_errors.default)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -23,6 +24,8 @@ from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
     ActionNotPublished,
+    AuthorityBudgetExceeded,
+    ConditionError,
     ConfigurationError,
     EnvelopeRefused,
     IdempotencyConflict,
@@ -50,6 +53,7 @@ from worker.lease import (
     write_lease_txn,
 )
 from worker.lease import unlock as unlock_locks
+from worker.limits import check_limits, check_run_budget_txn
 from worker.mcp_client import CancelHandle
 from worker.preflight import (
     check_point_of_no_return,
@@ -57,6 +61,7 @@ from worker.preflight import (
     live_contract,
     read_target,
 )
+from worker.results import result_limit, values_reference
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.validate import (
@@ -78,7 +83,8 @@ SELECT clock_timestamp() AS now,
           FROM kill_switches WHERE cleared_at IS NULL AND (scope = 'global'
             OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = %s)
             OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = %s))) AS kills,
-       (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id
+       (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id,
+                                             published_at
                                       FROM actions WHERE action_id = %s) a) AS action
 """
 
@@ -207,6 +213,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         server = rt.server(envelope.server.name)
         try:
             static = revalidate_static(envelope, settings, facts["now"], facts["revoked"] or [], facts["kills"] or [])
+            published_at = existing.get("published_at") if existing else None
+            static["limits"] = check_limits(envelope, contract, settings, facts["now"],
+                                            datetime.fromisoformat(published_at) if published_at else None)
             if envelope.irreversible:
                 static["point_of_no_return"] = check_point_of_no_return(conn, envelope)
             live_version, hashes = live_contract(rt, server)
@@ -221,28 +230,33 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
             return _transient_before(rt, envelope, red, events, exc, dispatch)
+        except ConditionError as exc:
+            # The read's arguments cannot be built from this envelope: the same on every delivery.
+            return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
+                                dispatch)
         failures = check_preconditions(contract, envelope, before)
 
-        with store.transaction(conn) as cur:
-            token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
-            events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
-                                              "ttl_seconds": settings.lease_ttl_seconds}))
-            step = _claim_txn(cur, envelope, red, events, failures, before, token, actor,
-                              settings.replay_window_seconds)
-            if step != "call":
-                release_lease_txn(cur, aid, token)
-                cur.execute(*unlock_sql(locks))
-                locked = False
+        try:
+            step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before)
+        except AuthorityBudgetExceeded as exc:  # the run's budget; the transaction rolled back
+            return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code,
+                                dispatch)
+        if step != "call":
+            locked = False
         if step == "not_started":
             closed_hook(rt, envelope, ActionStatus.closed, Outcome.not_started, dispatch)
             return TaskSummary("closed", failures[0]["reason"], aid, Outcome.not_started.value).as_dict()
+        if step == "budget_exhausted":
+            closed_hook(rt, envelope, ActionStatus.closed, Outcome.failed_before_side_effect, dispatch)
+            return TaskSummary("closed", AuthorityBudgetExceeded.code, aid,
+                               Outcome.failed_before_side_effect.value).as_dict()
         if step == "reconcile":
             dispatch.verify(aid)
         if step != "call":
             return TaskSummary(step, None, aid).as_dict()
 
         report = _call(rt, server, envelope, contract, token, facts["now"], t0)
-        verdict = classify(report, contract)
+        verdict = classify(report, contract, result_limit(settings, server, contract))
         locked = False  # the result transaction releases both locks as its last statement
         return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch)
     except BaseException:
@@ -260,6 +274,26 @@ def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:
         parent = store.get_action(cur, envelope.recovers)
     keyring = load_keyring(rt.settings.keyring_file, rt.settings.environment)
     return check_parent_link(envelope, parent, keyring, rt.contract)
+
+
+def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
+                     failures: list[dict[str, str]], before: dict[str, Any]) -> tuple[str, int]:
+    """One transaction: the run's budget, the lease, the claim and the pre-call evidence. Returns
+    the next step and the fencing token."""
+    settings, actor = rt.settings, rt.settings.worker_id
+    amount = next((ev["limits"]["amount_cents"] for name, ev in events if name == "revalidated"), None)
+    with store.transaction(rt.conn) as cur:
+        budget = check_run_budget_txn(cur, envelope, amount)
+        if budget is not None:
+            events.append(("authority_budget_checked", budget))
+        token = write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds)
+        events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
+                                          "ttl_seconds": settings.lease_ttl_seconds}))
+        step = _claim_txn(cur, envelope, red, events, failures, before, token, actor, settings.replay_window_seconds)
+        if step != "call":
+            release_lease_txn(cur, envelope.action_id, token)
+            cur.execute(*unlock_sql(locks))
+    return step, token
 
 
 # --- the branches ------------------------------------------------------------------------------
@@ -403,6 +437,12 @@ def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord,
     if record.status == IdempotencyStatus.completed:
         events.append(("duplicate_suppressed", {"key": key, "recorded_result": record.result}))
         return "duplicate_suppressed"
+    if record.status == IdempotencyStatus.failed and record.attempts >= envelope.authority_budget.max_calls:
+        # Every call the approval allowed has been made: no further attempt, whoever asks for it.
+        events.append(("authority_budget_exhausted", AuthorityBudgetExceeded(
+            f"{record.attempts} calls made; the budget is {envelope.authority_budget.max_calls}",
+            scope="calls").as_evidence()))
+        return "budget_exhausted"
     if record.status == IdempotencyStatus.failed:
         # Proven to have made no side effect: a retry may claim it again, with the same key.
         store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.failed],
@@ -429,6 +469,10 @@ def _finish_dispatch(cur, action_id: str, decision: str, record: store.Idempoten
             store.transition_txn(cur, action_id, [ActionStatus.published, ActionStatus.executing,
                                                   ActionStatus.verifying], ActionStatus.escalated,
                                  outcome=Outcome.unknown_outcome, reason_code="replay_window_expired")
+        return
+    if decision == "budget_exhausted":
+        store.transition_txn(cur, action_id, [ActionStatus.published], ActionStatus.closed,
+                             outcome=Outcome.failed_before_side_effect, reason_code=AuthorityBudgetExceeded.code)
         return
     if decision == "reconcile":
         store.transition_txn(cur, action_id, [ActionStatus.published, ActionStatus.executing, ActionStatus.verifying],
@@ -492,7 +536,8 @@ def _result_evidence(envelope: Envelope, verdict: Classification, report: CallRe
     if verdict.operation_id:
         evidence["downstream_operation_id"] = verdict.operation_id
     if envelope.evidence.record_tool_result and verdict.values is not None:
-        evidence["result"] = verdict.values
+        # The values are stored once, on the action row; the ledger binds them by digest.
+        evidence.update(values_reference(verdict.values) or {})
     if report.unsandboxed is not None:
         evidence["unsandboxed"] = report.unsandboxed
     return evidence
@@ -543,7 +588,8 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: C
         attempts = store.update_idempotency_txn(
             cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
             status=RECORD_AFTER_CALL[verdict.outcome],
-            result={"values": verdict.values, "operation_id": verdict.operation_id, "outcome": verdict.outcome.value},
+            result={**(values_reference(verdict.values) or {}), "operation_id": verdict.operation_id,
+                    "outcome": verdict.outcome.value},
             redactor=red)
         retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
@@ -557,12 +603,22 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: C
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
         store.transition_txn(
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
-            result={"values": verdict.values} if verdict.values is not None else None,
+            result=_action_result(verdict),
             recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
             redactor=red, events=events, actor=actor)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry
+
+
+def _action_result(verdict: Classification) -> dict[str, Any] | None:
+    """The one stored copy of the result's values (or, past the size limit, only what it weighed)."""
+    if verdict.values is not None:
+        return {"values": verdict.values, **(values_reference(verdict.values) or {})}
+    if "result_digest" in verdict.evidence:
+        return {"oversize": True, "result_size": verdict.evidence["result_size"],
+                "result_digest": verdict.evidence["result_digest"]}
+    return None
 
 
 def verification_key(envelope: Envelope) -> str:

@@ -30,6 +30,7 @@ from mcp import Client, StdioServerParameters
 
 from proofline.errors import McpUnavailable
 from worker import sandbox
+from worker.bounded_stdio import bounded_stdio_client
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
@@ -64,9 +65,11 @@ def _alive(pid: int) -> bool:
 
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
-                    environment: str = "development", status_path: str | None = None) -> Any:
+                    environment: str = "development", status_path: str | None = None,
+                    max_message_bytes: int | None = None) -> Any:
     """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials),
-    or a stdio command, sandboxed unless the servers file disables it with a reason."""
+    or a stdio command, sandboxed unless the servers file disables it with a reason, read through a
+    transport that bounds every message to ``max_message_bytes`` when given."""
     if endpoint.transport == "http":
         if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file:
             return _credentialed_http(endpoint)
@@ -77,12 +80,18 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
     if unsandboxed is not None:
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
                                                             "role": role, "reason": unsandboxed})
-        return StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(), cwd=cwd)
+        return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
+                                              cwd=cwd), max_message_bytes)
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
                             base_dir=base_dir, status_path=status_path)
     # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
     # environment pins every one of them, so what bwrap starts with is exactly launch.env.
-    return StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd)
+    return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
+                    max_message_bytes)
+
+
+def _bounded(params: StdioServerParameters, max_message_bytes: int | None) -> Any:
+    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes)
 
 
 def _read_secret(path: str) -> str:
@@ -123,14 +132,25 @@ def _credentialed_http(endpoint: Endpoint) -> Any:
     return transport()
 
 
+def message_limit(server: Server) -> int:
+    """Largest MCP message read from ``server``: room for a result at its size limit twice over (text
+    and structured content), JSON escaping and the envelope; the result itself is checked exactly
+    by the classifier (``worker/results.py``)."""
+    from proofline.settings import get_settings
+
+    limit = min(v for v in (get_settings().max_result_bytes, server.max_result_bytes) if v is not None)
+    return 4 * limit + 64 * 1024
+
+
 class _Session:
     """One open MCP client, owned by one task on the portal's event loop."""
 
     def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
-                 environment: str = "development") -> None:
+                 environment: str = "development", max_message_bytes: int | None = None) -> None:
         self.endpoint = endpoint
         self.base_dir = base_dir
         self.name, self.role, self.environment = name, role, environment
+        self.max_message_bytes = max_message_bytes
         self.client: Client | None = None
         self.error: BaseException | None = None
         self.dead = False
@@ -150,7 +170,8 @@ class _Session:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
-                                     environment=self.environment, status_path=self.status_path)
+                                     environment=self.environment, status_path=self.status_path,
+                                     max_message_bytes=self.max_message_bytes)
             async with Client(target, mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
@@ -250,7 +271,7 @@ class McpSessions:
                 session.violation()
                 session.cleanup()
             endpoint = server.write if role == "write" else server.read
-            session = _Session(endpoint, self.base_dir, server.name, role, self.environment)
+            session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server))
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)

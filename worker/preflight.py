@@ -13,6 +13,7 @@ from proofline.contracts import Contract, extract
 from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed
 from worker import calls
+from worker.results import measure, result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
 
@@ -35,6 +36,10 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
         violation = rt.mcp.discard(server, role)  # type: ignore[arg-type]
         raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500],
                                **({"sandbox_violation": violation} if violation else {})) from None
+    limit = result_limit(rt.settings, server, contract)
+    size = measure(result).size
+    if size > limit:
+        raise TargetReadFailed(f"read {path.tool} returned {size} bytes; the limit is {limit}")
     if getattr(result, "is_error", False):
         text = "".join(getattr(b, "text", "") for b in result.content or [])
         raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")

@@ -106,6 +106,8 @@ class Server(BaseModel):
     write: Endpoint
     read: Endpoint
     expected_version: str | None = None
+    #: Largest result this server may return (bytes); lowers the settings' limit, never raises it.
+    max_result_bytes: int | None = Field(default=None, gt=0)
 
 
 #: Never inherited by a read identity: credentials are per identity.
@@ -133,12 +135,13 @@ def load_servers(path: Path) -> dict[str, Server]:
         spec = dict(spec)
         read_override = spec.pop("read_identity", None)
         expected = spec.pop("expected_version", None)
+        max_result = spec.pop("max_result_bytes", None)
         if read_override is None:
             raise ConfigurationError(f"server {name}: a read_identity for verification is required")
         try:
             servers[name] = Server(
                 name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
-                expected_version=expected,
+                expected_version=expected, max_result_bytes=max_result,
             )
         except ValueError as exc:
             raise ConfigurationError(f"server {name}: {exc}", server=name) from None

@@ -21,6 +21,7 @@ MODES = frozenset(
         "fail_after_commit",
         "lie",
         "progress_flood",
+        "huge_result",
         "unavailable",
     }
 )

@@ -82,6 +82,17 @@ def text(body: str) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=body)])
 
 
+def padded(result: CallToolResult, size: int) -> CallToolResult:
+    """The same answer made ``size`` bytes larger (the ``huge_result`` fault: a server that returns far
+    more than anyone asked for). Structured content gains a ``padding`` field; text gains trailing
+    spaces, so a pattern over the text still matches."""
+    if isinstance(result.structured_content, dict):
+        data = {**result.structured_content, "padding": "x" * size}
+        return CallToolResult(content=result.content, structured_content=data, is_error=result.is_error)
+    first = result.content[0].text if result.content else ""
+    return CallToolResult(content=[TextContent(type="text", text=first + " " * size)], is_error=result.is_error)
+
+
 def idempotency_key(ctx: Context) -> str | None:
     """The caller's key from the request ``_meta`` (a plain dict in mcp 2.3), if it sent one."""
     meta = ctx.request_context.meta or {}
@@ -152,6 +163,8 @@ class Runner:
             await anyio.sleep(fault.delay_seconds or DROP_RESPONSE_DEFAULT_SECONDS)
         if mode == "fail_after_commit":
             return error_result("failed_after_side_effect", f"injected failure after commit in {tool}")
+        if mode == "huge_result":
+            return padded(render(result), int(fault.delay_seconds * 1024 * 1024))
         return render(result)
 
     async def read(

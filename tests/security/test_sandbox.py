@@ -343,7 +343,8 @@ def test_through_a_real_worker_the_hostile_server_gets_nothing(hostile_stack: St
     s.wait_event(aid, "tool_called", timeout=60)
     timeline = s.timeline(aid)
     called = next(e for e in timeline if e["event"] == "tool_called")["evidence"]
-    got = called["result"]
+    # The result is stored once, on the action row (the event carries its digest).
+    got = s.action(aid).result["values"]
     assert got["uid"] == 65534 and got["environs"]["self"]["HOSTILE_MARK"] == "explicit-env-only"
     ledger_text = json.dumps([e["evidence"] for e in timeline])
     assert CANARY_SECRET not in ledger_text and KEY_CANARY not in ledger_text

@@ -46,8 +46,9 @@ def test_every_contract_loads_with_a_digest(path):
 
 def test_digests_are_distinct_and_directory_is_keyed_by_action_type():
     loaded = load_contracts(CONTRACTS)
-    assert set(loaded) == {p.stem for p in PATHS}
-    assert len({c.digest for c in loaded.values()}) == len(loaded)
+    assert loaded.broken == {}
+    assert set(loaded.contracts) == {p.stem for p in PATHS}
+    assert len({c.digest for c in loaded.contracts.values()}) == len(loaded.contracts)
 
 
 def test_unknown_action_type():

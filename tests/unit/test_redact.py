@@ -199,7 +199,7 @@ def test_leaf_names() -> None:
 
 
 def test_contract_sensitive_fields_are_validated() -> None:
-    contract = load_contracts(ROOT / "contracts")["ticket.create"]
+    contract = load_contracts(ROOT / "contracts").contracts["ticket.create"]
     doc = contract.model_dump(exclude={"digest"})
     assert Contract.model_validate({**doc, "sensitive_fields": ["args.note", "result.x.y"]}).sensitive_fields
     for bad in (["note"], ["envelope.arguments"], ["args."], ["args.a b"]):
