@@ -83,6 +83,17 @@ def append_events_txn(cur: Cursor, action_id: str, actor: str, events: list[tupl
 # --- actions ----------------------------------------------------------------------------------------
 
 
+def signed_message_of(envelope: dict[str, Any], key_id: str | None, signature: str | None,
+                      signed_canonical: bytes | memoryview | None) -> dict[str, Any] | None:
+    """The signed message of an action row: its exact canonical bytes when recorded (rows written
+    before migration 0008 fall back to the jsonb copy)."""
+    if signed_canonical is not None:
+        return json.loads(bytes(signed_canonical))
+    if not signature:
+        return None
+    return {"envelope": envelope, "key_id": key_id, "signature": signature}
+
+
 @dataclass(frozen=True)
 class ActionRow:
     action_id: str
@@ -108,13 +119,13 @@ class ActionRow:
     signature: str | None = None
     recovery_kind: str | None = None
     cancel_requested_at: datetime | None = None
+    signed_canonical: bytes | None = None
 
     @property
     def signed_message(self) -> dict[str, Any] | None:
-        """The controller's original signed message, when it was recorded."""
-        if not self.signature:
-            return None
-        return {"envelope": self.envelope, "key_id": self.key_id, "signature": self.signature}
+        """The controller's original signed message, when it was recorded: decoded from its exact
+        canonical bytes (``envelope`` is a jsonb copy, which cannot hold every string unchanged)."""
+        return signed_message_of(self.envelope, self.key_id, self.signature, self.signed_canonical)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> ActionRow:
@@ -128,24 +139,27 @@ class ActionRow:
             kind=row.get("kind", "action"), parent_action_id=row.get("parent_action_id"),
             key_id=row.get("key_id"), signature=row.get("signature"), recovery_kind=row.get("recovery_kind"),
             cancel_requested_at=row.get("cancel_requested_at"),
+            signed_canonical=bytes(row["signed_canonical"]) if row.get("signed_canonical") is not None else None,
         )
 
 
 def insert_action_txn(cur: Cursor, envelope: dict[str, Any], *, key_id: str | None = None,
                       signature: str | None = None, task_id: str | None = None,
                       status: ActionStatus = ActionStatus.published, kind: str = "action",
-                      parent_action_id: str | None = None) -> bool:
-    """Record a newly published action; False when the action id is already known."""
+                      parent_action_id: str | None = None, signed_canonical: bytes | None = None) -> bool:
+    """Record a newly published action; False when the action id is already known.
+
+    ``signed_canonical`` is the signed message as canonical JSON bytes, kept byte for byte."""
     cur.execute(
         """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool,
                                idempotency_key, status, envelope, deadline, key_id, signature, task_id,
-                               kind, parent_action_id)
+                               kind, parent_action_id, signed_canonical)
            VALUES (%(action_id)s, %(run_id)s, %(step)s, %(tenant)s, %(action_type)s, %(server)s,
                    %(tool)s, %(idempotency_key)s, %(status)s, %(envelope)s, %(deadline)s, %(key_id)s,
-                   %(signature)s, %(task_id)s, %(kind)s, %(parent)s)
+                   %(signature)s, %(task_id)s, %(kind)s, %(parent)s, %(signed)s)
            ON CONFLICT (action_id) DO NOTHING RETURNING action_id""",
         {"key_id": key_id, "signature": signature, "task_id": task_id, "status": status.value, "kind": kind,
-         "parent": parent_action_id,
+         "parent": parent_action_id, "signed": signed_canonical,
             "action_id": envelope["action_id"], "run_id": envelope["run_id"], "step": envelope.get("step", 0),
             "tenant": envelope["tenant"], "action_type": envelope["action_type"],
             "server": envelope["server"]["name"], "tool": envelope["tool"]["name"],

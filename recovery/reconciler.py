@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from ledger import store
+from recovery.expiry import expire_overdue
 from recovery.settle import after_settle
 from worker.dispatch import Dispatch
 
@@ -40,7 +41,7 @@ UPDATE actions a SET
     recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
         to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))
 FROM due WHERE a.action_id = due.action_id
-RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature
+RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature, a.signed_canonical
 """
 
 #: (name, condition on a / l, what to do)
@@ -63,8 +64,9 @@ SWEEPS = (
 
 
 def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, verify_stale_seconds: float,
-          limit: int = 200) -> dict[str, int]:
-    counts: dict[str, int] = {}
+          limit: int = 200, deadline_grace_seconds: float = 60.0) -> dict[str, int]:
+    counts: dict[str, int] = {"deadline_expired": expire_overdue(conn, dispatch, actor, deadline_grace_seconds,
+                                                                 limit)}
     for name, condition, action in SWEEPS:
         with store.transaction(conn) as cur:
             cur.execute(CLAIM_SQL.format(condition=condition),
@@ -84,13 +86,14 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
 
 def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], action: str) -> None:
     if action == "execute":
-        if row["signature"]:
+        message = store.signed_message_of(row["envelope"], row["key_id"], row["signature"], row["signed_canonical"])
+        if message is not None:
             queue = "compensate" if row["kind"] != "action" else "actions"
-            dispatch.execute({"envelope": row["envelope"], "key_id": row["key_id"], "signature": row["signature"]},
-                             queue=queue)
+            dispatch.execute(message, queue=queue)
     elif action == "verify":
         dispatch.verify(row["action_id"])
     elif action == "recover":
         dispatch.recover(row["action_id"])
     else:
         after_settle(conn, actor, row["action_id"], dispatch)
+

@@ -18,6 +18,7 @@ import psycopg
 
 from ledger import store
 from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
+from proofline.canonical import canonical_bytes
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
@@ -32,7 +33,7 @@ from proofline.errors import (
     StaleLease,
     TargetReadFailed,
 )
-from worker import calls, faultpoints
+from worker import calls, faultpoints, refusals
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -109,23 +110,24 @@ class TaskSummary:
 
 
 def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dict[str, Any]) -> None:
-    """A refused message gets its own chain; it never touches a real action's state."""
-    with store.transaction(rt.conn) as cur:
-        store.append_event_txn(cur, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
-                               {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery})
+    """A refused message gets its own chain; it never touches a real action's state. Recording is
+    total: the evidence is bounded and made writable whatever the message holds."""
+    refusals.record(rt.conn, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
+                    {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery})
 
 
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
     settings = rt.settings
     actor = settings.worker_id
+    faultpoints.hit("on_delivery")
     try:
         try:
             envelope, contract = validate_envelope(message, settings, rt.contract)
         except (EnvelopeRefused, psycopg.Error):
             raise
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
-            raise MalformedEnvelope(f"unreadable envelope: {exc!r}"[:500]) from exc
+            raise MalformedEnvelope(f"unreadable envelope: {refusals.safe_repr(exc, 500)}") from exc
     except EnvelopeRefused as exc:
         record_refusal(rt, message, exc, delivery)
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})
@@ -194,7 +196,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         with store.transaction(conn) as cur:
             if existing is None:
                 store.insert_action_txn(cur, message["envelope"], key_id=message.get("key_id"),
-                                        signature=message.get("signature"))
+                                        signature=message.get("signature"), signed_canonical=canonical_bytes(message))
             token = write_lease_txn(cur, aid, locks.target, actor, settings.lease_ttl_seconds)
             events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                               "ttl_seconds": settings.lease_ttl_seconds}))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ENABLE_VALUE = "yes-kill-my-workers"
-POINTS = ("before_send", "after_send", "after_ledger", "before_verify_commit")
+POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit")
 
 
 def _path() -> Path | None:
