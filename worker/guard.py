@@ -27,6 +27,8 @@ from worker.refusals import record, safe_repr, safe_str
 
 log = logging.getLogger(__name__)
 
+#: Only these tasks are run for a message.
+TASK_PREFIX = "proofline."
 #: Headers nest a level or two; a deeper one cannot be pickled safely for the pool.
 MAX_HEADER_DEPTH = 16
 
@@ -141,11 +143,21 @@ class GuardedConsumer(Consumer):
         task_name = headers.get("task")
         if not isinstance(task_name, str) or task_name not in self.app.tasks:
             return True  # Celery's own unknown-message / unknown-task paths record it (below)
+        if not task_name.startswith(TASK_PREFIX):
+            # Celery's built-in canvas tasks (celery.group, celery.chain, ...) are registered in
+            # every worker and would start other tasks on a stranger's behalf.
+            refuse_message(message, "message_unknown_task", "not a Proofline task", worker_id)
+            return False
+        task_id = headers.get("id")
+        if not (isinstance(task_id, str) and 0 < len(task_id) <= 200 and task_id.isprintable()):
+            refuse_message(message, "message_malformed", "task id missing or not a short printable string",
+                           worker_id)
+            return False
         try:
             payload = message.payload  # the wire decoder: total, cached for the strategy
         except ContentDisallowed:
             return True  # on_invalid_task records it
-        key = deliveries.message_key(headers.get("id"), _body_of(message))
+        key = deliveries.message_key(task_id, _body_of(message))
         try:
             counts = _main.run(deliveries.count, key, task_name, deliveries.claimed_action_id(payload))
         except Exception as exc:  # noqa: BLE001 - counting must not stop work when Postgres is away

@@ -26,6 +26,20 @@ from worker.validate import claimed_fields
 log = logging.getLogger(__name__)
 
 
+def _misfit(fn: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why these arguments cannot be passed to ``fn``: wrong count or names, or a value that is not
+    the short string a ``str`` parameter (an action id) must be. None when they fit."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        return str(exc)
+    params = inspect.signature(fn).parameters
+    for name, value in bound.arguments.items():
+        if params[name].annotation in ("str", str) and not (isinstance(value, str) and len(value) <= 200):
+            return f"{name} must be a string of at most 200 characters"
+    return None
+
+
 class GuardedTask(Task):
     abstract = True
 
@@ -36,10 +50,9 @@ class GuardedTask(Task):
         key = deliveries.message_key(self.request.id, None)
         placeholder = next((a for a in (*args, *kwargs.values()) if isinstance(a, wire.RefusedBody)), None)
         if placeholder is None:
-            try:
-                inspect.signature(self.run).bind(*args, **kwargs)
-            except TypeError as exc:
-                placeholder = wire.refused("message_malformed", f"arguments do not fit {self.name}: {exc}",
+            problem = _misfit(self.run, args, kwargs)
+            if problem is not None:
+                placeholder = wire.refused("message_malformed", f"arguments do not fit {self.name}: {problem}",
                                            safe_repr((args, kwargs), 2000))
         if placeholder is not None:
             self._refuse(rt, placeholder)
