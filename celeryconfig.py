@@ -26,6 +26,11 @@ if broker_url.startswith("sqla+"):
     broker_pool_limit = 2
 else:
     broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+if broker_url.startswith("redis://"):
+    # Documents kombu cannot parse become recorded refusals instead of ending the consumer.
+    from worker.transport import install as _guard_transport
+
+    _guard_transport()
 
 import worker.wire as _wire  # noqa: E402 - registers the serializer before Celery reads the names below
 

@@ -8,8 +8,9 @@ Two parts, both on real services:
    validation and refusal recording, in process, against a fresh migrated Postgres database.
    Counted: refused and recorded, accepted, and *unrecordable* (recording raised) - must be 0.
 2. ``broker``: damaged raw messages (damaged envelopes, other content types, pickles, truncated and
-   corrupted bytes, 940-deep bodies, hostile headers, other task names, protocol-1 bodies) pushed
-   to a real Redis with kombu and consumed by a real supervised Celery worker. Counted: messages
+   corrupted bytes, 940-deep bodies, hostile headers, other task names, protocol-1 bodies, and
+   documents kombu itself cannot read pushed straight onto the Redis list) pushed to a real Redis
+   with kombu and consumed by a real supervised Celery worker. Counted: messages
    with no ledger record (must be 0), consumer crashes (Celery main process replaced or supervisor
    restarts; must be 0).
 
@@ -139,9 +140,15 @@ def broker_campaign(count: int, seed: int, workdir: Path) -> dict[str, Any]:
                 task_id = str(uuid.uuid4())
                 headers = {"lang": "py", "task": raw.task, "id": task_id, "root_id": task_id, "parent_id": None,
                            "retries": 0, "argsrepr": "()", "kwargsrepr": "{}", **raw.headers}
+                if raw.document is not None:
+                    # Straight onto the list: a document kombu itself cannot read.
+                    conn.default_channel.client.lpush("actions", raw.document)
+                    sent[task_id] = (wire.digest(wire.QUARANTINE_PREFIX + raw.document), "document")
+                    continue
                 producer.publish(raw.body, exchange="", routing_key="actions", content_type=raw.content_type or None,
                                  content_encoding="binary", headers=headers, serializer=None)
-                sent[task_id] = (wire.digest(raw.body), raw.content_type)
+                sent[task_id] = (wire.digest(raw.body), f"{raw.task} {raw.content_type!r} headers={sorted(raw.headers)} "
+                                                        f"body={raw.body[:60]!r}")
 
         def unrecorded() -> list[str]:
             with stack.conn.cursor() as cur:
@@ -156,7 +163,7 @@ def broker_campaign(count: int, seed: int, workdir: Path) -> dict[str, Any]:
             wait_for(lambda: not unrecorded(), timeout=max(120.0, count * 0.5), interval=1.0, what="every record")
         except AssertionError:
             pass
-        missing = unrecorded()
+        missing = [f"{t}: {sent[t][1]}" for t in unrecorded()]
         with stack.conn.cursor() as cur:
             cur.execute("SELECT evidence->>'reason_code' AS r, count(*) AS n FROM ledger_events "
                         "WHERE event = 'envelope_refused' GROUP BY 1 ORDER BY 2 DESC")
@@ -176,6 +183,7 @@ def main() -> int:
     parser.add_argument("--validation", type=int, default=100_000)
     parser.add_argument("--broker", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=20261130)
+    parser.add_argument("--workdir", type=Path, help="keep the broker campaign's logs here")
     args = parser.parse_args()
     from tests.conftest import create_database, drop_database
 
@@ -187,8 +195,12 @@ def main() -> int:
         finally:
             drop_database(admin)
     if args.broker:
-        with tempfile.TemporaryDirectory(prefix="proofline-fuzz-") as tmp:
-            report["broker"] = broker_campaign(args.broker, args.seed, Path(tmp))
+        if args.workdir:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            report["broker"] = broker_campaign(args.broker, args.seed, args.workdir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="proofline-fuzz-") as tmp:
+                report["broker"] = broker_campaign(args.broker, args.seed, Path(tmp))
     print(json.dumps(report, indent=2))
     v, b = report.get("validation", {}), report.get("broker", {})
     ok = v.get("unrecordable", 0) == 0 and b.get("without_record", 0) == 0 and not b.get("consumer_replaced") \

@@ -113,6 +113,8 @@ class RawMessage:
     content_type: str
     headers: dict[str, Any]
     task: str = "proofline.execute"
+    #: When set, pushed onto the queue's Redis list as is, instead of the body through kombu.
+    document: bytes | None = None
 
 
 def raw_message(rng: random.Random, good: dict[str, Any], nonce: str) -> RawMessage:
@@ -148,4 +150,13 @@ def raw_message(rng: random.Random, good: dict[str, Any], nonce: str) -> RawMess
         task = rng.choice(["proofline.verify", "proofline.recover", "proofline.nope", "celery.ping"])
     elif roll < 0.3:
         body = json.dumps({"task": "proofline.execute", "args": [nonce]}).encode()
+    elif roll < 0.35:
+        document = rng.choice([
+            nonce.encode() + b" \xff not json",
+            json.dumps({"body": nonce}).encode(),
+            b"[" * 3000 + nonce.encode() + b"]" * 3000,
+            json.dumps({"body": "!!" + nonce, "properties": {"delivery_tag": nonce, "body_encoding": "base64"}}).encode(),
+            json.dumps({"body": nonce, "properties": {"delivery_tag": 5}, "headers": [nonce]}).encode(),
+        ])
+        return RawMessage(body, content_type, headers, task, document=document)
     return RawMessage(body, content_type, headers, task)

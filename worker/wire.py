@@ -28,6 +28,9 @@ MAX_BODY_BYTES = 256 * 1024 + 16 * 1024
 #: Envelopes nest a handful of levels; arguments may nest more, but nothing legitimate nears this.
 MAX_DEPTH = 64
 EXCERPT_CHARS = 200
+#: Marks a body standing in for a broker document kombu could not read (worker/transport.py);
+#: never valid JSON (NUL first), so it can only ever be refused.
+QUARANTINE_PREFIX = b"\x00proofline:unreadable-broker-document:"
 
 # Strings are consumed whole (escapes included), so brackets inside them are not counted.
 _TOKENS = re.compile(r'"(?:[^"\\]++|\\.)*+"|[\[\]{}]', re.S)
@@ -100,6 +103,9 @@ def loads(data: bytes | str) -> tuple[list[Any], dict[str, Any], dict[str, Any]]
 def _loads(data: bytes | str) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
     if isinstance(data, memoryview | bytearray):
         data = bytes(data)
+    if isinstance(data, bytes) and data.startswith(QUARANTINE_PREFIX):
+        return [refused("message_undecodable", "the broker document carrying this message was unreadable",
+                        data)], {}, dict(_EMBED)
     if len(data) > MAX_BODY_BYTES:
         return [refused("message_too_large", f"body is {len(data)} bytes; the limit is {MAX_BODY_BYTES}",
                         data)], {}, dict(_EMBED)

@@ -104,6 +104,12 @@ def test_malformed_headers_and_unknown_tasks_are_recorded(stack: Stack) -> None:
     for _ in range(500):
         nested = [nested]
     deep_header = push(stack, wire.dumps([[], {}, {}]), headers={"x": nested})
+    # Too deep for kombu's own document: quarantined by the transport, refused under its task id.
+    assert wait_refusal(stack, deep_header)["reason_code"] == "message_undecodable"
+    nested = []
+    for _ in range(40):
+        nested = [nested]
+    deep_header = push(stack, wire.dumps([[], {}, {}]), headers={"x": nested})
     assert wait_refusal(stack, deep_header)["reason_code"] == "message_malformed"
     # Arguments that do not fit the task: recorded by the task, never run.
     misfit = push(stack, wire.dumps([["a", "b", "c"], {"nope": 1}, {}]), task="proofline.verify")
@@ -268,3 +274,30 @@ def test_a_read_outage_is_retried_past_three_and_the_envelope_never_logged(stack
     assert "MaxRetriesExceeded" not in log
     assert marker not in log
     time.sleep(0.1)
+
+
+def test_documents_kombu_cannot_read_are_recorded_not_fatal(stack: Stack) -> None:
+    """Anyone who can write to Redis can push a document that is not kombu's JSON; kombu parsed it
+    in the consumer's event loop after it had left Redis, and the worker died."""
+    main_pid = celery_main_pid(stack)
+    client = redis.Redis.from_url(stack.broker_url)
+    docs = [b"not json at all \xff", b'{"body": "x"}', b"[" * 5000 + b"]" * 5000,
+            json.dumps({"body": "!!", "properties": {"delivery_tag": "t", "body_encoding": "base64"}}).encode()]
+    for doc in docs:
+        client.lpush("actions", doc)
+    for doc in docs:
+        chain = wait_for(lambda d=doc: broker_refusal(stack, d), 20, what=f"a record of {doc[:30]!r}")
+        assert chain["reason_code"] == "message_undecodable"
+    good_action_settles(stack)
+    assert celery_main_pid(stack) == main_pid and worker_starts(stack) == 1
+
+
+def broker_refusal(stack: Stack, doc: bytes) -> dict | None:
+    from worker.transport import QUARANTINE_PREFIX
+
+    digest = wire.digest(QUARANTINE_PREFIX + doc)
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT evidence FROM ledger_events WHERE event = 'envelope_refused' AND "
+                    "evidence->>'message_digest' = %s", (digest,))
+        row = cur.fetchone()
+    return row["evidence"] if row else None
