@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -51,7 +50,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("containment")
     s = build_stack("stdio", tmp, extra_env={
         "PROOFLINE_CONTRACTS_DIR": str(_contracts(tmp)), "PROOFLINE_MAX_UNSETTLED_DELIVERIES": "3",
-        "PROOFLINE_DEADLINE_GRACE_SECONDS": "2"})
+        "PROOFLINE_DEADLINE_GRACE_SECONDS": "2", "PROOFLINE_TASK_RETRY_LIMIT": "8"})
     try:
         start_workers(s)
         yield s
@@ -273,7 +272,32 @@ def test_a_read_outage_is_retried_past_three_and_the_envelope_never_logged(stack
     log = worker_log(stack)
     assert "MaxRetriesExceeded" not in log
     assert marker not in log
-    time.sleep(0.1)
+
+
+def test_a_delivery_past_its_retry_limit_is_recorded_and_the_action_redriven(stack: Stack) -> None:
+    """Past the explicit limit (8 here) the delivery ends with a ``delivery_abandoned`` record
+    instead of Celery's MaxRetriesExceededError; the ledger still says published, so the reconciler
+    re-sends it and it executes once the outage is over."""
+    from proofline.sor import store as sor
+
+    marker = f"marker-{uuid.uuid4().hex}"
+    env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": marker, "owner": "ops"},
+                         target={"type": "ticket_queue", "id": "acme-ops"}, retry_policy={"backoff_seconds": 0.1})
+    sor.set_read_outage(stack.sor_db, True)
+    try:
+        published = stack.publish(env)
+        chain = f"delivery:{published['task_id']}"
+        wait_for(lambda: "delivery_abandoned" in stack.events(chain), 40, what="the abandoned delivery's record")
+    finally:
+        sor.set_read_outage(stack.sor_db, False)
+    abandoned = stack.timeline(chain)[0]["evidence"]
+    assert abandoned["retries"] == 8 and abandoned["claimed"]["action_id"] == env.action_id
+    assert "RetryLater" in abandoned["error"]
+    row = stack.wait_settled(env.action_id, timeout=60)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row
+    assert stack.effects(env.idempotency_key) == 1
+    log = worker_log(stack)
+    assert "MaxRetriesExceeded" not in log and marker not in log
 
 
 def test_documents_kombu_cannot_read_are_recorded_not_fatal(stack: Stack) -> None:
