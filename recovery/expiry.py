@@ -94,3 +94,19 @@ def _evidence(cur: Any, row: dict[str, Any], grace_seconds: float) -> dict[str, 
         "deliveries": deliveries, "last_refusal": dict(refusal) if refusal else None,
         "last_event": dict(last) if last else None, "by": "reconciler",
     }
+
+
+PRUNE_SQL = """
+DELETE FROM message_deliveries WHERE message_key IN (
+    SELECT message_key FROM message_deliveries
+    WHERE unsettled = 0 AND last_at < clock_timestamp() - make_interval(secs => %(age)s)
+    LIMIT %(limit)s)
+"""
+
+
+def prune_deliveries(conn: Any, older_than_seconds: float, limit: int = 5000) -> int:
+    """Forget settled delivery counts once no action they could explain can still be open (they
+    are evidence for the expiry above, which happens within a deadline plus its grace)."""
+    with store.transaction(conn) as cur:
+        cur.execute(PRUNE_SQL, {"age": older_than_seconds, "limit": limit})
+        return cur.rowcount

@@ -138,7 +138,9 @@ def reconcile_task() -> dict[str, int]:
     s = rt.settings
     try:
         return sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
-                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds)
+                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
+                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
+                     delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
     except psycopg.OperationalError:
         rt.reset_connection()
         raise

@@ -25,7 +25,7 @@ BEGIN
   FOREACH r IN ARRAY ARRAY['proofline_runtime', 'proofline_worker', 'proofline_recovery', 'proofline_controller']
   LOOP
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
-      EXECUTE format('GRANT SELECT, INSERT, UPDATE ON message_deliveries TO %I', r);
+      EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON message_deliveries TO %I', r);
     END IF;
   END LOOP;
   IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'proofline_reader') THEN
