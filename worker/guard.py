@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -74,6 +75,20 @@ def _body_of(message: Any) -> bytes:
     if isinstance(body, str):
         return body.encode("utf-8", "surrogatepass")
     return bytes(body) if isinstance(body, bytes | bytearray | memoryview) else safe_repr(body).encode()
+
+
+def _eta_too_far(eta: Any) -> bool:
+    if eta is None:
+        return False
+    try:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else None
+    except ValueError:
+        return False  # Celery refuses an unparseable ETA itself (recorded by on_invalid_task)
+    if when is None:
+        return False
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when > datetime.now(UTC) + timedelta(seconds=get_settings().max_deadline_seconds)
 
 
 def _text(value: Any) -> str:
@@ -147,6 +162,11 @@ class GuardedConsumer(Consumer):
             # Celery's built-in canvas tasks (celery.group, celery.chain, ...) are registered in
             # every worker and would start other tasks on a stranger's behalf.
             refuse_message(message, "message_unknown_task", "not a Proofline task", worker_id)
+            return False
+        if _eta_too_far(headers.get("eta")):
+            # An ETA is held in the worker's memory until it is due: our own are short retry
+            # backoffs, never beyond the longest deadline.
+            refuse_message(message, "message_malformed", "eta beyond the longest deadline", worker_id)
             return False
         task_id = headers.get("id")
         if not (isinstance(task_id, str) and 0 < len(task_id) <= 200 and task_id.isprintable()):

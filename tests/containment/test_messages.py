@@ -110,6 +110,11 @@ def test_malformed_headers_and_unknown_tasks_are_recorded(stack: Stack) -> None:
         nested = [nested]
     deep_header = push(stack, wire.dumps([[], {}, {}]), headers={"x": nested})
     assert wait_refusal(stack, deep_header)["reason_code"] == "message_malformed"
+    # An ETA a year away would sit in the worker's memory; a garbled one is Celery's to refuse.
+    far = push(stack, wire.dumps([[], {}, {}]), headers={"eta": "2099-01-01T00:00:00+00:00"})
+    assert wait_refusal(stack, far)["reason_code"] == "message_malformed"
+    garbled = push(stack, wire.dumps([[], {}, {}]), headers={"eta": "soon"})
+    assert wait_refusal(stack, garbled)["reason_code"] == "message_malformed"
     # Arguments that do not fit the task: recorded by the task, never run.
     misfit = push(stack, wire.dumps([["a", "b", "c"], {"nope": 1}, {}]), task="proofline.verify")
     assert wait_refusal(stack, misfit)["reason_code"] == "message_malformed"
