@@ -4,7 +4,10 @@ Choices that matter for correctness:
 - late acknowledgement and requeue when a worker process is lost: a message is only gone once its
   task has recorded what happened in the ledger;
 - prefetch 1: a worker never sits on messages another worker could run;
-- JSON only: envelopes are data, never pickles;
+- the Proofline wire format only (``worker/wire.py``: JSON with size and depth bounds, checked
+  before Celery sees the body); anything else is refused and recorded by the guarded consumer
+  (``worker/guard.py``), never silently dropped;
+- time limits and pool-process recycling from Settings, so no task and no leak lives forever;
 - a visibility timeout longer than the longest absolute deadline, so Redis does not hand a running
   task to a second worker; deadlines themselves live in Postgres, never in broker ETAs;
 - results are not stored: the ledger is the record.
@@ -23,13 +26,29 @@ if broker_url.startswith("sqla+"):
     broker_pool_limit = 2
 else:
     broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+if broker_url.startswith("redis://"):
+    # Documents kombu cannot parse become recorded refusals instead of ending the consumer.
+    from worker.transport import install as _guard_transport
 
-task_serializer = "json"
-accept_content = ["json"]
+    _guard_transport()
+
+import worker.wire as _wire  # noqa: E402 - registers the serializer before Celery reads the names below
+
+task_serializer = _wire.NAME
+accept_content = [_wire.CONTENT_TYPE]
+result_accept_content = ["json"]
+worker_consumer = "worker.guard:GuardedConsumer"
 result_serializer = "json"
 event_serializer = "json"
 task_ignore_result = True
 result_backend = None
+
+# No task may outlive the longest deadline an envelope can carry: the soft limit raises inside the
+# task (a call in flight is then an unknown outcome, reconciled), the hard one ends the process.
+task_soft_time_limit = _settings.max_deadline_seconds + 60
+task_time_limit = _settings.max_deadline_seconds + 120
+worker_max_tasks_per_child = _settings.worker_max_tasks_per_child
+worker_max_memory_per_child = _settings.worker_max_memory_per_child_kb
 
 task_acks_late = True
 task_reject_on_worker_lost = True

@@ -89,6 +89,7 @@ actions = Table(
     # The controller's signature, so the reconciler can re-drive the original authority unchanged.
     Column("key_id", Text, nullable=True),
     Column("signature", Text, nullable=True),
+    # The signed message as its exact canonical bytes (jsonb would rewrite a NUL; see migration 0008).
     Column("task_id", Text, nullable=True),
     Column("recovery_kind", recovery_kind_type, nullable=True),
     Column("cancel_requested_at", DateTime(timezone=True), nullable=True),
@@ -199,3 +200,20 @@ ledger_event_rights = Table(
     Column("event", Text, primary_key=True),
     Column("roles", ARRAY(Text), nullable=False),
 )
+
+# Deliveries per task message not yet settled by a recorded outcome (worker/deliveries.py).
+message_deliveries = Table(
+    "message_deliveries",
+    metadata,
+    Column("message_key", Text, primary_key=True),
+    Column("task_name", Text, nullable=False),
+    Column("action_id", Text, nullable=True),
+    Column("deliveries", Integer, nullable=False, server_default=text("0")),
+    Column("unsettled", Integer, nullable=False, server_default=text("0")),
+    Column("first_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("last_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("last_outcome", Text, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("dead_lettered_at", DateTime(timezone=True), nullable=True),
+)
+Index("message_deliveries_action_idx", message_deliveries.c.action_id)

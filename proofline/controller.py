@@ -20,9 +20,9 @@ from ledger.states import ActionStatus
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
-from proofline.errors import IdempotencyConflict
+from proofline.errors import EnvelopeRefused, IdempotencyConflict
 from proofline.keys import KeyRole, load_signing_key
-from proofline.settings import Settings
+from proofline.settings import Settings, get_settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
 from worker.mcp_client import endpoint_target
@@ -98,22 +98,41 @@ def send_message(app: Any, message: Any, queue: str = "actions", task_id: str | 
     return CeleryDispatch(app).execute(message, queue=queue, task_id=task_id)
 
 
+def validate_for_publish(settings: Settings, message: dict[str, Any]) -> None:
+    """Run the worker's own validation (size, signature, schema v1, argument hash, idempotency key,
+    contract match) on a message about to be published. A message every worker would refuse is
+    never recorded as ``published``: it would be refused on every delivery and re-sent forever."""
+    from worker.validate import validate_envelope
+
+    validate_envelope(message, settings, lambda action_type: contract_for(Path(settings.contracts_dir),
+                                                                           action_type))
+
+
 def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **options: Any) -> dict[str, Any]:
     """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
     return publish_message(conn, CeleryDispatch(app), signed_message(settings, envelope), envelope,
-                           seal_key=seal.sealer_for(settings), **options)
+                           settings=settings, **options)
 
 
 def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
-                    seal_key: seal.SealKey, queue: str = "actions", kind: str = "action",
-                    parent_action_id: str | None = None, hold: bool = False,
-                    actor: str | None = None) -> dict[str, Any]:
-    """Record a signed message in the ledger, then send it (unless held).
+                    seal_key: seal.SealKey | None = None, queue: str = "actions", kind: str = "action",
+                    parent_action_id: str | None = None, hold: bool = False, actor: str | None = None,
+                    settings: Settings | None = None) -> dict[str, Any]:
+    """Validate a signed message as the worker will, record it in the ledger, then send it (unless held).
 
-    The signed message is stored with the action, sealed with ``seal_key`` (``actions.envelope``
-    is a redacted copy), so the reconciler can re-drive exactly the authority the controller
-    signed if the broker loses the message.
+    The signed message is stored with the action, sealed with ``seal_key`` (default: the settings'
+    seal key; ``actions.envelope`` is a redacted copy) as its exact canonical bytes, so the
+    reconciler can re-drive exactly the authority the controller signed if the broker loses the
+    message. A message the worker would refuse raises that refusal here and is recorded on its
+    refusal chain (``publish_refused``), never as a published action.
     """
+    settings = settings or get_settings()
+    try:
+        validate_for_publish(settings, message)
+    except EnvelopeRefused as exc:
+        _record_publish_refusal(conn, message, exc, actor or settings.worker_id)
+        raise
+    seal_key = seal_key or seal.sealer_for(settings)
     task_id = str(uuid.uuid4())
     conflict: IdempotencyConflict | None = None
     redactor = for_envelope(message["envelope"])
@@ -139,6 +158,14 @@ def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope:
     if not hold:
         dispatch.execute(message, queue=queue, task_id=task_id)
     return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}
+
+
+def _record_publish_refusal(conn: Any, message: Any, exc: EnvelopeRefused, actor: str) -> None:
+    from worker.refusals import record
+    from worker.validate import claimed_fields, refusal_chain_id
+
+    record(conn, refusal_chain_id(message), "publish_refused", actor,
+           {**exc.as_evidence(), "claimed": claimed_fields(message), "by": "controller"})
 
 
 def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelope]) -> list[dict[str, Any]]:

@@ -362,3 +362,65 @@ class ConditionInvalid(LimitExceeded):
     """A condition the envelope adds does not compile."""
 
     code = "condition_invalid"
+# --- containment: messages refused on the wire, deliveries that never settle ------------------
+
+
+class MessageRefused(EnvelopeRefused):
+    """The task message itself was unacceptable before any envelope could be read."""
+
+    code = "message_refused"
+
+
+class MessageTooLarge(MessageRefused):
+    """The message body is larger than the wire limit."""
+
+    code = "message_too_large"
+
+
+class MessageTooDeep(MessageRefused):
+    """The message body nests deeper than the wire limit."""
+
+    code = "message_too_deep"
+
+
+class MessageUndecodable(MessageRefused):
+    """The message body is not UTF-8 JSON."""
+
+    code = "message_undecodable"
+
+
+class MessageMalformed(MessageRefused):
+    """The message body or headers do not have the task protocol's shape."""
+
+    code = "message_malformed"
+
+
+class MessageContentRefused(MessageRefused):
+    """The message has a content type the workers do not accept (only the Proofline wire format)."""
+
+    code = "message_content_type_refused"
+
+
+class MessageUnknownTask(MessageRefused):
+    """The message names a task this worker does not run."""
+
+    code = "message_unknown_task"
+
+
+class MessageDeadLettered(MessageRefused):
+    """The message was delivered too many times without reaching a recorded outcome."""
+
+    code = "dead_lettered"
+
+
+class DeadlineExpiredUnexecuted(ProoflineError):
+    """The action's deadline (plus grace) passed while it was still waiting to execute."""
+
+    code = "deadline_expired_unexecuted"
+
+
+#: Refusal reason -> error class, for reasons decided outside an exception (the wire decoder).
+MESSAGE_REFUSALS: dict[str, type[MessageRefused]] = {
+    cls.code: cls for cls in (MessageTooLarge, MessageTooDeep, MessageUndecodable, MessageMalformed,
+                              MessageContentRefused, MessageUnknownTask, MessageDeadLettered)
+}

@@ -119,6 +119,18 @@ class Settings(BaseSettings):
     #: Largest tool result (bytes of text, binary and structured content) a worker reads. A server
     #: (``max_result_bytes`` in the servers file) or a contract may lower it, never raise it.
     max_result_bytes: int = Field(default=256 * 1024, gt=0)
+    # --- containment: messages and deliveries ---
+    #: A task message delivered this many times without reaching a recorded outcome (its worker
+    #: process died each time) is moved to the ``dead_letter`` queue on the next delivery.
+    max_unsettled_deliveries: int = 3
+    #: Retries of one delivery (database away, unexpected error, target busy) before it is recorded
+    #: as abandoned and left to the reconciler.
+    task_retry_limit: int = 50
+    #: The reconciler closes a still-published action this long after its deadline.
+    deadline_grace_seconds: float = 60.0
+    #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
+    worker_max_tasks_per_child: int = 1000
+    worker_max_memory_per_child_kb: int = 512 * 1024
 
     @property
     def visibility_timeout(self) -> int:

@@ -18,8 +18,20 @@ import time
 log = logging.getLogger(__name__)
 
 
-def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: float = 1.0) -> int:
-    """Run ``argv`` until it exits cleanly or is told to stop; restart it otherwise (bounded)."""
+#: An exit this soon after start is an early exit: the worker never got going.
+EARLY_EXIT_SECONDS = 5.0
+#: This many early exits in a row is a configuration error, not bad luck: stop and say so.
+EARLY_EXITS_LIMIT = 3
+#: A run this long resets the backoff: the worker was healthy, the exit is a new incident.
+HEALTHY_RUN_SECONDS = 60.0
+CONFIGURATION_ERROR_EXIT = 78  # EX_CONFIG
+
+
+def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: float = 1.0,
+              max_backoff_seconds: float = 30.0, early_exit_seconds: float = EARLY_EXIT_SECONDS,
+              early_exits_limit: int = EARLY_EXITS_LIMIT) -> int:
+    """Run ``argv`` until it exits cleanly or is told to stop; restart it otherwise, with exponential
+    backoff (reset after a healthy run), and give up at once on repeated early exits."""
     stopping = False
     child: subprocess.Popen | None = None
 
@@ -31,16 +43,28 @@ def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: floa
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    restarts = 0
+    restarts = streak = early = 0
     while True:
+        started = time.monotonic()
         child = subprocess.Popen(argv)
+        print(f"proofline: worker started (pid {child.pid})", file=sys.stderr, flush=True)
         code = child.wait()
+        ran = time.monotonic() - started
         if stopping or code == 0:
             return code
+        early = early + 1 if ran < early_exit_seconds else 0
+        if early >= early_exits_limit:
+            print(f"proofline: worker exited {code} within {early_exit_seconds:g} s of starting {early} times in "
+                  "a row; this is a configuration or environment error (broker, database, settings), not a "
+                  "crash to restart through. Giving up.", file=sys.stderr, flush=True)
+            return code if code > 0 else CONFIGURATION_ERROR_EXIT
+        streak = 0 if ran >= HEALTHY_RUN_SECONDS else streak
         restarts += 1
+        streak += 1
         if restarts > max_restarts:
             print(f"proofline: worker exited {code}; giving up after {max_restarts} restarts", file=sys.stderr)
-            return code
-        print(f"proofline: worker exited {code}; restarting ({restarts}/{max_restarts})", file=sys.stderr,
-              flush=True)
-        time.sleep(min(backoff_seconds * restarts, 10.0))
+            return code if code > 0 else 1
+        delay = min(backoff_seconds * 2 ** (streak - 1), max_backoff_seconds)
+        print(f"proofline: worker exited {code} after {ran:.1f} s; restarting in {delay:g} s "
+              f"({restarts}/{max_restarts})", file=sys.stderr, flush=True)
+        time.sleep(delay)

@@ -19,6 +19,7 @@ from typing import Any
 
 from ledger import store
 from proofline.errors import ProoflineError
+from recovery.expiry import expire_overdue, prune_deliveries
 from recovery.settle import after_settle
 from worker.dispatch import Dispatch
 
@@ -64,8 +65,11 @@ SWEEPS = (
 
 
 def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, verify_stale_seconds: float,
-          limit: int = 200) -> dict[str, int]:
-    counts: dict[str, int] = {}
+          limit: int = 200, deadline_grace_seconds: float = 60.0,
+          delivery_retention_seconds: float = 2 * 3600.0) -> dict[str, int]:
+    counts: dict[str, int] = {"deadline_expired": expire_overdue(conn, dispatch, actor, deadline_grace_seconds,
+                                                                 limit),
+                              "deliveries_pruned": prune_deliveries(conn, delivery_retention_seconds)}
     for name, condition, action in SWEEPS:
         with store.transaction(conn) as cur:
             cur.execute(CLAIM_SQL.format(condition=condition),
@@ -103,3 +107,4 @@ def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], act
         dispatch.recover(row["action_id"])
     else:
         after_settle(conn, actor, row["action_id"], dispatch)
+

@@ -145,13 +145,17 @@ def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelo
 
 def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
                            decision: Decision, dispatch: Dispatch) -> dict[str, Any]:
-    from proofline.controller import publish_message
+    from proofline.controller import publish_message, validate_for_publish
 
     kind = WORKFLOW[decision.kind]
     spec = getattr(contract.recovery, kind)
     actor = rt.settings.worker_id
     try:
         derived, _ = derive_envelope(rt, action, envelope, spec, kind)
+        message = recovery_signed_message(rt.settings, derived)
+        # The same validation the worker runs (size, schema, hashes, contract): a recovery action it
+        # would refuse is never recorded as published.
+        validate_for_publish(rt.settings, message)
     except ProoflineError as exc:
         # The recorded recovery data cannot build the recovery action: an operator must.
         with store.transaction(rt.conn) as cur:
@@ -160,9 +164,9 @@ def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envel
                                  reason_code="recovery_action_underivable",
                                  recovery_kind=RecoveryKind.manual_intervention)
         return {"status": "escalated", "action_id": action.action_id}
-    message = recovery_signed_message(rt.settings, derived)
     published = publish_message(rt.conn, dispatch, message, derived, seal_key=rt.seal_key, queue="compensate",
-                                kind=kind, parent_action_id=action.action_id, actor=actor)
+                                kind=kind, parent_action_id=action.action_id, actor=actor,
+                                settings=rt.settings)
     red = for_envelope(action.signed_envelope, contract.sensitive_fields).merged(
         for_envelope(message["envelope"], rt.contract(derived.action_type).sensitive_fields))
     with store.transaction(rt.conn) as cur:

@@ -16,6 +16,7 @@ from celery import signals
 
 from ledger.redact import scrub_text
 from proofline.canonical import canonical_bytes
+from worker import wire
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
@@ -67,8 +68,16 @@ class Dispatch(Protocol):
     def revoke(self, task_id: str) -> None: ...
 
 
+def _label(message: Any) -> str:
+    """What Celery may log for an execute message: the action id it claims, never the envelope."""
+    env = message.get("envelope") if isinstance(message, dict) else None
+    action_id = env.get("action_id") if isinstance(env, dict) else None
+    return f"(<envelope {str(action_id)[:120]}>,)"
+
+
 class CeleryDispatch:
-    """The production dispatcher: stable task names, JSON only, one queue per kind of work."""
+    """The production dispatcher: stable task names, the guarded JSON wire format (``worker/wire.py``)
+    only, one queue per kind of work."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -82,7 +91,7 @@ class CeleryDispatch:
 
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
         argsrepr, kwargsrepr = task_repr(args)
-        return self.app.send_task(name, args=args, serializer="json", argsrepr=argsrepr, kwargsrepr=kwargsrepr,
+        return self.app.send_task(name, args=args, serializer=wire.NAME, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
                                   **options)
 
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from ledger import store
-from ledger.redact import Redactor, current_redactor, for_envelope, for_message
+from ledger.redact import POLICY, Redactor, current_redactor, for_envelope, for_message
 from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
@@ -39,7 +39,7 @@ from proofline.errors import (
     TargetReadFailed,
 )
 from proofline.keys import load_keyring
-from worker import calls, faultpoints
+from worker import calls, faultpoints, refusals
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -120,13 +120,15 @@ class TaskSummary:
 
 
 def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dict[str, Any]) -> None:
-    """A refused message gets its own chain; it never touches a real action's state. Its evidence
-    (the refusal text can quote the input) is redacted by whatever the message itself declares
-    secret, as far as it can be read."""
-    with store.transaction(rt.conn) as cur:
-        store.append_event_txn(cur, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
-                               {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery},
-                               redactor_for_message(rt, message))
+    """A refused message gets its own chain; it never touches a real action's state. Recording is
+    total: the evidence is bounded and made writable whatever the message holds, and redacted by
+    whatever the message itself declares secret, as far as it can be read."""
+    try:
+        red = redactor_for_message(rt, message)
+    except Exception:  # noqa: BLE001 - an unreadable message still gets the policy's redaction
+        red = POLICY
+    refusals.record(rt.conn, refusal_chain_id(message), "envelope_refused", rt.settings.worker_id,
+                    {**exc.as_evidence(), "claimed": claimed_fields(message), **delivery}, red)
 
 
 def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
@@ -146,6 +148,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
     settings = rt.settings
     actor = settings.worker_id
+    faultpoints.hit("on_delivery")
     try:
         try:
             envelope, contract = validate_envelope(message, settings, rt.contract)
@@ -153,7 +156,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         except (EnvelopeRefused, psycopg.Error, ConfigurationError):
             raise  # a worker without its keyring must not refuse good envelopes as malformed
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
-            raise MalformedEnvelope(f"unreadable envelope: {exc!r}"[:500]) from exc
+            raise MalformedEnvelope(f"unreadable envelope: {refusals.safe_repr(exc, 500)}") from exc
     except EnvelopeRefused as exc:
         record_refusal(rt, message, exc, delivery)
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from proofline.settings import get_settings
 
-POINTS = ("before_send", "after_send", "after_ledger", "before_verify_commit")
+POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit")
 ACTIONS = ("kill", "stop", "raise")
 
 

@@ -26,7 +26,10 @@ def _variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
 def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envelope, role: str = "write") -> dict[str, Any]:
     """One authoritative read through the contract's precondition read path."""
     path = contract.precondition_read
-    arguments = build_arguments(path.arguments, _variables(envelope))
+    try:
+        arguments = build_arguments(path.arguments, _variables(envelope))
+    except Exception as exc:  # noqa: BLE001 - the read cannot even be asked for: no snapshot
+        raise TargetReadFailed(f"read {path.tool} arguments could not be built: {str(exc)[:300]}") from None
     try:
         result = rt.mcp.run(server, role, lambda c: calls.read_tool(  # type: ignore[arg-type]
             c, tool=path.tool, arguments=arguments, timeout_seconds=contract.timeout_seconds))
@@ -43,7 +46,14 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
     if getattr(result, "is_error", False):
         text = "".join(getattr(b, "text", "") for b in result.content or [])
         raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")
-    return extract(result, path.extract)
+    try:
+        return extract(result, path.extract)
+    except Exception as exc:  # noqa: BLE001 - a result the contract cannot read is no fresh snapshot either
+        # Inside the read's own error handling: an unreadable read is a target_read_failed with its
+        # cause (recorded, retried while the deadline allows), never an unexpected task failure.
+        raise TargetReadFailed(f"read {path.tool} returned a result the contract cannot read: "
+                               f"{getattr(exc, 'code', type(exc).__name__)}: {str(exc)[:300]}",
+                               unreadable=True) from None
 
 
 def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:

@@ -6,38 +6,46 @@ import logging
 from typing import Any
 
 import psycopg
-from celery import Celery, Task, signals
+from celery import Celery, signals
 
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings
-from worker.dispatch import CeleryDispatch, task_repr
+from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
+from worker.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
 EXECUTE = "proofline.execute"
 COMPENSATE = "proofline.compensate"
-#: Deliveries of one message after unexpected errors; past this, the reconciler re-drives it.
-UNEXPECTED_RETRIES = 5
 VERIFY = "proofline.verify"
 
-class ProoflineTask(Task):
-    """Every publication of a Proofline task shows the action id and a digest, never the envelope:
-    Celery's own retries compute a full repr for their ``task-sent`` event before any hook runs."""
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        if options.get("argsrepr") is None:
-            options["argsrepr"], options["kwargsrepr"] = task_repr(args or (), kwargs)
-        return super().apply_async(args, kwargs, **options)
-
-
-app = Celery("proofline", task_cls=ProoflineTask)
+app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("celeryconfig")
+# The control plane (revoke, ping) stays plain JSON; tasks use the guarded wire format only.
+app.control.mailbox.accept = ["json", CONTENT_TYPE]
+app.control.mailbox.serializer = "json"
+
+_settings = get_settings()
+#: Retries of one delivery, explicit: ``max_retries=None`` in ``Task.retry`` means the task's
+#: default (3), not "unlimited". Transient pre-call failures stop earlier, at the envelope's
+#: deadline (worker/execute.py); past this limit the delivery is recorded as abandoned and the
+#: reconciler re-drives the action from the ledger.
+RETRY_POLICY: dict[str, Any] = {
+    "max_retries": _settings.task_retry_limit,
+    "autoretry_for": (Exception,),
+    "dont_autoretry_for": (RetryLater,),
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+}
+TASK_OPTIONS: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_worker_lost": True, "ignore_result": True,
+                                **RETRY_POLICY}
 
 
 @signals.after_setup_logger.connect
@@ -76,12 +84,12 @@ def _delivery(task: Any) -> dict[str, Any]:
             "retries": task.request.retries}
 
 
-@app.task(name=EXECUTE, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@app.task(name=EXECUTE, **TASK_OPTIONS)
 def execute_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return _execute(self, args, kwargs)
 
 
-@app.task(name=COMPENSATE, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@app.task(name=COMPENSATE, **TASK_OPTIONS)
 def compensate_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """A recovery action: the same governed path as any action, on its own queue."""
     return _execute(self, args, kwargs)
@@ -97,44 +105,46 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     try:
         return execute(rt, message, _delivery(self), dispatch)
     except RetryLater as later:
-        raise self.retry(countdown=later.countdown, max_retries=None) from None
-    except psycopg.OperationalError as exc:
+        # Recorded already (target busy, read unavailable): deliver the same envelope again later.
+        raise self.retry(countdown=later.countdown, exc=later) from None
+    except psycopg.OperationalError:
         # The database went away mid-task: nothing past the last commit happened as far as the
-        # ledger knows. Drop the connection and deliver again; the idempotency record decides.
+        # ledger knows. Drop the connection; Celery's autoretry delivers it again with backoff.
         rt.reset_connection()
         log.warning("database unavailable; retrying", extra={"event": "db_unavailable"})
-        raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
+        raise
     except Exception as exc:
         # A defect or an unforeseen failure must not lose the action: the claim-first idempotency
-        # record makes running the same envelope again safe, so deliver it again (bounded).
-        log.exception("execute failed; retrying", extra={"event": "execute_error"})
-        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
+        # record makes running the same envelope again safe, so it is retried (bounded). Only the
+        # error is logged, never the envelope.
+        log.error("execute failed; retrying: %s", type(exc).__name__, extra={"event": "execute_error"})
+        raise
 
 
 def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
-    """Run a follow-up stage (verify, recover): a lost database connection is retried without limit
-    (nothing past the last commit happened); anything else a bounded number of times, after which
-    the reconciler re-drives the action from the ledger."""
+    """Run a follow-up stage (verify, recover), retried by Celery's autoretry (bounded, backoff);
+    past the limit the reconciler re-drives the action from the ledger."""
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
         return fn(rt, action_id, dispatch)
-    except psycopg.OperationalError as exc:
+    except psycopg.OperationalError:
         rt.reset_connection()
-        raise self.retry(countdown=1.0, max_retries=None, exc=exc) from None
+        raise
     except Exception as exc:
-        log.exception(f"{step} failed; retrying", extra={"event": f"{step}_error", "action_id": action_id})
-        raise self.retry(countdown=2.0, max_retries=UNEXPECTED_RETRIES, exc=exc) from None
+        log.error(f"{step} failed; retrying: %s", type(exc).__name__,
+                  extra={"event": f"{step}_error", "action_id": action_id})
+        raise
 
 
-@app.task(name=VERIFY, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@app.task(name=VERIFY, **TASK_OPTIONS)
 def verify_task(self, action_id: str) -> dict[str, Any]:
     from recovery.verify import verify
 
     return _follow_up(self, "verify", action_id, verify)
 
 
-@app.task(name="proofline.recover", bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@app.task(name="proofline.recover", **TASK_OPTIONS)
 def recover_task(self, action_id: str) -> dict[str, Any]:
     from recovery.recover import recover
 
@@ -150,7 +160,9 @@ def reconcile_task() -> dict[str, int]:
     s = rt.settings
     try:
         return sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
-                     verify_stale_seconds=s.verify_stall_seconds)
+                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
+                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
+                     delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
     except psycopg.OperationalError:
         rt.reset_connection()
         raise

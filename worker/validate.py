@@ -16,6 +16,7 @@ from proofline.canonical import canonical_bytes
 from proofline.contracts import Contract
 from proofline.envelope import DERIVED_KINDS, Envelope, arguments_hash, derived_action_id, key_for
 from proofline.errors import (
+    MESSAGE_REFUSALS,
     ApprovalExpired,
     ArgumentHashMismatch,
     ContractMismatch,
@@ -26,6 +27,7 @@ from proofline.errors import (
     IdentityRevoked,
     KillSwitchEngaged,
     MalformedEnvelope,
+    MessageRefused,
     ParentLinkInvalid,
     ParentRowMismatch,
     ParentSignatureInvalid,
@@ -37,6 +39,8 @@ from proofline.errors import (
 from proofline.keys import Keyring, KeyRole, load_keyring
 from proofline.settings import Settings
 from proofline.signing import check_role, message_hash, verify
+from worker.refusals import safe_repr, safe_str, stable_digest
+from worker.wire import RefusedBody
 
 MAX_MESSAGE_BYTES = 256 * 1024
 
@@ -44,10 +48,15 @@ MAX_MESSAGE_BYTES = 256 * 1024
 def refusal_chain_id(message: Any) -> str:
     """The ledger chain for a refused message: a digest of what arrived, never the claimed action id,
     so that a forged message cannot write into a real action's chain."""
+    if isinstance(message, RefusedBody):
+        return "refused:" + message.digest[:40]
     try:
         raw = canonical_bytes(message)
     except Exception:  # noqa: BLE001 - anything at all must get a stable id
-        raw = repr(message).encode(errors="replace")
+        try:
+            raw = repr(message).encode(errors="replace")
+        except Exception:  # noqa: BLE001 - repr recursed or refused a huge int: digest a bounded copy
+            return "refused:" + stable_digest(message)[:40]
     return "refused:" + hashlib.sha256(raw).hexdigest()[:40]
 
 
@@ -56,15 +65,19 @@ def claimed_fields(message: Any) -> dict[str, Any]:
     env = message.get("envelope") if isinstance(message, dict) else None
     if not isinstance(env, dict):
         return {}
-    return {k: str(env.get(k))[:200] for k in ("action_id", "run_id", "tenant", "action_type") if k in env}
+    return {k: safe_str(v, 200) if isinstance(v := env.get(k), str) else safe_repr(v, 200)
+            for k in ("action_id", "run_id", "tenant", "action_type") if k in env}
 
 
 def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tuple[Envelope, Contract]:
     """Schema, signature, argument hash, idempotency key and contract: all or nothing."""
+    if isinstance(message, RefusedBody):
+        raise MESSAGE_REFUSALS.get(message.reason, MessageRefused)(
+            message.detail, message_digest=message.digest, message_bytes=message.size, excerpt=message.excerpt)
     try:
         size = len(json.dumps(message, default=str))
-    except (TypeError, ValueError) as exc:
-        raise MalformedEnvelope(f"message is not JSON: {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise MalformedEnvelope(f"message is not JSON: {safe_repr(exc)}") from exc
     if size > MAX_MESSAGE_BYTES:
         raise MalformedEnvelope(f"message is {size} bytes; the limit is {MAX_MESSAGE_BYTES}")
     verified = verify(message, load_keyring(settings.keyring_file, settings.environment))

@@ -1,0 +1,112 @@
+"""Actions that can no longer run: past their absolute deadline (plus a grace period) and still
+``published``. Nothing may execute them any more (revalidation refuses a passed deadline), so
+leaving them ``published`` would only hide why they never ran. The reconciler closes each with
+``deadline_expired_unexecuted`` and the evidence of what was tried: re-drives, deliveries, the last
+refusal or error of any delivery that claimed the action, and the last event of its own chain.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ledger import store
+from ledger.states import ActionStatus, IdempotencyStatus, Outcome
+from proofline.errors import DeadlineExpiredUnexecuted
+from recovery.settle import after_settle
+from worker.dispatch import Dispatch
+
+log = logging.getLogger(__name__)
+
+DUE_SQL = """
+SELECT a.action_id, a.deadline, a.idempotency_key, a.recovery_data FROM actions a
+LEFT JOIN leases l ON l.action_id = a.action_id
+WHERE a.status = 'published' AND a.deadline < clock_timestamp() - make_interval(secs => %(grace)s)
+  AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp())
+ORDER BY a.deadline LIMIT %(limit)s
+FOR UPDATE OF a SKIP LOCKED
+"""
+
+DELIVERIES_SQL = """
+SELECT count(*) AS messages, COALESCE(sum(deliveries), 0) AS deliveries,
+       bool_or(dead_lettered_at IS NOT NULL) AS dead_lettered,
+       (array_agg(last_error ORDER BY last_at DESC) FILTER (WHERE last_error IS NOT NULL))[1] AS last_error
+FROM message_deliveries WHERE action_id = %s
+"""
+
+# Refusals are on chains of their own (a forged message never writes into an action's chain); they
+# quote the action id the message claimed.
+LAST_REFUSAL_SQL = """
+SELECT action_id AS chain, event, evidence->>'reason_code' AS reason_code, left(evidence->>'detail', 300) AS detail,
+       at::text AS at FROM ledger_events
+WHERE event IN ('envelope_refused', 'dead_lettered', 'delivery_abandoned')
+  AND evidence->'claimed'->>'action_id' = %s
+ORDER BY id DESC LIMIT 1
+"""
+
+LAST_EVENT_SQL = """
+SELECT event, evidence->>'reason_code' AS reason_code, at::text AS at FROM ledger_events
+WHERE action_id = %s ORDER BY seq DESC LIMIT 1
+"""
+
+
+def expire_overdue(conn: Any, dispatch: Dispatch, actor: str, grace_seconds: float, limit: int = 200) -> int:
+    """Close every overdue unexecuted action; returns how many were closed."""
+    closed: list[str] = []
+    with store.transaction(conn) as cur:
+        cur.execute(DUE_SQL, {"grace": grace_seconds, "limit": limit})
+        for row in list(cur.fetchall()):
+            evidence = _evidence(cur, row, grace_seconds)
+            record = store.get_idempotency_txn(cur, row["idempotency_key"])
+            if record is not None and record.status in (IdempotencyStatus.in_progress, IdempotencyStatus.unknown):
+                # A claim without a known result: nothing is proven either way; an operator decides.
+                status, outcome = ActionStatus.escalated, Outcome.unknown_outcome
+            elif record is not None:
+                status, outcome = ActionStatus.closed, Outcome.failed_before_side_effect
+            else:
+                status, outcome = ActionStatus.closed, Outcome.not_started
+            store.append_event_txn(cur, row["action_id"], DeadlineExpiredUnexecuted.code, actor, evidence)
+            store.transition_txn(cur, row["action_id"], [ActionStatus.published], status, outcome=outcome,
+                                 reason_code=DeadlineExpiredUnexecuted.code)
+            closed.append(row["action_id"])
+            log.error("action expired unexecuted", extra={
+                "event": "deadline_expired_unexecuted", "action_id": row["action_id"],
+                "deliveries": evidence["deliveries"]["deliveries"], "redrives": evidence["redrives"],
+                "last_refusal": (evidence["last_refusal"] or {}).get("reason_code")})
+    for action_id in closed:
+        after_settle(conn, actor, action_id, dispatch)
+    return len(closed)
+
+
+def _evidence(cur: Any, row: dict[str, Any], grace_seconds: float) -> dict[str, Any]:
+    aid = row["action_id"]
+    cur.execute(DELIVERIES_SQL, (aid,))
+    deliveries = dict(cur.fetchone() or {})
+    cur.execute(LAST_REFUSAL_SQL, (aid,))
+    refusal = cur.fetchone()
+    cur.execute(LAST_EVENT_SQL, (aid,))
+    last = cur.fetchone()
+    return {
+        "reason_code": DeadlineExpiredUnexecuted.code,
+        "detail": "the deadline passed while the action was still waiting to execute",
+        "deadline": row["deadline"].isoformat(), "grace_seconds": grace_seconds,
+        "redrives": int((row["recovery_data"] or {}).get("redrives", 0)),
+        "deliveries": deliveries, "last_refusal": dict(refusal) if refusal else None,
+        "last_event": dict(last) if last else None, "by": "reconciler",
+    }
+
+
+PRUNE_SQL = """
+DELETE FROM message_deliveries WHERE message_key IN (
+    SELECT message_key FROM message_deliveries
+    WHERE unsettled = 0 AND last_at < clock_timestamp() - make_interval(secs => %(age)s)
+    LIMIT %(limit)s)
+"""
+
+
+def prune_deliveries(conn: Any, older_than_seconds: float, limit: int = 5000) -> int:
+    """Forget settled delivery counts once no action they could explain can still be open (they
+    are evidence for the expiry above, which happens within a deadline plus its grace)."""
+    with store.transaction(conn) as cur:
+        cur.execute(PRUNE_SQL, {"age": older_than_seconds, "limit": limit})
+        return cur.rowcount

@@ -1,0 +1,51 @@
+"""Delivery counts on a real Postgres: counted per message, settled by an outcome, pruned once old."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from ledger import store
+from recovery.expiry import prune_deliveries
+from tests.conftest import create_database, drop_database
+from worker import deliveries
+
+
+@pytest.fixture(scope="module")
+def conn() -> Iterator[psycopg.Connection]:
+    admin, runtime_url = create_database("pl_deliveries")
+    c = store.connect(runtime_url)  # the runtime role: what workers and the consumer use
+    try:
+        yield c
+    finally:
+        c.close()
+        drop_database(admin)
+
+
+def test_unsettled_deliveries_accumulate_until_an_outcome(conn: psycopg.Connection) -> None:
+    key = deliveries.message_key("task-1", None)
+    assert [deliveries.count(conn, key, "proofline.execute", "act-1")["unsettled"] for _ in range(3)] == [1, 2, 3]
+    deliveries.note_error(conn, key, "WorkerLostError\x00")
+    deliveries.settle(conn, key, "returned")
+    after = deliveries.count(conn, key, "proofline.execute", None)
+    assert (after["deliveries"], after["unsettled"], after["last_error"]) == (4, 1, "WorkerLostError\\x00")
+
+
+def test_a_hostile_task_id_is_keyed_by_the_body() -> None:
+    assert deliveries.message_key("\x00" * 300, b"body") == deliveries.message_key(None, b"body")
+    assert deliveries.message_key("\x00" * 300, b"body").startswith("body:")
+
+
+def test_only_old_settled_counts_are_pruned(conn: psycopg.Connection) -> None:
+    for key, unsettled in (("old-settled", 0), ("old-open", 2), ("new-settled", 0)):
+        deliveries.count(conn, key, "proofline.execute", None)
+        with conn.cursor() as cur:
+            cur.execute("UPDATE message_deliveries SET unsettled = %s, last_at = clock_timestamp() - "
+                        "make_interval(secs => %s) WHERE message_key = %s",
+                        (unsettled, 0 if key.startswith("new") else 7200, key))
+    assert prune_deliveries(conn, older_than_seconds=3600) == 1
+    with conn.cursor() as cur:
+        cur.execute("SELECT message_key FROM message_deliveries WHERE message_key NOT LIKE 'task:%%' ORDER BY 1")
+        assert [r["message_key"] for r in cur.fetchall()] == ["new-settled", "old-open"]
