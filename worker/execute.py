@@ -292,7 +292,10 @@ def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Lock
         token = write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds)
         events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                           "ttl_seconds": settings.lease_ttl_seconds}))
-        step = _claim_txn(cur, envelope, red, events, failures, before, token, actor, settings.replay_window_seconds)
+        # The admitted amount is recorded by the guarded move to executing (no separate update).
+        admitted = {"amount_cents": budget["amount_cents"]} if budget and "admitted" not in budget else {}
+        step = _claim_txn(cur, envelope, red, events, failures, before, token, actor, settings.replay_window_seconds,
+                          admitted)
         if step != "call":
             release_lease_txn(cur, envelope.action_id, token)
             cur.execute(*unlock_sql(locks))
@@ -379,7 +382,8 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
 
 
 def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
-               before: dict[str, Any], token: int, actor: str, replay_window: float) -> str:
+               before: dict[str, Any], token: int, actor: str, replay_window: float,
+               admitted: dict[str, Any] | None = None) -> str:
     """Claim the idempotency record (or dispatch on the one that exists) and record the pre-call
     evidence, all in the lease's transaction. Returns "call", "not_started" or a dispatch decision."""
     aid = envelope.action_id
@@ -421,7 +425,8 @@ def _claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures
                    else {}))
     # The pre-call evidence and the move to executing: one round trip.
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
-                         recovery_data={"before": before}, redactor=redact, events=events, actor=actor)
+                         recovery_data={"before": before, **(admitted or {})}, redactor=redact, events=events,
+                         actor=actor)
     return "call"
 
 

@@ -85,7 +85,8 @@ def check_limits(envelope: Envelope, contract: Contract, settings: Settings, now
 
 def check_run_budget_txn(cur: Any, envelope: Envelope, amount: int | None) -> dict[str, Any] | None:
     """Inside the lease's transaction: the run's spending so far plus this action stays within the
-    budget; then this action's amount is recorded so the run's next action counts it.
+    budget. The caller records the returned ``amount_cents`` on the action in the same transaction
+    (its guarded move to ``executing``), so the run's next action counts it.
 
     A transaction-scoped advisory lock on the run serialises this check between actions of one run
     (they may run at once on different targets); it is released with the transaction.
@@ -105,6 +106,4 @@ def check_run_budget_txn(cur: Any, envelope: Envelope, amount: int | None) -> di
             f"run {envelope.run_id} has spent {spent} cents; {amount} more exceeds the budget of {budget}",
             amount_cents=amount, run_spent_cents=spent, max_amount_cents=budget, scope="run",
             counted=",".join(row["counted"] or []))
-    cur.execute("UPDATE actions SET recovery_data = recovery_data || jsonb_build_object('amount_cents', %s::bigint) "
-                "WHERE action_id = %s", (amount, envelope.action_id))
     return {"amount_cents": amount, "run_spent_cents": spent, "max_amount_cents": budget}
