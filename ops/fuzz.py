@@ -39,10 +39,11 @@ from kombu import Connection  # noqa: E402
 from ledger import store  # noqa: E402
 from ops.fuzz_damage import damaged_message, raw_message  # noqa: E402
 from proofline.contracts import contract_for  # noqa: E402
+from proofline.controller import signed_message  # noqa: E402
 from proofline.envelope import build_envelope  # noqa: E402
 from proofline.errors import EnvelopeRefused, MalformedEnvelope  # noqa: E402
+from proofline.keys import generate as generate_keys  # noqa: E402
 from proofline.settings import Settings  # noqa: E402
-from proofline.signing import sign  # noqa: E402
 from worker import wire  # noqa: E402
 from worker.execute import record_refusal  # noqa: E402
 from worker.refusals import safe_repr  # noqa: E402
@@ -64,7 +65,7 @@ def good_message(settings: Settings) -> dict[str, Any]:
         policy_version=settings.accepted_policy_versions[-1],
         approval={"id": f"apr-{uid}", "version": 1, "expires_at": now + timedelta(hours=1)},
         timeout_seconds=contract.timeout_seconds, deadline=now + timedelta(minutes=10))
-    return sign(env, settings.signing_keys, settings.active_key_id)
+    return signed_message(settings, env)
 
 
 def validate_and_record(rt: Any, message: Any, delivery: dict[str, Any]) -> str:
@@ -85,6 +86,14 @@ def validate_and_record(rt: Any, message: Any, delivery: dict[str, Any]) -> str:
 
 def validation_campaign(count: int, seed: int, database_url: str, settings: Settings) -> dict[str, Any]:
     rng = random.Random(seed)
+    if settings.signing_key_file is None:
+        # A campaign of its own: development keys in a scratch folder sign the undamaged message.
+        keys_dir = Path(tempfile.mkdtemp(prefix="proofline-fuzz-keys-"))
+        generate_keys(keys_dir, force=True, development=True)
+        settings = settings.model_copy(update={"keys_dir": keys_dir, "signing_key_file": keys_dir / "controller.key",
+                                               "keyring_file": keys_dir / "keyring.json",
+                                               "recovery_key_file": keys_dir / "recovery.key",
+                                               "seal_key_file": keys_dir / "seal.key"})
     good = good_message(settings)
     rt = SimpleNamespace(settings=settings, conn=store.connect(database_url),
                          contract=lambda t: contract_for(settings.contracts_dir, t))

@@ -117,7 +117,10 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         # A defect or an unforeseen failure must not lose the action: the claim-first idempotency
         # record makes running the same envelope again safe, so it is retried (bounded). Only the
         # error is logged, never the envelope.
-        log.error("execute failed; retrying: %s", type(exc).__name__, extra={"event": "execute_error"})
+        # The traceback goes to the log and Sentry (both scrubbed: worker/observability.py), so an
+        # operator sees the defect; Sentry events carry no local variables.
+        log.error("execute failed; retrying: %s", type(exc).__name__, exc_info=True,
+                  extra={"event": "execute_error"})
         raise
 
 

@@ -624,7 +624,7 @@ class CrossTenant:
             env = ticket_envelope(stack, self.tenant, self.other)
         # Published by the controller (recorded, not sent): a worker refuses any action nobody published.
         message = stack.message(env)
-        publish_message(stack.conn, LosingBroker(), message, env)
+        publish_message(stack.conn, LosingBroker(), message, env, settings=stack.settings)
         result = Sent(message, TENANT_MISMATCH, {env.idempotency_key}, {env.action_id})
         result.action_id = env.action_id
         return result

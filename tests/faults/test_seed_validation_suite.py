@@ -471,7 +471,7 @@ def test_operator_kill_switch(stack: Stack) -> None:
     envs = [refund_env(stack, account, amount=100 + n) for n in range(3)]
     broker = LosingBroker()
     for env in envs:
-        publish_message(stack.conn, broker, stack.message(env), env, seal_key=stack.seal_key)
+        publish_message(stack.conn, broker, stack.message(env), env, seal_key=stack.seal_key, settings=stack.settings)
     set_switch(stack.operator, KillSwitchScope.tool, "issue_refund", "secops@example.com", "refund fraud suspected")
     try:
         for message in broker.lost:  # the queued messages now reach the workers

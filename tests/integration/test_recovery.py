@@ -38,7 +38,7 @@ def test_cancelling_a_queued_step_cancels_it_and_unwinds_the_run(stack: Stack) -
 def test_lost_broker_message_is_redriven_by_the_reconciler(stack: Stack) -> None:
     env = refund_env(stack, new_account(stack))
     broker = LosingBroker()
-    publish_message(stack.conn, broker, stack.message(env), env, seal_key=stack.seal_key)
+    publish_message(stack.conn, broker, stack.message(env), env, seal_key=stack.seal_key, settings=stack.settings)
     assert len(broker.lost) == 1
     row = stack.wait_settled(env.action_id, timeout=60)
     assert row.outcome == Outcome.completed_verified

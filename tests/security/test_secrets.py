@@ -23,9 +23,10 @@ import yaml
 from ledger.redact import MARK
 from ledger.states import Outcome
 from proofline.canonical import canonical_bytes
-from proofline.controller import describe_server, publish_message
+from proofline.controller import describe_server, publish_message, signed_message
+from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import ROOT
-from proofline.signing import sign
+from proofline.signing import sign_document
 from proofline.sor import store as sor
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account
@@ -208,8 +209,7 @@ def test_canaries_reach_no_table_log_task_event_or_sentry_event(secure: Stack, e
     hostile["approval"] = {**hostile["approval"], "expires_at": "not a time", "password": CANARIES["refused"]}
     for e in (env, refund):
         stack.publish(e)
-    stack.deliver({"envelope": hostile, "key_id": stack.settings.active_key_id,
-                   "signature": sign_document(stack, hostile)})
+    stack.deliver(sign_hostile(stack, hostile))
     for e in (env, refund):
         row = stack.wait_settled(e.action_id, timeout=60)
         assert row.outcome == Outcome.completed_verified, (e.action_id, stack.events(e.action_id))
@@ -240,13 +240,10 @@ def test_canaries_reach_no_table_log_task_event_or_sentry_event(secure: Stack, e
     assert [n for n in NEEDLES if any(n in body for body in sentry.bodies)] == []
 
 
-def sign_document(stack: Stack, document: dict[str, Any]) -> str:
-    """Sign an arbitrary document with the stack's active key, as a controller holding it could."""
-    import hashlib
-    import hmac
-
-    key = stack.settings.signing_keys[stack.settings.active_key_id]
-    return hmac.new(key.encode(), canonical_bytes(document), hashlib.sha256).hexdigest()
+def sign_hostile(stack: Stack, document: dict[str, Any]) -> dict[str, Any]:
+    """Sign an arbitrary document with the stack's controller key, as a controller holding it could."""
+    key = load_signing_key(stack.settings.signing_key_file, KeyRole.controller, stack.settings.environment)
+    return sign_document(document, key)
 
 
 def test_an_error_in_a_task_reaches_sentry_without_secrets(secure: Stack, events: TaskEvents,
@@ -296,7 +293,7 @@ def test_a_lost_message_with_a_nul_is_redriven_byte_exactly_from_the_sealed_copy
     env = ticket(stack, f"t-{TAG}-nul", note="line\x00after the NUL")
     message = stack.message(env)
     broker = LosingBroker()
-    publish_message(stack.conn, broker, message, env, seal_key=stack.seal_key)
+    publish_message(stack.conn, broker, message, env, seal_key=stack.seal_key, settings=stack.settings)
     assert len(broker.lost) == 1
     row = stack.action(env.action_id)
     assert canonical_bytes(row.signed_message) == canonical_bytes(message)
@@ -367,8 +364,7 @@ def test_sign_helper_matches_the_controller(secure: Stack) -> None:
     """The hostile message above is signed exactly as the controller signs (else it would be
     refused for its signature, not for its shape, and prove nothing about refusal text)."""
     env = ticket(secure, "t")
-    assert sign_document(secure, env.model_dump(mode="json")) == sign(
-        env, secure.settings.signing_keys, secure.settings.active_key_id)["signature"]
+    assert sign_hostile(secure, env.model_dump(mode="json")) == signed_message(secure.settings, env)
 
 
 def test_a_role_password_is_stored_as_a_scram_verifier(tmp_path: Path) -> None:

@@ -364,7 +364,8 @@ def test_a_derived_envelope_with_a_wrong_parent_link_is_refused(split: Stack) ->
     # Control: the same envelope, recovery-signed with the correct link, executes.
     good = _derived(split, parent)
     publish_message(split.conn, CeleryDispatch(split.app), sign(good, recovery), good, queue="compensate",
-                    kind="compensation", parent_action_id=parent.action_id)
+                    kind="compensation", parent_action_id=parent.action_id, settings=split.settings,
+                    seal_key=split.seal_key)
     assert split.wait_settled(good.action_id).outcome == Outcome.completed_verified
     assert sor.find_ticket_by_key(split.sor_db, parent.idempotency_key)["ticket"]["status"] == "closed"
 
@@ -384,7 +385,8 @@ def test_key_rotation_with_overlap(split: Stack) -> None:
     assert new_id != old_id
     fresh = ticket_env(split)
     split.publish(fresh)
-    publish_message(split.conn, CeleryDispatch(split.app), early[in_overlap.action_id], in_overlap)
+    publish_message(split.conn, CeleryDispatch(split.app), early[in_overlap.action_id], in_overlap,
+                    settings=split.settings, seal_key=split.seal_key)
     for env, key_id in ((fresh, new_id), (in_overlap, old_id)):
         assert split.wait_settled(env.action_id).outcome == Outcome.completed_verified
         validated = next(e for e in split.timeline(env.action_id) if e["event"] == "validated")["evidence"]
