@@ -80,7 +80,8 @@ class Source:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
     tmp = tmp_path_factory.mktemp("anchor")
-    keys = tmp / "keys"
+    # Not the stack's own keys folder (build_stack writes a fresh development key set there).
+    keys = tmp / "ledger-keys"
     write_keys(keys)
     stack = build_stack("stdio", tmp)
     try:
@@ -407,7 +408,10 @@ def test_celery_beat_runs_checkpoints_in_a_real_worker(ledger: Ledger):
     broker = redis.Redis.from_url(stack.broker_url)
     broker.delete("checkpoint")
     # A worker without the ledger key takes the task, refuses it with a clear code and keeps running.
-    keyless = _checkpoint_worker(ledger, "keyless")
+    # The stack's development keys, less the ledger key (build_stack generates one with the rest).
+    keyless_dir = stack.workdir / f"keys-no-ledger-{ledger.name}"
+    shutil.copytree(stack.workdir / "keys", keyless_dir, ignore=shutil.ignore_patterns("ledger.key"))
+    keyless = _checkpoint_worker(ledger, "keyless", PROOFLINE_KEYS_DIR=str(keyless_dir))
     log = stack.workdir / f"worker-cp-keyless-{ledger.name}.log"
     try:
         wait_for(lambda: "checkpoint refused: this worker holds no ledger key" in log.read_text(errors="replace"),
@@ -418,7 +422,15 @@ def test_celery_beat_runs_checkpoints_in_a_real_worker(ledger: Ledger):
         stop_process(keyless)
     assert not ledger.store_dir.exists()
 
-    keyed = _checkpoint_worker(ledger, "keyed", PROOFLINE_KEYS_DIR=str(ledger.settings.keys_dir))
+    # The stack's development keys with this test's ledger key in place of the generated one.
+    keyed_dir = stack.workdir / f"keys-ledger-{ledger.name}"
+    shutil.copytree(keyless_dir, keyed_dir)
+    shutil.copy2(ledger.settings.keys_dir / "ledger.key", keyed_dir / "ledger.key")
+    ring = json.loads((keyed_dir / "keyring.json").read_text())
+    ring["keys"] = [k for k in ring["keys"] if k["role"] != "ledger"] + json.loads(
+        (ledger.settings.keys_dir / "keyring.json").read_text())["keys"]
+    (keyed_dir / "keyring.json").write_text(json.dumps(ring))
+    keyed = _checkpoint_worker(ledger, "keyed", PROOFLINE_KEYS_DIR=str(keyed_dir))
     try:
         wait_for(lambda: len(list(ledger.store_dir.glob("*.json"))) >= 2 if ledger.store_dir.exists() else False,
                  60, what="two beat-scheduled checkpoints")
