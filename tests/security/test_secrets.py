@@ -399,7 +399,7 @@ def test_the_compose_file_ships_no_secret_and_no_open_door() -> None:
     assert services["flower"]["ports"] == ["127.0.0.1:5555:5555"]
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
     env = services["worker"]["environment"]
-    assert env["PROOFLINE_KEYS_DIR"] == "/keys" and env["PROOFLINE_ENVIRONMENT"] == "production"
+    assert env["PROOFLINE_KEYS_DIR"] == "/keys/worker" and env["PROOFLINE_ENVIRONMENT"] == "production"
     assert ":?" in env["PROOFLINE_DATABASE_URL"] and ":?" in env["PROOFLINE_BROKER_URL"]
     assert "keys generate" in str(services["keys"]["command"])
     for tool_server in ("sor", "sor-reader"):  # untrusted: no credentials, no keys
@@ -443,11 +443,12 @@ def test_operator_text_is_stored_scrubbed(secure: Stack) -> None:
     held = ticket(stack, f"t-{TAG}-held")
     publish(stack.settings, stack.conn, stack.app, held, hold=True)
     pasted = f"customer card {CARD} / Authorization: Bearer {CANARIES['authorization']}x"
-    assert cancel(stack.conn, CeleryDispatch(stack.app), held.action_id, "ops@example.com", pasted)["accepted"]
+    # Operator commands run as the operator role (README "Database roles").
+    assert cancel(stack.operator, CeleryDispatch(stack.app), held.action_id, "ops@example.com", pasted)["accepted"]
     value = f"nothing@nobody-{TAG}"
-    set_switch(stack.conn, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
-    clear_switch(stack.conn, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
-    with store.transaction(stack.conn) as cur:
+    set_switch(stack.operator, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
+    clear_switch(stack.operator, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)
+    with store.transaction(stack.operator) as cur:
         store.revoke_identity_txn(cur, f"agent:gone-{TAG}", "ops@example.com", pasted)
     with stack.conn.cursor() as cur:
         cur.execute("SELECT cancel_reason FROM actions WHERE action_id = %s", (held.action_id,))

@@ -36,6 +36,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from psycopg.types.json import Jsonb
 
+from ledger import store
 from ledger.states import ActionStatus, Outcome
 from proofline.canonical import canonical_bytes
 from proofline.controller import publish_message, send_message
@@ -135,15 +136,20 @@ def worker_db(stack: Stack) -> psycopg.Connection:
 
 def insert_forged_row(stack: Stack, env: Envelope, *, action_id: str, key_id: str | None, signature: str | None,
                       recovery_data: dict[str, Any], status: str = "recovery", tenant: str | None = None) -> None:
-    with worker_db(stack) as conn:
-        conn.execute(
-            """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool, idempotency_key,
-                                    status, outcome, finding, envelope, recovery_data, deadline, key_id, signature)
-               VALUES (%s, %s, 0, %s, %s, %s, %s, %s, %s, 'failed_after_side_effect', 'prohibited', %s, %s, %s,
-                       %s, %s)""",
-            (action_id, env.run_id, tenant or env.tenant, env.action_type, env.server.name, env.tool.name,
-             env.idempotency_key, status, Jsonb(env.model_dump(mode="json")), Jsonb(recovery_data), env.deadline,
-             key_id, signature))
+    """Forge an ``actions`` row. The workers' own role is refused by Postgres (README "Database
+    roles"); the row is then written with the table owner's rights, an attacker with more than a
+    worker host holds, so that the signature checks in recovery are what is tested."""
+    sql = """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool, idempotency_key,
+                                  status, outcome, finding, envelope, recovery_data, deadline, key_id, signature)
+             VALUES (%s, %s, 0, %s, %s, %s, %s, %s, %s, 'failed_after_side_effect', 'prohibited', %s, %s, %s,
+                     %s, %s)"""
+    params = (action_id, env.run_id, tenant or env.tenant, env.action_type, env.server.name, env.tool.name,
+              env.idempotency_key, status, Jsonb(env.model_dump(mode="json")), Jsonb(recovery_data), env.deadline,
+              key_id, signature)
+    with worker_db(stack) as conn, pytest.raises(psycopg.Error):
+        conn.execute(sql, params)
+    with psycopg.connect(stack.admin_url, autocommit=True) as conn:
+        conn.execute(sql, params)
 
 
 def victim_ticket(stack: Stack) -> dict[str, Any]:
@@ -289,7 +295,7 @@ def test_a_forged_recovery_row_cannot_settle_its_parent(split: Stack) -> None:
         insert_forged_row(split, forged, action_id=forged.action_id, key_id=recovery_key(split).key_id,
                           signature=base64.b64encode(secrets.token_bytes(64)).decode(), recovery_data={},
                           status="closed")
-        with worker_db(split) as conn:
+        with psycopg.connect(split.admin_url, autocommit=True) as conn:  # beyond the worker role's rights
             conn.execute("""UPDATE actions SET kind = 'rollback', parent_action_id = %s, outcome = 'completed_verified',
                                    updated_at = clock_timestamp() - interval '10 seconds' WHERE action_id = %s""",
                          (parent_id, forged.action_id))
@@ -363,9 +369,12 @@ def test_a_derived_envelope_with_a_wrong_parent_link_is_refused(split: Stack) ->
     assert sor.find_ticket_by_key(split.sor_db, parent.idempotency_key)["ticket"] == ticket_before
     # Control: the same envelope, recovery-signed with the correct link, executes.
     good = _derived(split, parent)
-    publish_message(split.conn, CeleryDispatch(split.app), sign(good, recovery), good, queue="compensate",
-                    kind="compensation", parent_action_id=parent.action_id, settings=split.settings,
-                    seal_key=split.seal_key)
+    # (Recorded with the owner's rights: the roles let recovery publish a compensation only for a
+    # parent in recovery, and this parent is not; the worker's link check is what is shown here.)
+    with store.connect(split.admin_url) as owner:
+        publish_message(owner, CeleryDispatch(split.app), sign(good, recovery), good, queue="compensate",
+                        kind="compensation", parent_action_id=parent.action_id, settings=split.settings,
+                        seal_key=split.seal_key)
     assert split.wait_settled(good.action_id).outcome == Outcome.completed_verified
     assert sor.find_ticket_by_key(split.sor_db, parent.idempotency_key)["ticket"]["status"] == "closed"
 
