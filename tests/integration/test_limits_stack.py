@@ -9,12 +9,15 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from ledger.states import ActionStatus, Outcome
+from proofline.controller import prepare, signed_message
+from proofline.errors import ContractInvalid
 from proofline.sor import store as sor
 from tests.conftest import ROOT, Stack, build_stack, start_workers, teardown_stack, wait_for
 
@@ -277,9 +280,18 @@ def test_a_broken_contract_refuses_its_action_type_only(broken_stack) -> None:
     assert check.stdout.count("ok ") == 4
 
     created = sor.create_ticket(stack.sor_db, "acme", "to close", "ops")
-    close = stack.envelope("ticket.close", arguments={"ticket_id": created["ticket_id"], "expected_version": 1},
-                           target={"type": "ticket", "id": created["ticket_id"], "expected_version": 1})
-    stack.publish(close)
+    args = {"arguments": {"ticket_id": created["ticket_id"], "expected_version": 1},
+            "target": {"type": "ticket", "id": created["ticket_id"], "expected_version": 1}}
+    # The controller refuses to prepare an action whose contract file is broken ...
+    with pytest.raises(ContractInvalid, match="ticket.close.yaml"):
+        stack.envelope("ticket.close", **args)
+    # ... and a controller holding an intact copy of the contracts sends one anyway: the workers,
+    # reading the broken file, refuse it and record why.
+    intact = stack.settings.model_copy(update={"contracts_dir": ROOT / "contracts"})
+    uid = uuid.uuid4().hex[:10]
+    close = prepare(intact, action_type="ticket.close", tenant="acme", run_id=f"run-{uid}", action_id=f"act-{uid}",
+                    live=stack.live(), **args)
+    stack.deliver(signed_message(intact, close))
     wait_for(lambda: any(r["evidence"].get("claimed", {}).get("action_id") == close.action_id
                          for r in stack.refusals()), 30, what="the refusal")
     refusal = next(r["evidence"] for r in stack.refusals()
