@@ -1,14 +1,14 @@
 """The soak's fault injector: picks faults from a seeded ``random.Random`` and heals each one after
 its duration. Every injected fault is recorded (kind, time, target, duration, parameters).
 
-Kinds (rows of ``/work/shared/FAULTS.md``):
+Kinds:
 
-``worker_kill``      SIGKILL of one Celery pool child (row 1, 3);
-``worker_freeze``    SIGSTOP of one pool child for lease TTL + 2 s, then SIGCONT (row 2);
-``redis_kill``       ``kill -9`` of the soak's own Redis, restarted on the same port (row 4);
-``pg_terminate``     ``pg_terminate_backend`` of the runtime role's sessions on the stack's database (row 5);
+``worker_kill``      SIGKILL of one Celery pool child;
+``worker_freeze``    SIGSTOP of one pool child for lease TTL + 2 s, then SIGCONT;
+``redis_kill``       ``kill -9`` of the soak's own Redis, restarted on the same port;
+``pg_terminate``     ``pg_terminate_backend`` of the runtime role's sessions on the stack's database;
 ``proxy_blackhole`` / ``proxy_reset`` / ``proxy_delay``
-                     the TCP fault proxy between workers and the writer, then back to ``pass`` (row 8);
+                     the TCP fault proxy between workers and the writer, then back to ``pass``;
 ``read_outage``      the verification read path (reader identity) answers "unavailable" for a few
                      seconds, or (one in four) for longer than the verification bound.
 

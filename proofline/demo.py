@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+import yaml
 from celery import Celery
 
 from ledger import store
@@ -97,6 +98,27 @@ def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0) -> None:
     raise TimeoutError("the demo's actions did not settle in time; see var/demo/worker.log")
 
 
+def _servers_file() -> Path:
+    """The servers file the demo runs with: the project's own, whose stdio servers run sandboxed by
+    bubblewrap. Where bubblewrap is not installed (a fresh development machine) the demo runs them
+    unsandboxed, saying so, with the reason recorded on every call; a production worker would refuse."""
+    default = Settings().servers_file
+    if shutil.which("bwrap") is not None:
+        return default
+    print("note: bubblewrap (bwrap) is not installed: the demo's tool servers run UNSANDBOXED "
+          "(install the Debian package 'bubblewrap' to sandbox them)", flush=True)
+    spec = yaml.safe_load(Path(default).read_text())
+    for server in spec.get("servers", {}).values():
+        if server.get("transport") == "stdio":
+            server["sandbox"] = {"enabled": False, "reason": "demo on a machine without bubblewrap"}
+            server["cwd"] = str(Path(default).parent / server.get("cwd", "."))
+            server.setdefault("read_identity", {}).pop("sandbox", None)
+    path = WORKDIR / "servers.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 def run_demo(keep: bool = False) -> int:
     WORKDIR.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
@@ -110,12 +132,13 @@ def run_demo(keep: bool = False) -> int:
         # Development keys, made fresh for each demo (a production process refuses them).
         keys_dir = WORKDIR / "keys"
         generate_keys(keys_dir, force=True, development=True)
-        settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir)
+        servers_file = _servers_file()
+        settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir, servers_file=servers_file)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
         # The worker runs in the controller's environment: it refuses envelopes for any other.
         env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
                     "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir),
-                    "PROOFLINE_ENVIRONMENT": settings.environment})
+                    "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file)})
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(_stop, worker)
         app = Celery("proofline-demo-controller", broker=broker)
