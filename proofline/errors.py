@@ -424,3 +424,13 @@ MESSAGE_REFUSALS: dict[str, type[MessageRefused]] = {
     cls.code: cls for cls in (MessageTooLarge, MessageTooDeep, MessageUndecodable, MessageMalformed,
                               MessageContentRefused, MessageUnknownTask, MessageDeadLettered)
 }
+
+
+# --- recovery authority -----------------------------------------------------------------------
+
+
+class RecoveryContractUnknown(ProoflineError):
+    """Recovery found no recorded live contract for the recovery action's tool: recovery processes run
+    no tool servers, so they derive only from what the parent's execution recorded."""
+
+    code = "recovery_contract_unknown"

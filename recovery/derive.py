@@ -13,10 +13,10 @@ from ledger.store import ActionRow
 from proofline.conditions import build_arguments
 from proofline.contracts import Contract, DerivedAction, contract_for
 from proofline.envelope import Envelope, build_envelope, derived_action_id
+from proofline.errors import RecoveryContractUnknown
 from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import Settings
 from proofline.signing import message_hash, sign
-from worker.preflight import live_contract
 from worker.runtime import Runtime
 
 RECOVERY_IDENTITY = "proofline:recovery"
@@ -34,6 +34,26 @@ def recovery_signed_message(settings: Settings, envelope: Envelope) -> dict[str,
     return sign(envelope, load_signing_key(settings.recovery_key_file, KeyRole.recovery, settings.environment))
 
 
+def recorded_tool_contract(rt: Runtime, parent_id: str, parent_server: str, contract: Contract) -> tuple[str, str]:
+    """The server version and tool contract hash a recovery action is bound to: what the parent's
+    last revalidation read live (``recovery_tools``). Recovery processes hold the recovery key and
+    run no tool servers, so they never list tools themselves. A wrong recorded value cannot do harm:
+    the executing worker compares it with the live server and refuses a mismatch."""
+    if contract.server != parent_server:
+        raise RecoveryContractUnknown(f"{contract.action_type} runs on server {contract.server}, not on the parent's "
+                                      f"{parent_server}: no recorded contract to bind it to", action_id=parent_id)
+    with rt.conn.cursor() as cur:
+        cur.execute("SELECT evidence FROM ledger_events WHERE action_id = %s AND event = 'revalidated' "
+                    "ORDER BY seq DESC LIMIT 1", (parent_id,))
+        row = cur.fetchone()
+    evidence = row["evidence"] if row else {}
+    version, tool_hash = evidence.get("server_version"), (evidence.get("recovery_tools") or {}).get(contract.tool)
+    if not isinstance(version, str) or not isinstance(tool_hash, str):
+        raise RecoveryContractUnknown(f"the parent's revalidation recorded no live contract for {contract.tool}",
+                                      action_id=parent_id, tool=contract.tool)
+    return version, tool_hash
+
+
 def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: DerivedAction, kind: str,
                     deadline: timedelta = timedelta(minutes=10)) -> tuple[Envelope, Contract]:
     """The recovery action: its own id, key, lease, preconditions, verification and evidence.
@@ -45,15 +65,15 @@ def derive_envelope(rt: Runtime, action: ActionRow, envelope: Envelope, spec: De
     target = {"type": contract.target_type, **build_arguments(spec.target, variables)}
     target["type"] = contract.target_type
     arguments = build_arguments(spec.arguments, variables)
-    version, hashes = live_contract(rt, rt.server(contract.server))
+    version, tool_hash = recorded_tool_contract(rt, action.action_id, envelope.server.name, contract)
     now = datetime.now(UTC)
     derived = build_envelope(
         run_id=f"{envelope.run_id}/recovery", action_id=derived_action_id(envelope.action_id, kind), step=0,
         run_steps=1, workflow_type="proofline.recovery", action_type=contract.action_type,
         requester=RECOVERY_IDENTITY, workload_identity=RECOVERY_IDENTITY, tenant=envelope.tenant,
         environment=envelope.environment, target=target, operation=contract.operation, arguments=arguments,
-        server={"name": contract.server, "version": version or "unknown"},
-        tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
+        server={"name": contract.server, "version": version},
+        tool={"name": contract.tool, "contract_hash": tool_hash},
         policy_version=envelope.policy_version,
         # Authority: the original approval's compensation reference under the recovery policy.
         approval={"id": f"{envelope.approval.id}/{kind}", "version": envelope.approval.version,

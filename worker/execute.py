@@ -223,6 +223,10 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
                 static["point_of_no_return"] = check_point_of_no_return(conn, envelope)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            recovery_tools = recovery_tool_hashes(rt, contract, server.name, hashes)
+            if recovery_tools:
+                # What recovery derives its envelopes from: it runs no tool servers of its own.
+                live["recovery_tools"] = recovery_tools
         except RevalidationFailed as exc:
             return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code, dispatch)
         except McpUnavailable as exc:
@@ -277,6 +281,23 @@ def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:
         parent = store.get_action(cur, envelope.recovers)
     keyring = load_keyring(rt.settings.keyring_file, rt.settings.environment)
     return check_parent_link(envelope, parent, keyring, rt.contract)
+
+
+def recovery_tool_hashes(rt: Runtime, contract: Contract, server_name: str,
+                         hashes: dict[str, str]) -> dict[str, str]:
+    """The live contract hashes of the tools this action's recovery actions would call on the same
+    server, as read now; recorded with the revalidation so recovery never has to list tools itself."""
+    tools: dict[str, str] = {}
+    for spec in (contract.recovery.compensation, contract.recovery.rollback, contract.recovery.forward):
+        if spec is None:
+            continue
+        try:
+            derived = rt.contract(spec.action_type)
+        except ProoflineError:
+            continue  # a broken recovery contract is refused when recovery needs it, with its reason
+        if derived.server == server_name and derived.tool in hashes:
+            tools[derived.tool] = hashes[derived.tool]
+    return tools
 
 
 def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
