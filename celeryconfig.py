@@ -13,11 +13,11 @@ Choices that matter for correctness:
 - results are not stored: the ledger is the record.
 """
 
-from proofline.settings import get_settings
+from proofline.settings import get_settings, reveal
 
 _settings = get_settings()
 
-broker_url = _settings.broker_url
+broker_url = reveal(_settings.broker_url)
 broker_connection_retry_on_startup = True
 if broker_url.startswith("sqla+"):
     # kombu's SQLAlchemy transport (the embedded default) hands its options to create_engine and

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from proofline.settings import get_settings
+from proofline.settings import get_settings, reveal
 
 
 def set_password(admin_url: str, role: str, password: str) -> None:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         return 2
     role, path = argv
     settings = get_settings()
-    set_password(settings.admin_database_url or settings.database_url, role, Path(path).read_text().strip())
+    set_password(reveal(settings.admin_database_url) or reveal(settings.database_url), role, Path(path).read_text().strip())
     print(f"password set for role {role}")
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ledger import store
-from proofline.settings import get_settings
+from proofline.settings import get_settings, reveal
 
 
 def _conn(role: str | None = None):
@@ -18,7 +18,7 @@ def _conn(role: str | None = None):
     their own URL when configured; everything else (and an unset URL) uses ``database_url``."""
     settings = get_settings()
     url = getattr(settings, f"{role}_database_url") if role else None
-    return store.connect(url or settings.database_url)
+    return store.connect(reveal(url) or reveal(settings.database_url))
 
 
 @click.group()
@@ -32,7 +32,7 @@ def migrate() -> None:
     from ledger.migrate import upgrade
 
     settings = get_settings()
-    upgrade(settings.admin_database_url or settings.database_url)
+    upgrade(reveal(settings.admin_database_url) or reveal(settings.database_url))
     click.echo("ledger schema is at head")
 
 

@@ -11,7 +11,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,11 +30,13 @@ class Settings(BaseSettings):
 
     #: Postgres for the ledger, as this process's own role (README "Database roles"); the default
     #: proofline_runtime is the development role (worker + recovery).
-    database_url: str = "postgresql://proofline_runtime@127.0.0.1:5432/proofline"
+    #: URLs may hold passwords: they are ``SecretStr`` (never shown by repr, logs or Sentry); read
+    #: them with :func:`reveal` where a connection is opened.
+    database_url: SecretStr = SecretStr("postgresql://proofline_runtime@127.0.0.1:5432/proofline")
     #: Postgres as a role that may run migrations.
-    admin_database_url: str | None = None
+    admin_database_url: SecretStr | None = None
     #: Celery broker. ``redis://`` in production; ``sqla+postgresql+psycopg://`` needs no server.
-    broker_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
 
     servers_file: Path = ROOT / "servers.yaml"
     contracts_dir: Path = ROOT / "contracts"
@@ -62,7 +64,7 @@ class Settings(BaseSettings):
     task_events: bool = False
 
     #: Errors go to Sentry when set.
-    sentry_dsn: str | None = None
+    sentry_dsn: SecretStr | None = None
 
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
@@ -95,9 +97,9 @@ class Settings(BaseSettings):
     #: The CLI's commands that act as another role connect here when set, else to ``database_url``:
     #: ``publish`` as proofline_controller; kill switches, revoke, cancel and ``manual resolve`` as
     #: proofline_operator; status, verify-ledger, forensics and the listings as proofline_reader.
-    controller_database_url: str | None = None
-    operator_database_url: str | None = None
-    reader_database_url: str | None = None
+    controller_database_url: SecretStr | None = None
+    operator_database_url: SecretStr | None = None
+    reader_database_url: SecretStr | None = None
     # --- keys and signatures ---
     #: The controller's Ed25519 private key (controllers only).
     signing_key_file: Path | None = None
@@ -136,6 +138,11 @@ class Settings(BaseSettings):
     def visibility_timeout(self) -> int:
         """Broker visibility timeout: longer than the longest absolute deadline, so Redis never redelivers a live task."""
         return int(self.max_deadline_seconds * 2 + 60)
+
+
+def reveal(value: SecretStr | str | None) -> str | None:
+    """The plain value of a secret setting, at the one place that uses it (a connection)."""
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
 @lru_cache(maxsize=1)

@@ -22,7 +22,7 @@ from kombu import Queue
 from kombu.exceptions import ContentDisallowed
 
 from ledger import store
-from proofline.settings import get_settings
+from proofline.settings import get_settings, reveal
 from worker import deliveries, wire
 from worker.refusals import record, safe_repr, safe_str
 
@@ -42,7 +42,7 @@ class _MainConnection:
 
     def get(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed or self.conn.broken:
-            self.conn = store.connect(get_settings().database_url, application_name="proofline-consumer",
+            self.conn = store.connect(reveal(get_settings().database_url), application_name="proofline-consumer",
                                       connect_timeout=10)
         return self.conn
 

@@ -18,7 +18,7 @@ from celery.worker import control
 from celery.worker import state as worker_state
 
 from ledger.redact import Redactor, current_redactor
-from proofline.settings import Settings
+from proofline.settings import Settings, reveal
 from worker.dispatch import task_repr
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
@@ -96,7 +96,7 @@ def init_sentry(settings: Settings, **options: Any) -> bool:
     import sentry_sdk
 
     sentry_sdk.init(
-        dsn=settings.sentry_dsn, environment=settings.environment,
+        dsn=reveal(settings.sentry_dsn), environment=settings.environment,
         # Stack locals held the signing keys, database URLs and argument values.
         include_local_variables=False, send_default_pii=False, max_request_body_size="never",
         before_send=scrub_event, before_breadcrumb=scrub_breadcrumb,

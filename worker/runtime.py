@@ -17,7 +17,7 @@ import psycopg
 from ledger import seal
 from ledger.store import connect
 from proofline.contracts import Contract, contract_for
-from proofline.settings import Settings, get_settings
+from proofline.settings import Settings, get_settings, reveal
 from worker.mcp_client import McpSessions, sessions
 from worker.servers import Server, server_named
 
@@ -58,7 +58,7 @@ class Runtime:
         if self._conn is None or self._conn.closed or self._conn.broken or stale:
             self.reset_connection()
             self._conn = connect(
-                self.settings.database_url,
+                reveal(self.settings.database_url),
                 application_name=f"proofline-worker-{os.getpid()}",
                 # A silent database must not hold a worker (and its locks) forever.
                 keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,

@@ -10,7 +10,7 @@ from celery import Celery, signals
 
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
-from proofline.settings import get_settings
+from proofline.settings import get_settings, reveal
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
@@ -183,7 +183,7 @@ def checkpoint_task() -> dict[str, Any]:
     try:
         # A connection of its own: a first checkpoint of a large ledger outlasts the worker
         # connection's idle timeouts, and nothing it does should disturb a lease holder's session.
-        with connect(settings.database_url, application_name=f"proofline-checkpoint-{settings.worker_id}",
+        with connect(reveal(settings.database_url), application_name=f"proofline-checkpoint-{settings.worker_id}",
                      connect_timeout=10) as conn:
             return write_checkpoint(conn, settings, actor=settings.worker_id)
     except LedgerKeyUnavailable as exc:
