@@ -53,6 +53,18 @@ def latency(stack: Any, action_id: str) -> float:
             - event_at(stack, [action_id], "published", "min")).total_seconds()
 
 
+def stages(stack: Any, action_id: str) -> dict[str, float]:
+    """Where the latency went: waiting for the execute queue, executing, then verification (its
+    queue wait included)."""
+    at = {e: event_at(stack, [action_id], e, "min") for e in ("published", "validated", "verification_enqueued")}
+    end = event_at(stack, [action_id], "final_state", "max")
+    if None in at.values():
+        return {}
+    return {"execute_queue_s": round((at["validated"] - at["published"]).total_seconds(), 3),
+            "execute_s": round((at["verification_enqueued"] - at["validated"]).total_seconds(), 3),
+            "verify_s": round((end - at["verification_enqueued"]).total_seconds(), 3)}
+
+
 def settled_count(stack: Any, action_ids: list[str]) -> int:
     from tests.conftest import SETTLED
 
@@ -67,7 +79,8 @@ def probe(stack: Any, tenant: str, burst_ids: list[str] | None = None) -> dict[s
     ahead = len(burst_ids) - settled_count(stack, burst_ids) if burst_ids else 0
     stack.publish(env)
     row = stack.wait_settled(env.action_id, timeout=600)
-    return {"latency_s": round(latency(stack, env.action_id), 3), "outcome": row.outcome,
+    return {"latency_s": round(latency(stack, env.action_id), 3), "outcome": str(row.outcome),
+            **stages(stack, env.action_id),
             "burst_unsettled_at_publish": ahead,
             "burst_unsettled_at_settle": len(burst_ids) - settled_count(stack, burst_ids) if burst_ids else 0}
 
