@@ -335,8 +335,19 @@ def envelope_schema(out: Path) -> None:
 
 #: What each kind of worker process consumes. Execution never holds the recovery key; recovery
 #: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
+#: ``actions`` stands for every tenant shard of the execute queue (``proofline/shards.py``).
 ROLE_QUEUES = {"execute": "actions,verify,compensate", "recovery": "recovery,reconcile",
                "all": "actions,verify,compensate,recovery,reconcile"}
+
+
+def role_queues(role: str, tenant_shards: int) -> str:
+    """The queues a role consumes, with ``actions`` expanded to all execute shards."""
+    from proofline.shards import BASE_QUEUE, execute_queues
+
+    names: list[str] = []
+    for name in ROLE_QUEUES[role].split(","):
+        names.extend(execute_queues(tenant_shards) if name == BASE_QUEUE else [name])
+    return ",".join(names)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -360,7 +371,8 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) 
             click.echo(f"proofline worker: warning: {warning}", err=True)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
-    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", queues or ROLE_QUEUES[role],
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q",
+            queues or role_queues(role, get_settings().tenant_shards),
             "-c", str(concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
     sys.exit(supervise(argv))
 

@@ -110,7 +110,7 @@ def validate_for_publish(settings: Settings, message: dict[str, Any]) -> None:
 
 def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **options: Any) -> dict[str, Any]:
     """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
-    return publish_message(conn, CeleryDispatch(app), signed_message(settings, envelope), envelope,
+    return publish_message(conn, CeleryDispatch(app, settings.tenant_shards), signed_message(settings, envelope), envelope,
                            settings=settings, **options)
 
 

@@ -434,3 +434,13 @@ class RecoveryContractUnknown(ProoflineError):
     no tool servers, so they derive only from what the parent's execution recorded."""
 
     code = "recovery_contract_unknown"
+
+
+# --- tenant fairness and quotas ---------------------------------------------------------------
+
+
+class TenantQuotaExceeded(ProoflineError):
+    """The tenant already has ``tenant_max_executing`` actions executing: this one waits (it is
+    delivered again shortly), it is never dropped."""
+
+    code = "tenant_quota_wait"

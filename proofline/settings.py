@@ -133,6 +133,13 @@ class Settings(BaseSettings):
     #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
     worker_max_tasks_per_child: int = 1000
     worker_max_memory_per_child_kb: int = 512 * 1024
+    # --- containment: tenant fairness and quotas ---
+    #: The execute queue is split into this many tenant shards (``actions``, ``actions.1`` ...);
+    #: every publisher and every execute worker must agree on it.
+    tenant_shards: int = Field(default=8, ge=1, le=256)
+    #: Actions of one tenant executing at once (0 = unlimited). One over it waits (``tenant_quota_wait``)
+    #: and is delivered again shortly; it is never dropped.
+    tenant_max_executing: int = Field(default=0, ge=0)
 
     @property
     def visibility_timeout(self) -> int:

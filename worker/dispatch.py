@@ -16,6 +16,8 @@ from celery import signals
 
 from ledger.redact import scrub_text
 from proofline.canonical import canonical_bytes
+from proofline.settings import get_settings
+from proofline.shards import BASE_QUEUE, queue_for_tenant
 from worker import wire
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
@@ -79,8 +81,9 @@ class CeleryDispatch:
     """The production dispatcher: stable task names, the guarded JSON wire format (``worker/wire.py``)
     only, one queue per kind of work."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, tenant_shards: int | None = None) -> None:
         self.app = app
+        self.tenant_shards = tenant_shards if tenant_shards is not None else get_settings().tenant_shards
 
     def verify(self, action_id: str) -> None:
         self._send("proofline.verify", [action_id], queue="verify")
@@ -97,8 +100,15 @@ class CeleryDispatch:
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:
         """Send an execute message. ``countdown`` is only ever a short retry backoff: deadlines are
-        kept in Postgres, never in broker ETAs."""
+        kept in Postgres, never in broker ETAs.
+
+        ``queue="actions"`` (every caller's default) means "the execute queue": the message goes to
+        its tenant's shard (``proofline/shards.py``) so one tenant's burst cannot starve another.
+        Any other queue (``compensate``) is used as asked."""
         name = "proofline.compensate" if queue == "compensate" else "proofline.execute"
+        if queue == BASE_QUEUE:
+            env = message.get("envelope") if isinstance(message, dict) else None
+            queue = queue_for_tenant(env.get("tenant") if isinstance(env, dict) else None, self.tenant_shards)
         return str(self._send(name, [message], queue=queue, task_id=task_id, countdown=countdown).id)
 
     def revoke(self, task_id: str) -> None:

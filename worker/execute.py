@@ -37,9 +37,10 @@ from proofline.errors import (
     RevalidationFailed,
     StaleLease,
     TargetReadFailed,
+    TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
-from worker import calls, faultpoints, refusals
+from worker import calls, faultpoints, quota, refusals
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -85,8 +86,8 @@ SELECT clock_timestamp() AS now,
             OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = %s))) AS kills,
        (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id,
                                              published_at
-                                      FROM actions WHERE action_id = %s) a) AS action
-"""
+                                      FROM actions WHERE action_id = %s) a) AS action,
+""" + quota.COUNT_SQL
 
 # What the idempotency record becomes once a call has been classified.
 RECORD_AFTER_CALL = {
@@ -178,7 +179,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     try:
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
-            envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid))
+            envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid,
+            settings.tenant_max_executing, envelope.tenant, aid))
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -212,6 +214,10 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             _unlock_now(rt, envelope)
             dispatch.verify(aid)
             return TaskSummary("verifying", "redelivered", aid).as_dict()
+        waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing"))
+        if waiting is not None:
+            locked = False
+            return _quota_wait(rt, envelope, waiting, delivery)
 
         server = rt.server(envelope.server.name)
         try:
@@ -245,6 +251,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
 
         try:
             step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before)
+        except TenantQuotaExceeded as exc:  # the claim transaction rolled back: nothing was written
+            locked = False
+            return _quota_wait(rt, envelope, exc, delivery)
         except AuthorityBudgetExceeded as exc:  # the run's budget; the transaction rolled back
             return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code,
                                 dispatch)
@@ -307,6 +316,7 @@ def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Lock
     settings, actor = rt.settings, rt.settings.worker_id
     amount = next((ev["limits"]["amount_cents"] for name, ev in events if name == "revalidated"), None)
     with store.transaction(rt.conn) as cur:
+        quota.check_txn(cur, envelope, settings.tenant_max_executing)
         budget = check_run_budget_txn(cur, envelope, amount)
         if budget is not None:
             events.append(("authority_budget_checked", budget))
@@ -336,6 +346,16 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
                                     "arguments_hash": envelope.arguments_hash})
             return TaskSummary("ignored", exc.code, aid).as_dict()
         store.append_event_txn(cur, aid, "target_busy", rt.settings.worker_id, {**exc.as_evidence(), **delivery})
+    raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
+
+
+def _quota_wait(rt: Runtime, envelope: Envelope, exc: TenantQuotaExceeded, delivery: dict[str, Any]) -> dict[str, Any]:
+    """Over the tenant's quota: release both locks first (another worker may take the target), record
+    the wait, and deliver the same envelope again after the short busy-target backoff."""
+    _unlock_now(rt, envelope)
+    with store.transaction(rt.conn) as cur:
+        store.append_event_txn(cur, envelope.action_id, "tenant_quota_wait", rt.settings.worker_id,
+                               {**exc.as_evidence(), **delivery})
     raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
 
 
