@@ -79,7 +79,8 @@ from psycopg.rows import dict_row
 from ledger import store
 from ops import baseline_tasks
 from ops.pgwire import CountingProxy, Counts, per_role_delta
-from proofline.settings import ROOT, Settings
+from proofline.settings import ROOT, Settings, get_settings
+from proofline.shards import sharded_queues
 from tests.conftest import (
     ADMIN_URL,
     REDIS_URL,
@@ -98,7 +99,9 @@ TARGET_RATIO = 0.5
 STATS_FLUSH_SECONDS = 10.5
 #: kombu's Redis transport keeps priorities 3, 6 and 9 in lists suffixed with "\x06\x16<n>".
 PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-FULL_QUEUES = ("actions", "verify", "compensate", "recovery")
+# Every queue the full path uses, the tenant shards of ``actions`` and ``verify`` included.
+FULL_QUEUES = (*sharded_queues("actions", get_settings().tenant_shards),
+               *sharded_queues("verify", get_settings().tenant_shards), "compensate", "recovery")
 CONTROLLER_APP = "proofline-bench-controller"
 #: Settings the test stack shortens so tests see leases lapse and the reconciler act within seconds.
 #: The bench puts them back to the runtime's defaults unless --test-timings is given: with a

@@ -341,12 +341,12 @@ ROLE_QUEUES = {"execute": "actions,verify,compensate", "recovery": "recovery,rec
 
 
 def role_queues(role: str, tenant_shards: int) -> str:
-    """The queues a role consumes, with ``actions`` expanded to all execute shards."""
-    from proofline.shards import BASE_QUEUE, execute_queues
+    """The queues a role consumes, with ``actions`` and ``verify`` expanded to all their shards."""
+    from proofline.shards import SHARDED, sharded_queues
 
     names: list[str] = []
     for name in ROLE_QUEUES[role].split(","):
-        names.extend(execute_queues(tenant_shards) if name == BASE_QUEUE else [name])
+        names.extend(sharded_queues(name, tenant_shards) if name in SHARDED else [name])
     return ",".join(names)
 
 

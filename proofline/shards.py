@@ -12,6 +12,9 @@ import hashlib
 
 #: Shard 0 keeps the historical name, so a message put on ``actions`` by hand is still consumed.
 BASE_QUEUE = "actions"
+#: Verification is sharded the same way: a burst's verifications must not delay another tenant's.
+VERIFY_QUEUE = "verify"
+SHARDED = (BASE_QUEUE, VERIFY_QUEUE)
 
 
 def shard_of(tenant: str, shards: int) -> int:
@@ -21,16 +24,21 @@ def shard_of(tenant: str, shards: int) -> int:
     return int.from_bytes(digest[:8], "big") % shards
 
 
-def queue_name(shard: int) -> str:
-    return BASE_QUEUE if shard == 0 else f"{BASE_QUEUE}.{shard}"
+def queue_name(shard: int, base: str = BASE_QUEUE) -> str:
+    return base if shard == 0 else f"{base}.{shard}"
 
 
-def queue_for_tenant(tenant: object, shards: int) -> str:
-    """The execute queue of ``tenant``. Anything that is not a tenant string (a hostile or broken
-    message) goes to shard 0; the worker refuses it there with its reason."""
+def queue_for_tenant(tenant: object, shards: int, base: str = BASE_QUEUE) -> str:
+    """The ``base`` queue shard of ``tenant``. Anything that is not a tenant string (a hostile or
+    broken message) goes to shard 0; the worker refuses it there with its reason."""
     if not isinstance(tenant, str) or not tenant:
-        return BASE_QUEUE
-    return queue_name(shard_of(tenant, shards))
+        return base
+    return queue_name(shard_of(tenant, shards), base)
+
+
+def sharded_queues(base: str, shards: int) -> list[str]:
+    """Every shard of a sharded queue (``actions`` or ``verify``), in order."""
+    return [queue_name(i, base) for i in range(max(1, shards))]
 
 
 def execute_queues(shards: int) -> list[str]:

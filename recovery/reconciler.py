@@ -42,7 +42,7 @@ UPDATE actions a SET
     recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
         to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))
 FROM due WHERE a.action_id = due.action_id
-RETURNING a.action_id, a.status, a.kind, a.envelope, a.key_id, a.signature, a.sealed_message
+RETURNING a.action_id, a.tenant, a.status, a.kind, a.envelope, a.key_id, a.signature, a.sealed_message
 """
 
 #: (name, condition on a / l, what to do)
@@ -102,7 +102,7 @@ def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], act
             queue = "compensate" if row["kind"] != "action" else "actions"
             dispatch.execute(message, queue=queue)
     elif action == "verify":
-        dispatch.verify(row["action_id"])
+        dispatch.verify(row["action_id"], row.get("tenant"))
     elif action == "recover":
         dispatch.recover(row["action_id"])
     else:

@@ -17,7 +17,7 @@ from celery import signals
 from ledger.redact import scrub_text
 from proofline.canonical import canonical_bytes
 from proofline.settings import get_settings
-from proofline.shards import BASE_QUEUE, queue_for_tenant
+from proofline.shards import BASE_QUEUE, VERIFY_QUEUE, queue_for_tenant
 from worker import wire
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
@@ -60,7 +60,7 @@ def _hide_arguments(sender: str | None = None, body: Any = None, headers: dict[s
 
 
 class Dispatch(Protocol):
-    def verify(self, action_id: str) -> None: ...
+    def verify(self, action_id: str, tenant: str | None = None) -> None: ...
 
     def recover(self, action_id: str) -> None: ...
 
@@ -85,8 +85,9 @@ class CeleryDispatch:
         self.app = app
         self.tenant_shards = tenant_shards if tenant_shards is not None else get_settings().tenant_shards
 
-    def verify(self, action_id: str) -> None:
-        self._send("proofline.verify", [action_id], queue="verify")
+    def verify(self, action_id: str, tenant: str | None = None) -> None:
+        # The tenant's verify shard, so that a burst's verifications do not delay another tenant's.
+        self._send("proofline.verify", [action_id], queue=queue_for_tenant(tenant, self.tenant_shards, VERIFY_QUEUE))
 
     def recover(self, action_id: str) -> None:
         # Its own queue: only recovery processes (which hold the recovery key) consume it.

@@ -212,7 +212,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             with store.transaction(conn) as cur:
                 store.append_event_txn(cur, aid, "redelivery_reenqueued_verification", actor, delivery)
             _unlock_now(rt, envelope)
-            dispatch.verify(aid)
+            dispatch.verify(aid, envelope.tenant)
             return TaskSummary("verifying", "redelivered", aid).as_dict()
         waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing"))
         if waiting is not None:
@@ -267,7 +267,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             return TaskSummary("closed", AuthorityBudgetExceeded.code, aid,
                                Outcome.failed_before_side_effect.value).as_dict()
         if step == "reconcile":
-            dispatch.verify(aid)
+            dispatch.verify(aid, envelope.tenant)
         if step != "call":
             return TaskSummary(step, None, aid).as_dict()
 
@@ -617,7 +617,7 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
     faultpoints.hit("after_ledger")
-    dispatch.verify(aid)
+    dispatch.verify(aid, envelope.tenant)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
 
 

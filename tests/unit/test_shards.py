@@ -31,7 +31,7 @@ def test_shard_is_sha256_of_the_tenant_mod_n() -> None:
 
 def test_worker_roles_consume_every_shard() -> None:
     assert execute_queues(3) == ["actions", "actions.1", "actions.2"]
-    assert role_queues("execute", 3) == "actions,actions.1,actions.2,verify,compensate"
+    assert role_queues("execute", 3) == "actions,actions.1,actions.2,verify,verify.1,verify.2,compensate"
     assert role_queues("all", 2).split(",")[:2] == ["actions", "actions.1"]
     assert role_queues("recovery", 8) == "recovery,reconcile"
 
@@ -48,3 +48,13 @@ def test_dispatch_routes_execute_by_tenant_and_keeps_compensate() -> None:
     assert queues == [queue_for_tenant("noisy", 8)] * 2 + ["compensate", "actions"]
     assert queues[0] != "actions"
     assert [s["name"] for s in app.sent] == ["proofline.execute"] * 2 + ["proofline.compensate", "proofline.execute"]
+
+
+def test_verification_goes_to_the_tenants_verify_shard() -> None:
+    app = Recorder()
+    dispatch = CeleryDispatch(app, tenant_shards=8)
+    dispatch.verify("a-1", "noisy")
+    dispatch.verify("a-2")
+    shard = shard_of("noisy", 8)
+    assert [s["queue"] for s in app.sent] == ["verify" if shard == 0 else f"verify.{shard}", "verify"]
+    assert {s["name"] for s in app.sent} == {"proofline.verify"}
