@@ -1,6 +1,6 @@
 """One typed settings object, read from environment variables prefixed ``PROOFLINE_``.
 
-``celeryconfig.py``, the worker, the controller and the CLI all read this object; nothing else
+``worker/celery_config.py`` (the Celery configuration), the worker, the controller and the CLI all read this object; nothing else
 reads the environment.
 """
 

@@ -26,7 +26,7 @@ COMPENSATE = "proofline.compensate"
 VERIFY = "proofline.verify"
 
 app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
-app.config_from_object("celeryconfig")
+app.config_from_object("worker.celery_config")
 # The control plane (revoke, ping) stays plain JSON; tasks use the guarded wire format only.
 app.control.mailbox.accept = ["json", CONTENT_TYPE]
 app.control.mailbox.serializer = "json"
