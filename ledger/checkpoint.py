@@ -31,6 +31,7 @@ from ledger.anchor_keys import PublicKey, SigningKey, load_public_keys, load_sig
 from ledger.anchor_store import AnchorStore, store_for
 from proofline.canonical import canonical_bytes
 from proofline.errors import CheckpointInvalid, LedgerKeyUnavailable
+from proofline.keys import KeyRole
 from proofline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ def write_checkpoint(conn: Any, settings: Settings, actor: str) -> dict[str, Any
         keys = {}  # a checkpointer may run without the keyring; it can always check its own signatures
     own = keys.get(key.key_id)
     if own is None:
-        keys[key.key_id] = PublicKey(key.key_id, key.public, None, False)
+        keys[key.key_id] = PublicKey(key.key_id, KeyRole.ledger, key.public)
     elif own.public.public_bytes_raw() != key.public.public_bytes_raw():
         raise LedgerKeyUnavailable(f"the ledger key file's key {key.key_id} is not the keyring's key {key.key_id}")
     elif own.revoked:

@@ -59,6 +59,10 @@ class SigningKey:
     def public_bytes(self) -> bytes:
         return self.private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
+    @property
+    def public(self) -> Ed25519PublicKey:
+        return self.private.public_key()
+
 
 @dataclass(frozen=True)
 class PublicKey:

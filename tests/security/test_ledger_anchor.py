@@ -34,6 +34,7 @@ from ledger.anchor_keys import SigningKey, load_public_keys
 from ledger.anchor_store import store_for
 from ledger.checkpoint import RECORD_CHAIN, build, recorded_checkpoints, write_checkpoint
 from proofline.errors import LedgerKeyUnavailable
+from proofline.keys import KeyRole
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT, Settings
 from tests.conftest import (
@@ -342,7 +343,7 @@ def test_a_checkpoint_signed_by_a_wrong_key_is_refused(ledger: Ledger, tmp_path:
     action = ledger.source.actions[0]
     ledger.checkpoint()
     rewrite_and_rehash(ledger.admin_url, action, 2)
-    rogue = SigningKey(key_id, Ed25519PrivateKey.generate())
+    rogue = SigningKey(key_id, KeyRole.ledger, Ed25519PrivateKey.generate())
     with store.connect(ledger.admin_url) as conn:
         forged = build(conn, ledger.name, None, 1, rogue)
     assert forged.statement["diverged"] == [] and (action, ledger.events(action)) in [

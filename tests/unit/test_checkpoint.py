@@ -15,6 +15,7 @@ from ledger.anchor_store import DirectoryStore
 from ledger.checkpoint import FORMAT, leaf_hash, merkle_root, open_checkpoint, sign
 from proofline.canonical import canonical_bytes
 from proofline.errors import CheckpointExists, CheckpointInvalid
+from proofline.keys import KeyRole
 
 LEAVES = [("act-a", 3, "a" * 64), ("act-b", 1, "b" * 64), ("refused:x", 1, "c" * 64)]
 
@@ -49,7 +50,7 @@ def test_any_leaf_change_moves_the_root(change):
 
 def _key(key_id: str = "ledger-1") -> tuple[SigningKey, dict[str, PublicKey]]:
     private = Ed25519PrivateKey.generate()
-    return SigningKey(key_id, private), {key_id: PublicKey(key_id, private.public_key(), None, False)}
+    return SigningKey(key_id, KeyRole.ledger, private), {key_id: PublicKey(key_id, KeyRole.ledger, private.public_key())}
 
 
 def _checkpoint(key: SigningKey, number: int = 1):
@@ -101,7 +102,7 @@ def test_a_checkpoint_signed_by_another_key_is_refused():
 
 def test_a_revoked_key_and_a_wrong_number_are_refused():
     key, keys = _key()
-    revoked = {key.key_id: PublicKey(key.key_id, key.public, None, True)}
+    revoked = {key.key_id: PublicKey(key.key_id, KeyRole.ledger, key.public, revoked=True)}
     with pytest.raises(CheckpointInvalid, match="revoked"):
         open_checkpoint(1, _checkpoint(key).to_bytes(), revoked)
     with pytest.raises(CheckpointInvalid, match="not checkpoint 2"):
