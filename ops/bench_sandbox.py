@@ -2,7 +2,7 @@
 
     .venv/bin/python -m ops.bench_sandbox [--spawns 9] [--calls 300] [--json PATH]
 
-Both sides run the repo's system-of-record server (``python -m proofline.sor``, writer role) from
+Both sides run the repo's system-of-record server (``python -m proofline_kit.sor``, writer role) from
 the repo's own ``servers.yaml`` entry, on the same seeded SQLite file, in the same run:
 
 - **sandboxed**: the entry as it stands (bubblewrap, namespaces, rlimits; worker/sandbox.py);
@@ -35,7 +35,7 @@ import yaml
 from mcp import Client
 
 from proofline.settings import ROOT
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from worker.mcp_client import endpoint_target
 from worker.servers import Endpoint, load_servers
 

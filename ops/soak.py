@@ -52,7 +52,7 @@ from ops import soak_stack
 from ops.soak_check import INVARIANTS, CheckResult, Quiet, check, unsettled, wait_quiet
 from ops.soak_faults import KINDS, FaultInjector
 from proofline.envelope import Envelope
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli", "vandelay")
 #: Work item kinds and their weights.

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from proofline.ledger_check import check_chains
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 
 OPEN_STATUSES = ("published", "executing", "verifying", "recovery", "pending")
 #: Ledger events that explain why an action waits in the manual queue.
 EXPLAINING = frozenset({"escalated", "compensation_failed", "verification_finished", "recovery_decided",
                         "recovery_action_underivable", "contained", "escalated_state"})
-#: Effects the system of record writes on its own, without a caller's key (``proofline/sor``):
+#: Effects the system of record writes on its own, without a caller's key (``proofline_kit/sor``):
 #: a restart operation finishing (``core.settle``) and a simulated concurrent change (``seed.bump_version``).
 BOOKKEEPING_TOOLS = frozenset({"operation_completed", "external_change"})
 #: Outcomes that say the effect happened exactly once.

@@ -30,7 +30,7 @@ import psutil
 import psycopg
 
 from ops.soak_stack import SoakStack
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import ADMIN_URL
 
 KINDS = ("worker_kill", "worker_freeze", "redis_kill", "pg_terminate", "proxy_blackhole", "proxy_reset",

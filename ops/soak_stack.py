@@ -22,10 +22,10 @@ import redis
 from celery import Celery
 
 from ledger import store
-from proofline.faults import FaultProxy
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
-from proofline.sor import store as sor
+from proofline_kit.faults import FaultProxy
+from proofline_kit.sor import store as sor
 from tests.conftest import (
     CANARY_SECRET,
     Stack,
@@ -269,7 +269,7 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         soak.writer_port, soak.reader_port = free_port(), free_port()
         for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
             soak.sor_processes.append(start_process(
-                [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
+                [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port), "--role", role,
                  "--db", str(sor_db), "--sse"], env, workdir / f"sor-{role}.log"))
         wait_port(soak.writer_port)
         wait_port(soak.reader_port)

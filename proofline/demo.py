@@ -31,7 +31,7 @@ from ledger.states import ActionStatus
 from proofline.controller import describe_server, prepare, publish, send_message, signed_message
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 
 WORKDIR = ROOT / "var" / "demo"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)

@@ -29,7 +29,7 @@ from proofline.controller import describe_server, prepare, publish, publish_run,
 from proofline.envelope import Envelope
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -337,7 +337,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     if transport.startswith("http"):
         write_port, read_port = free_port(), free_port()
         for role, port in (("writer", write_port), ("reader", read_port)):
-            argv = [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--role", role,
+            argv = [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port), "--role", role,
                     "--db", str(sor_db), "--sse"]
             processes.append(start_process(argv, env, tmp / f"sor-{role}.log"))
             if role == "writer":
@@ -346,7 +346,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         wait_port(read_port)
     worker_write_port = write_port
     if transport == "http-proxy":
-        from proofline.faults import FaultProxy
+        from proofline_kit.faults import FaultProxy
 
         proxy = FaultProxy(target=("127.0.0.1", write_port)).start()
         worker_write_port = proxy.port

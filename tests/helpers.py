@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from proofline.envelope import Envelope
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
 
 

@@ -5,7 +5,7 @@ Example (``servers.yaml``)::
     servers:
       sor:
         transport: stdio                      # or http
-        command: ["{python}", "-m", "proofline.sor", "--transport", "stdio"]
+        command: ["{python}", "-m", "proofline_kit.sor", "--transport", "stdio"]
         env_allow: [SOR_DB]                   # copied from the worker's environment, nothing else is
         env: {SOR_ROLE: writer}
         cwd: var

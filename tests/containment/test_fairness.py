@@ -13,7 +13,7 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline.envelope import Envelope
 from proofline.shards import queue_for_tenant, shard_of
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import SETTLED, Stack, build_stack, start_workers, stop_process, teardown_stack, wait_for
 
 NOISY, QUIET = "noisy", "quiet"

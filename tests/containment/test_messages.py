@@ -188,7 +188,7 @@ def test_unparseable_read_is_a_recorded_target_read_failed(stack: Stack) -> None
     """Regression: extraction of the authoritative read ran outside the read's error handling, so
     Celery retried an unexpected error and the action closed as ``deadline_passed`` with the real
     cause nowhere in the ledger."""
-    from proofline.sor import store as sor
+    from proofline_kit.sor import store as sor
 
     ticket = sor.put_ticket(stack.sor_db, "acme", "to close", "ops")
     version = sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"]
@@ -255,7 +255,7 @@ def test_a_read_outage_is_retried_past_three_and_the_envelope_never_logged(stack
     """Regression: ``self.retry(max_retries=None)`` means the task default (3), so during a read
     outage the task gave up after three retries with ``MaxRetriesExceededError`` and the whole
     envelope in an ERROR traceback."""
-    from proofline.sor import store as sor
+    from proofline_kit.sor import store as sor
 
     marker = f"marker-{uuid.uuid4().hex}"
     env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": marker, "owner": "ops"},
@@ -283,7 +283,7 @@ def test_a_delivery_past_its_retry_limit_is_recorded_and_the_action_redriven(sta
     """Past the explicit limit (8 here) the delivery ends with a ``delivery_abandoned`` record
     instead of Celery's MaxRetriesExceededError; the ledger still says published, so the reconciler
     re-sends it and it executes once the outage is over."""
-    from proofline.sor import store as sor
+    from proofline_kit.sor import store as sor
 
     marker = f"marker-{uuid.uuid4().hex}"
     env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": marker, "owner": "ops"},

@@ -49,7 +49,7 @@ from proofline.controller import publish_message
 from proofline.envelope import derive_idempotency_key
 from proofline.keys import KeyRole, SigningKey, load_keyring, load_signing_key
 from proofline.signing import encode_signature
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
 from tests.helpers import LosingBroker
 from worker.validate import MAX_MESSAGE_BYTES, refusal_chain_id

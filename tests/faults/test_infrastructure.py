@@ -14,7 +14,7 @@ import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for, wait_port
 from tests.helpers import new_account, refund_env, ticket_env
 

@@ -23,8 +23,8 @@ import pytest
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
-from proofline.faults import FaultProxy
-from proofline.sor import store
+from proofline_kit.faults import FaultProxy
+from proofline_kit.sor import store
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = {"tenant": "acme", "title": "Disk full", "owner": "alice"}
@@ -68,7 +68,7 @@ def sor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     store.init_db(db)
     store.seed_demo(db)
     port = free_port()
-    argv = [sys.executable, "-m", "proofline.sor", "--transport", "http", "--port", str(port), "--db", str(db)]
+    argv = [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port), "--db", str(db)]
     if request.param == "sse":
         argv.append("--sse")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

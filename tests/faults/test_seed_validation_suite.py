@@ -21,7 +21,7 @@ from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outc
 from proofline.controller import publish_message
 from proofline.errors import IdempotencyConflict
 from proofline.settings import ROOT
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from recovery.operator import clear_switch, list_switches, manual_queue, resolve, set_switch
 from tests.conftest import Stack, wait_for

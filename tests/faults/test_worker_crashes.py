@@ -9,7 +9,7 @@ import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
 from tests.helpers import new_account, refund_env
 from worker.faultpoints import arm, fired

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ledger.states import ActionStatus, Outcome
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
 
 BOTH = pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)

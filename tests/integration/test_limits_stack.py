@@ -18,7 +18,7 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import prepare, signed_message
 from proofline.errors import ContractInvalid
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import ROOT, Stack, build_stack, start_workers, teardown_stack, wait_for
 
 TABLES = ("ledger_events", "actions", "idempotency_records")
@@ -49,7 +49,7 @@ def pool_pids(stack: Stack) -> set[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"proofline.sor" in cmdline or b"proofline.cel_watchdog" in cmdline:
+        if b"proofline_kit.sor" in cmdline or b"proofline.cel_watchdog" in cmdline:
             continue  # MCP servers and evaluator helpers come and go with their sessions
         if b"celery" in cmdline or b"proofline" in cmdline:
             pids.add(pid)

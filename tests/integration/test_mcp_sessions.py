@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from ledger.states import ActionStatus, Outcome
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import CANARY_SECRET, Stack, wait_for
 
 
@@ -21,7 +21,7 @@ def sor_processes(stack: Stack) -> list[psutil.Process]:
         for child in psutil.Process(worker.pid).children(recursive=True):
             try:
                 # The server itself, not the sh/bwrap processes that sandbox it.
-                if "proofline.sor" in " ".join(child.cmdline()) and child.name().startswith("python"):
+                if "proofline_kit.sor" in " ".join(child.cmdline()) and child.name().startswith("python"):
                     found.append(child)
             except psutil.NoSuchProcess:
                 continue

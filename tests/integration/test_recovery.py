@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import publish_message
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import Stack
 from tests.helpers import (

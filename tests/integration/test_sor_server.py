@@ -17,8 +17,8 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
-from proofline.sor import store
-from proofline.sor.server import IDEMPOTENCY_META_KEY
+from proofline_kit.sor import store
+from proofline_kit.sor.server import IDEMPOTENCY_META_KEY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def server_env(db: Path, **extra: str) -> dict[str, str]:
 def stdio(db: Path, role: str = "writer", **extra: str) -> StdioServerParameters:
     return StdioServerParameters(
         command=sys.executable,
-        args=["-m", "proofline.sor", "--transport", "stdio", "--role", role],
+        args=["-m", "proofline_kit.sor", "--transport", "stdio", "--role", role],
         env=server_env(db, **extra),
         cwd=str(REPO),
     )
@@ -62,7 +62,7 @@ def http_server(db: Path, role: str = "writer", *extra_args: str):
         [
             sys.executable,
             "-m",
-            "proofline.sor",
+            "proofline_kit.sor",
             "--transport",
             "http",
             "--port",

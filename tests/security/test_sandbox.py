@@ -24,7 +24,7 @@ import yaml
 
 from proofline.errors import ConfigurationError
 from proofline.settings import ROOT
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import CANARY_SECRET, Stack, build_stack, start_workers, teardown_stack, wait_for
 from worker.mcp_client import McpSessions, sandbox_violations
 from worker.sandbox import interpreter_paths

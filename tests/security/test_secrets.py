@@ -27,7 +27,7 @@ from proofline.controller import describe_server, publish_message, signed_messag
 from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import ROOT
 from proofline.signing import sign_document
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account
 from worker.faultpoints import arm, fired

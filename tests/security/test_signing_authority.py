@@ -43,7 +43,7 @@ from proofline.controller import publish_message, send_message
 from proofline.envelope import Envelope
 from proofline.keys import KeyRole, SigningKey, load_keyring, load_signing_key, new_signing_key, rotate
 from proofline.signing import message_hash, sign, sign_document
-from proofline.sor import store as sor
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import recovery_action, run_of, run_settled, stale_close_env, ticket_env
 from worker.dispatch import CeleryDispatch

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proofline.faults import FaultProxy, make_mode, read_mode, write_mode
+from proofline_kit.faults import FaultProxy, make_mode, read_mode, write_mode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -324,7 +324,7 @@ def test_upstream_down_resets_the_client() -> None:
 def test_cli_with_control_file(echo: EchoServer, tmp_path: Path) -> None:
     control = tmp_path / "ctl.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proofline.faults.proxy", "--listen", "0", "--target", f"127.0.0.1:{echo.port}",
+        [sys.executable, "-m", "proofline_kit.faults.proxy", "--listen", "0", "--target", f"127.0.0.1:{echo.port}",
          "--control-file", str(control)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

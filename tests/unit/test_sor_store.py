@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from proofline.sor import store
+from proofline_kit.sor import store
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import os
 import sqlite3
 from dataclasses import dataclass
 
-from proofline.sor.db import connect, writing
+from proofline_kit.sor.db import connect, writing
 
 #: Every mode the server understands (``unavailable`` only for the read-outage switch).
 MODES = frozenset(

@@ -19,8 +19,8 @@ import anyio
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
-from proofline.sor import store
-from proofline.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_OUTAGE, Fault
+from proofline_kit.sor import store
+from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_OUTAGE, Fault
 
 #: Request ``_meta`` key carrying the caller's idempotency key.
 IDEMPOTENCY_META_KEY = "proofline/idempotency_key"

@@ -12,8 +12,8 @@ from typing import Annotated, Any
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult
 
-from proofline.sor import models, store
-from proofline.sor.runtime import (
+from proofline_kit.sor import models, store
+from proofline_kit.sor.runtime import (
     CREATE,
     DESTRUCTIVE,
     READ,

@@ -15,7 +15,7 @@ import os
 import sqlite3
 from typing import Any
 
-from proofline.sor.db import next_id, now, reading
+from proofline_kit.sor.db import next_id, now, reading
 
 PathLike = str | os.PathLike[str] | None
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proofline.sor.core import PathLike, Refused, record_effect, settle
-from proofline.sor.db import next_id, now, reading, writing
+from proofline_kit.sor.core import PathLike, Refused, record_effect, settle
+from proofline_kit.sor.db import next_id, now, reading, writing
 
 
 def issue_refund(

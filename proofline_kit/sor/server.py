@@ -3,7 +3,7 @@
 Two identities share one SQLite file: ``writer`` may call every tool; ``reader`` opens the file
 read-only and refuses write tools, so a verifier's read path can never change the record.
 
-Run it with ``python -m proofline.sor --transport stdio|http [--host H --port P]
+Run it with ``python -m proofline_kit.sor --transport stdio|http [--host H --port P]
 [--role writer|reader] [--db PATH]``; over HTTP the endpoint is ``http://H:P/mcp``.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 from mcp.server.mcpserver import MCPServer
 
-from proofline.sor import store
-from proofline.sor.runtime import IDEMPOTENCY_META_KEY, SERVER_NAME, Runner, SorConfig
-from proofline.sor.tools import register
+from proofline_kit.sor import store
+from proofline_kit.sor.runtime import IDEMPOTENCY_META_KEY, SERVER_NAME, Runner, SorConfig
+from proofline_kit.sor.tools import register
 
 __all__ = ["IDEMPOTENCY_META_KEY", "SERVER_NAME", "SorConfig", "build_server", "main"]
 
@@ -48,7 +48,7 @@ def build_server(config: SorConfig) -> MCPServer:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; role and database fall back to ``SOR_ROLE`` and ``SOR_DB``."""
-    parser = argparse.ArgumentParser(prog="python -m proofline.sor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m proofline_kit.sor", description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=("stdio", "http"), default="stdio")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)

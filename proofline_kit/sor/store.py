@@ -9,9 +9,9 @@ others record it but apply again on every call, as many real enterprise APIs do.
 
 from __future__ import annotations
 
-from proofline.sor.core import Refused, count_effects, effects, phantom_id
-from proofline.sor.db import connect, init_db, resolve_path
-from proofline.sor.faults import (
+from proofline_kit.sor.core import Refused, count_effects, effects, phantom_id
+from proofline_kit.sor.db import connect, init_db, resolve_path
+from proofline_kit.sor.faults import (
     READ_OUTAGE,
     Fault,
     clear_faults,
@@ -20,10 +20,10 @@ from proofline.sor.faults import (
     set_read_outage,
     take_fault,
 )
-from proofline.sor.refunds import find_refund_by_key, get_account, issue_refund, reverse_refund
-from proofline.sor.seed import bump_version, put_account, put_service, put_ticket, reset_db, seed_demo
-from proofline.sor.services import get_operation, get_service, restart_service
-from proofline.sor.tickets import close_ticket, create_ticket, find_ticket_by_key, get_ticket
+from proofline_kit.sor.refunds import find_refund_by_key, get_account, issue_refund, reverse_refund
+from proofline_kit.sor.seed import bump_version, put_account, put_service, put_ticket, reset_db, seed_demo
+from proofline_kit.sor.services import get_operation, get_service, restart_service
+from proofline_kit.sor.tickets import close_ticket, create_ticket, find_ticket_by_key, get_ticket
 
 __all__ = [
     # database

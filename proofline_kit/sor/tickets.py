@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from proofline.sor.core import PathLike, Refused, record_effect, settle
-from proofline.sor.db import next_id, now, reading, writing
+from proofline_kit.sor.core import PathLike, Refused, record_effect, settle
+from proofline_kit.sor.db import next_id, now, reading, writing
 
 
 def _ticket_result(row: sqlite3.Row, deduplicated: bool) -> dict[str, Any]:

@@ -32,7 +32,7 @@ Modes (``FaultProxy.set_mode(mode, **params)``):
 Another process can switch modes through a control file, polled every 50 ms: a JSON object
 ``{"mode": ..., <params>...}`` written atomically with :func:`write_mode`. From the shell::
 
-    python -m proofline.faults.proxy --listen 0 --target 127.0.0.1:8765 --control-file F
+    python -m proofline_kit.faults.proxy --listen 0 --target 127.0.0.1:8765 --control-file F
 
 prints the listening port as the first line of stdout and runs until SIGTERM or SIGINT.
 
@@ -851,7 +851,7 @@ def _target(text: str) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a proxy until SIGTERM/SIGINT; the first line of stdout is the port it listens on."""
-    parser = argparse.ArgumentParser(prog="python -m proofline.faults.proxy", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m proofline_kit.faults.proxy", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", type=int, default=0, help="port to listen on (0: any free port)")
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--target", type=_target, required=True, help="HOST:PORT of the server")

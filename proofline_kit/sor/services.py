@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from proofline.sor.core import PathLike, Refused, record_effect, settle, settled_operation, settled_service
-from proofline.sor.db import next_id, now, reading, writing
+from proofline_kit.sor.core import (
+    PathLike,
+    Refused,
+    record_effect,
+    settle,
+    settled_operation,
+    settled_service,
+)
+from proofline_kit.sor.db import next_id, now, reading, writing
 
 
 def restart_service(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from proofline.sor.db import init_db, next_id, now, writing
+from proofline_kit.sor.db import init_db, next_id, now, writing
 
 PathLike = str | os.PathLike[str] | None
 
