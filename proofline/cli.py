@@ -275,15 +275,16 @@ def reconcile() -> None:
 
 @main.command()
 @click.argument("action_id")
-def forensics(action_id: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="The reconstruction as one JSON document.")
+def forensics(action_id: str, as_json: bool) -> None:
     """Reconstruct an action and its recovery from the ledger alone."""
-    from proofline.forensics import reconstruct
+    from proofline.forensics import document, reconstruct
 
     with _conn("reader") as conn, conn.cursor() as cur:
-        text = reconstruct(cur, action_id)
-    if text is None:
+        out = document(cur, action_id) if as_json else reconstruct(cur, action_id)
+    if out is None:
         raise click.ClickException(f"no ledger events for {action_id}")
-    click.echo(text)
+    click.echo(json.dumps(out, default=str) if as_json else out)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -63,12 +63,24 @@ class ReadPath(_Model):
     extract: Extraction = Extraction()
 
 
+class OperationRecordRead(ReadPath):
+    """Where the downstream keeps an asynchronous operation's own status record (a job status API,
+    an MCP Task): read once when verification starts. That record is evidence, never the verdict;
+    the authoritative read decides."""
+
+    #: CEL over ``operation`` (this read's result): true when the record is no longer served
+    #: (expired or deleted by the downstream).
+    gone: str
+
+
 class Verification(_Model):
     max_duration_seconds: float = Field(default=30.0, gt=0, le=3600)
     poll_interval_seconds: float = Field(default=0.5, gt=0, le=600)
     #: Reads before this delay has passed that do not yet show the effect are not failures.
     consistency_delay_seconds: float = Field(default=0.0, ge=0)
     read: ReadPath | None = None  # defaults to the precondition read path
+    #: The downstream operation's status record, read for evidence before the authoritative read.
+    operation_record: OperationRecordRead | None = None
     expected: tuple[str, ...]
     tolerated: tuple[str, ...] = ()
     prohibited: tuple[str, ...] = ()
@@ -172,9 +184,11 @@ class Contract(_Model):
         v = self.verification
         for expr in (*v.expected, *v.tolerated, *v.prohibited, *([v.absent] if v.absent else [])):
             compile_expression(expr)
-        for read in (self.precondition_read, v.read):
+        for read in (self.precondition_read, v.read, v.operation_record):
             for expr in (read.arguments.values() if read else ()):
                 compile_expression(expr)
+        if v.operation_record is not None:
+            compile_expression(v.operation_record.gone)
         for expr in (self.operation_id, self.amount_cents):
             if expr:
                 compile_expression(expr)

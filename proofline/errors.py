@@ -197,6 +197,21 @@ class ReplayWindowExpired(ProoflineError):
     code = "replay_window_expired"
 
 
+class AbsoluteDeadlineReached(ProoflineError):
+    """A call in flight was cut at the envelope's absolute deadline. Progress notifications restart
+    the request timeout but never move the deadline; whatever the server did is unknown."""
+
+    code = "absolute_deadline_reached"
+
+
+class OperationRecordExpired(ProoflineError):
+    """The downstream operation record (an asynchronous operation's status, an MCP Task) had expired
+    before the runtime retrieved it: the outcome is settled from the authoritative read alone, and
+    the expiry is kept as evidence."""
+
+    code = "operation_record_expired"
+
+
 class TransitionRefused(ProoflineError):
     """A guarded state transition moved no row: the current state does not allow it."""
 

@@ -1,8 +1,10 @@
 """Forensic reconstruction from the ledger alone: who authorized the action, what executed, what
 changed, and how the final state was determined, including every recovery action it caused.
 
-Reads only ``ledger_events`` (and checks the chain it reads), so the story it tells is the one
-the insert-only, hash-chained record supports.
+Reads only ``ledger_events`` (and checks the chain it reads, against the head its action row
+anchored), so the story it tells is the one the insert-only, hash-chained record supports. A
+broken chain is reported with its first broken link, never silently told as if it were intact.
+:func:`document` is the same reconstruction as data (``proofline forensics --json``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proofline.ledger_check import CHECK_SQL
+from proofline.ledger_check import check_chain
 
 FINAL_EVENTS = ("final_state", "compensated", "compensation_failed", "operator_intervention", "escalated",
                 "handed_to_recovery", "escalated_state")
@@ -22,13 +24,58 @@ def _events(cur: Any, chain: str) -> list[dict[str, Any]]:
     return list(cur.fetchall())
 
 
+#: Events that tell what was checked before execution (section 2).
+CHECK_EVENTS = ("revalidated", "revalidation_failed", "lease_acquired", "idempotency_claimed",
+                "idempotency_reclaimed", "reconcile_required", "preconditions_passed", "preconditions_failed",
+                "duplicate_suppressed", "redelivery_ignored", "idempotency_conflict", "precheck_unavailable")
+#: Events of recovery and interventions (section 5).
+RECOVERY_EVENTS = ("recovery_decided", "contained", "recovery_action_published", "cancel_requested", "redriven",
+                   "stale_write_refused", "run_compensation", "run_aborted", "released")
+
+
+def _chain_state(cur: Any, chain: str) -> dict[str, Any]:
+    count, broken = check_chain(cur, chain)
+    return {"intact": broken is None, "events": count, "broken_at_seq": broken.seq if broken else None,
+            "problem": broken.problem if broken else None}
+
+
 def _chain_intact(cur: Any, chain: str) -> str:
-    cur.execute(f"SELECT * FROM ({CHECK_SQL}) c WHERE c.action_id = %s", (chain,))
-    rows = list(cur.fetchall())
-    for prev, row in zip([None, *rows], rows, strict=False):
-        if row["recomputed"] != row["hash"] or row["prev_hash"] != (prev["hash"] if prev else ""):
-            return f"BROKEN at seq {row['seq']}"
-    return f"intact ({len(rows)} events, hash chain verified)"
+    state = _chain_state(cur, chain)
+    if not state["intact"]:
+        return f"BROKEN at seq {state['broken_at_seq']}: {state['problem']}"
+    return f"intact ({state['events']} events, hash chain verified)"
+
+
+def _entry(ev: dict[str, Any]) -> dict[str, Any]:
+    return {"seq": ev["seq"], "at": ev["at"].isoformat(), "event": ev["event"], "actor": ev["actor"],
+            "evidence": ev["evidence"]}
+
+
+def document(cur: Any, action_id: str) -> dict[str, Any] | None:
+    """The reconstruction as data: the chain's own check, then the six sections, each a list of the
+    ledger entries it rests on; recovery actions nest as documents of their own."""
+    events = _events(cur, action_id)
+    if not events:
+        return None
+    published = [ev for ev in events if ev["event"] in ("published", "pending")]
+    recovery = []
+    for ev in events:
+        if ev["event"] in RECOVERY_EVENTS:
+            entry = _entry(ev)
+            if ev["event"] == "recovery_action_published":
+                entry["action"] = document(cur, ev["evidence"]["recovery_action"])
+            recovery.append(entry)
+    return {
+        "action_id": action_id,
+        "chain": _chain_state(cur, action_id),
+        "authorized": _entry(published[0]) if published else None,
+        "checked": [_entry(ev) for ev in events if ev["event"] in CHECK_EVENTS],
+        "executed": [_entry(ev) for ev in events if ev["event"] == "tool_called"],
+        "changed": [_entry(ev) for ev in events if ev["event"] in ("verification_finished",
+                                                                  "operation_record_expired")],
+        "recovery": recovery,
+        "final": [_entry(ev) for ev in events if ev["event"] in FINAL_EVENTS],
+    }
 
 
 def _j(value: Any, width: int = 160) -> str:
@@ -70,9 +117,7 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
         line("   no publication recorded (the worker recorded the action from its signed envelope)")
 
     line("2. Checked before execution")
-    for name in ("revalidated", "revalidation_failed", "lease_acquired", "idempotency_claimed",
-                 "idempotency_reclaimed", "reconcile_required", "preconditions_passed", "preconditions_failed",
-                 "duplicate_suppressed", "redelivery_ignored", "idempotency_conflict", "precheck_unavailable"):
+    for name in CHECK_EVENTS:
         for ev in by_name.get(name, []):
             line(f"   {ev['at']:%H:%M:%S.%f} {name:<22} {ev['actor']:<22} {_j(ev['evidence'], 110)}")
 
@@ -104,10 +149,11 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
         line(f"   {ev['at']:%H:%M:%S.%f} read {e.get('read_tool')} as the {e.get('identity')} identity, "
              f"{e.get('reads')} reads ({e.get('failed_reads')} failed): finding {e.get('finding')}")
         line(f"   system of record showed {_j(e.get('after'), 130)}")
+    for ev in by_name.get("operation_record_expired", []):
+        line(f"   {ev['at']:%H:%M:%S.%f} the downstream operation record had expired before it was retrieved: "
+             f"{_j(ev['evidence'], 100)}")
 
-    recovery = [ev for ev in events if ev["event"] in ("recovery_decided", "contained", "recovery_action_published",
-                                                         "cancel_requested", "redriven", "stale_write_refused",
-                                                         "run_compensation", "run_aborted", "released")]
+    recovery = [ev for ev in events if ev["event"] in RECOVERY_EVENTS]
     if recovery:
         line("5. Recovery and interventions")
         for ev in recovery:

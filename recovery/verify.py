@@ -21,6 +21,7 @@ from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
+from recovery.operation_record import read_operation_record
 from worker import calls, faultpoints
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
@@ -161,6 +162,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     current_redactor.set(red)
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
+    # The downstream's own record of the operation first (evidence only), then the authoritative read.
+    operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
     obs = observe(rt, envelope, contract, base)
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
@@ -182,6 +185,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     }
     if obs.condition_errors:
         evidence["condition_errors"] = obs.condition_errors
+    if operation_record is not None:
+        evidence["operation_record"] = operation_record
     recovered = None
     if obs.finding == VerificationFinding.expected and not (action.result or {}).get("values"):
         # The response was lost; the original result is recovered from the system of record.
@@ -193,6 +198,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     try:
         with store.transaction(conn) as cur:
             events = [("verification_finished", evidence)]
+            if record_expired is not None:
+                events.insert(0, ("operation_record_expired", record_expired))
             if record_status is not None:
                 store.settle_idempotency_txn(cur, envelope.idempotency_key, record_status,
                                              {"verified": obs.finding.value,

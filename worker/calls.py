@@ -10,6 +10,7 @@ import anyio
 from mcp import Client
 
 from proofline.canonical import tool_contract_hash
+from proofline.errors import AbsoluteDeadlineReached
 
 IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
 ACTION_META_KEY = "proofline/action_id"
@@ -33,16 +34,20 @@ async def live_tool_hashes(client: Client) -> dict[str, str]:
 
 @dataclass
 class ProgressLog:
-    """Progress notifications of one call: counted, and kept up to a bound."""
+    """Progress notifications of one call: counted, and kept up to a bound. Each one restarts the
+    request timeout (``on_progress``); none moves the absolute deadline."""
 
     limit: int
     kept: list[dict[str, Any]] = field(default_factory=list)
     total: int = 0
+    on_progress: Any = None
 
     async def __call__(self, progress: float, total: float | None, message: str | None) -> None:
         self.total += 1
         if len(self.kept) < self.limit:
             self.kept.append({"progress": progress, "total": total, "message": (message or "")[:200]})
+        if self.on_progress is not None:
+            self.on_progress()
 
 
 async def call_tool(
@@ -51,16 +56,36 @@ async def call_tool(
 ) -> tuple[Any, float]:
     """Call a tool with the key in ``_meta``, a request timeout and the absolute deadline.
 
-    Progress never extends the deadline: the whole call is bounded by ``fail_after``, whatever
-    the SDK does with its per-request timeout on progress.
+    The request timeout is how long the caller waits without hearing from the server: each
+    progress notification restarts it. The absolute deadline never moves, however much progress
+    arrives: the call is cut there and :class:`AbsoluteDeadlineReached` raised (the SDK sends the
+    server ``notifications/cancelled`` as the scope is cancelled).
     """
     started = time.monotonic()
-    remaining = max(0.001, deadline_monotonic - started)
-    with anyio.fail_after(min(timeout_seconds, remaining) + 0.5):
-        result = await client.call_tool(
-            tool, arguments, read_timeout_seconds=min(timeout_seconds, remaining), progress_callback=progress,
-            meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id, FENCING_META_KEY: fencing_token},
-        )
+    absolute = anyio.current_time() + max(0.001, deadline_monotonic - started)
+
+    def due(loop_now: float) -> float:
+        return min(loop_now + timeout_seconds, absolute)
+
+    with anyio.CancelScope(deadline=due(anyio.current_time())) as scope:
+        def restart() -> None:
+            scope.deadline = due(anyio.current_time())
+
+        progress.on_progress = restart
+        try:
+            result = await client.call_tool(
+                tool, arguments, progress_callback=progress,
+                meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id,
+                      FENCING_META_KEY: fencing_token},
+            )
+        finally:
+            progress.on_progress = None
+    if scope.cancelled_caught:
+        elapsed = time.monotonic() - started
+        if scope.deadline >= absolute:
+            raise AbsoluteDeadlineReached(f"cut at the absolute deadline after {elapsed:.3f} s",
+                                          progress_notifications=progress.total)
+        raise TimeoutError(f"no answer and no progress for {timeout_seconds} s")
     return result, time.monotonic() - started
 
 

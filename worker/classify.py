@@ -3,7 +3,8 @@
 The rules, in order:
 - nothing was sent (no session, refused connection) → failed before side effect;
 - the request was sent and then the response path failed (timeout, reset, lost connection,
-  output-schema error, cancellation) → unknown outcome: never retried blindly;
+  output-schema error, cancellation) → unknown outcome: never retried blindly; cut at the absolute
+  deadline (however much progress arrived) → unknown outcome, ``absolute_deadline_reached``;
 - a tool error with a machine-readable class → the class the contract maps it to; without one
   → the contract's default (unknown outcome unless the contract knows better);
 - a result larger than the limit for its server and contract, or a message the transport stopped
@@ -23,7 +24,7 @@ from typing import Any
 from ledger.states import Outcome
 from proofline.conditions import evaluate
 from proofline.contracts import Contract, extract
-from proofline.errors import ConditionError, ExtractionFailed, ResultTooLarge
+from proofline.errors import AbsoluteDeadlineReached, ConditionError, ExtractionFailed, ResultTooLarge
 from worker.bounded_stdio import MESSAGE_TOO_LARGE
 from worker.results import measure
 
@@ -96,6 +97,10 @@ def classify(report: CallReport, contract: Contract, limit: int | None = None) -
                 "error": summary, "result_size": data.get("size"), "result_digest": data.get("sha256"),
                 "result_limit": data.get("limit"), "result_excerpt": str(data.get("excerpt", ""))[:1024],
                 "read_by": "transport"})
+        if isinstance(report.error, AbsoluteDeadlineReached):
+            # However much progress the server reported, the deadline held; it may have acted.
+            return Classification(Outcome.unknown_outcome, report.error.code,
+                                  evidence={"error": summary, **report.error.as_evidence()})
         if summary.get("code") in REFUSED_BEFORE_RUNNING:
             return Classification(Outcome.failed_before_side_effect, "protocol_refused", evidence={"error": summary})
         return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})

@@ -9,8 +9,10 @@ production configuration can turn them on by accident:
     PROOFLINE_FAULT_POINTS_ENABLED=true
     PROOFLINE_FAULT_POINTS_FILE=/path/to/points.json   # {"after_send": {"remaining": 1, "action": "kill"}}
 
-Actions: ``kill`` (SIGKILL), ``stop`` (sleep ``seconds``: a frozen process) and ``raise`` (an
-unforeseen exception, as a defect would raise: the task's error path, logs and Sentry run).
+Actions: ``kill`` (SIGKILL), ``stop`` (sleep ``seconds``: a frozen process), ``raise`` (an
+unforeseen exception, as a defect would raise: the task's error path, logs and Sentry run) and
+``hold`` (wait at the point until the test calls :func:`release`, at most ``seconds``: a slow
+stage whose length the test decides by a condition, not by a sleep; heartbeats keep running).
 
 The file is read at every point and its counters are decremented under a file lock, so a point
 fires a bounded number of times across all worker processes.
@@ -28,7 +30,9 @@ from pathlib import Path
 from proofline.settings import get_settings
 
 POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit")
-ACTIONS = ("kill", "stop", "raise")
+ACTIONS = ("kill", "stop", "raise", "hold")
+#: How often a held point looks at the file for its release.
+HOLD_POLL_SECONDS = 0.02
 
 
 class FaultPointRaised(RuntimeError):
@@ -70,8 +74,25 @@ def hit(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":
         raise FaultPointRaised(f"fault point {point} raised")
+    elif action == "hold":
+        _hold(path, point, spec["fired"], float(spec.get("seconds") or 30))
     else:
         time.sleep(float(spec.get("seconds", 10)))
+
+
+def _released(path: Path, point: str, shot: int) -> bool:
+    try:
+        points = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return True  # the file is gone or unreadable: nobody can release us, so do not wait
+    return int(points.get(point, {}).get("released", 0)) >= shot
+
+
+def _hold(path: Path, point: str, shot: int, bound: float) -> None:
+    """Wait until the ``shot``-th firing of ``point`` is released, or ``bound`` seconds passed."""
+    deadline = time.monotonic() + bound
+    while not _released(path, point, shot) and time.monotonic() < deadline:
+        time.sleep(HOLD_POLL_SECONDS)
 
 
 def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", seconds: float = 0.0) -> None:
@@ -82,8 +103,27 @@ def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", second
         raise ValueError(f"unknown fault point action {action!r}")
     points = json.loads(path.read_text() or "{}") if path.exists() else {}
     fired_so_far = points.get(point, {}).get("fired", 0)
-    points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far}
+    # Earlier shots count as released: only the shots of this arming wait for release().
+    points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far,
+                     "released": fired_so_far}
     path.write_text(json.dumps(points))
+
+
+def release(path: Path, point: str) -> None:
+    """Test helper: let every process held at ``point`` go on (and disarm it)."""
+    if not path.exists():
+        return
+    with path.open("r+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        points = json.loads(handle.read() or "{}")
+        spec = points.get(point)
+        if not spec:
+            return
+        spec["remaining"] = 0
+        spec["released"] = spec.get("fired", 0)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(points))
 
 
 def fired(path: Path, point: str) -> int:

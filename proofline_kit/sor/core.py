@@ -15,7 +15,7 @@ import os
 import sqlite3
 from typing import Any
 
-from proofline_kit.sor.db import next_id, now, reading
+from proofline_kit.sor.db import next_id, now, reading, writing
 
 PathLike = str | os.PathLike[str] | None
 
@@ -51,6 +51,22 @@ def effects(path: PathLike, idempotency_key: str | None = None) -> list[dict[str
                 "SELECT * FROM effects WHERE idempotency_key = ? ORDER BY seq", (idempotency_key,)
             ).fetchall()
     return [{**dict(r), "detail": json.loads(r["detail"])} for r in rows]
+
+
+def record_cancellation(path: PathLike, tool: str, key: str | None, disposition: str, detail: str = "") -> None:
+    """Log a ``notifications/cancelled`` the server received for a call in flight, and what it did
+    with it (``honoured``: stopped before any effect; ``ignored``: applied the write anyway)."""
+    with writing(path) as conn:
+        conn.execute("INSERT INTO cancellations (tool, idempotency_key, disposition, at) VALUES (?, ?, ?, ?)",
+                     (tool, key, f"{disposition}{': ' + detail if detail else ''}", now()))
+
+
+def cancellations(path: PathLike, idempotency_key: str) -> list[dict[str, Any]]:
+    """Every cancellation the server received for calls carrying ``idempotency_key``, in order."""
+    with reading(path) as conn:
+        rows = conn.execute("SELECT tool, disposition, at FROM cancellations WHERE idempotency_key = ? ORDER BY seq",
+                            (idempotency_key,)).fetchall()
+    return [dict(r) for r in rows]
 
 
 def count_effects(path: PathLike, idempotency_key: str) -> int:

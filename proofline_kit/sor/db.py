@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS operations (
     state TEXT NOT NULL CHECK (state IN ('running', 'completed', 'failed')),
     started_at REAL NOT NULL,
     ready_at REAL NOT NULL,
-    idempotency_key TEXT
+    idempotency_key TEXT,
+    expires_at REAL
 );
 CREATE TABLE IF NOT EXISTS accounts (
     id TEXT PRIMARY KEY,
@@ -79,6 +80,13 @@ CREATE TABLE IF NOT EXISTS faults (
     mode TEXT NOT NULL,
     remaining INTEGER NOT NULL,
     delay_seconds REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS cancellations (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    tool TEXT NOT NULL,
+    idempotency_key TEXT,
+    disposition TEXT NOT NULL,
+    at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS effects_by_key ON effects (idempotency_key);
 CREATE INDEX IF NOT EXISTS refunds_by_key ON refunds (idempotency_key);
@@ -162,6 +170,9 @@ def init_db(path: str | os.PathLike[str] | None = None) -> Path:
     conn = connect(db)
     try:
         conn.executescript(SCHEMA)
+        columns = {row["name"] for row in conn.execute("PRAGMA table_info(operations)")}
+        if "expires_at" not in columns:  # a file made before operation records expired
+            conn.execute("ALTER TABLE operations ADD COLUMN expires_at REAL")
     finally:
         conn.close()
     return db

@@ -22,11 +22,18 @@ MODES = frozenset(
         "lie",
         "progress_flood",
         "huge_result",
+        "ignore_cancel",
         "unavailable",
+        "read_lag",
+        "operation_ttl",
     }
 )
 #: Tool name of the switch that takes every read tool down.
 READ_OUTAGE = "*read*"
+#: Tool name prefix of the switch that makes one identity's reads lag behind the writer.
+READ_LAG = "*lag*"
+#: Tool name of the switch that gives the next operation record a short time to live.
+OPERATION_TTL = "*operation_ttl*"
 #: How long ``drop_response`` sleeps when no delay is given: far past any client timeout.
 DROP_RESPONSE_DEFAULT_SECONDS = 3600.0
 
@@ -78,6 +85,21 @@ def set_read_outage(path: str | os.PathLike[str] | None, on: bool = True, role: 
         set_fault(path, read_outage_name(role), "unavailable", remaining=-1)
     else:
         clear_faults(path, read_outage_name(role))
+
+
+def set_read_lag(path: str | os.PathLike[str] | None, seconds: float | None, role: str = "reader") -> None:
+    """Make ``role``'s reads show the record as it stood ``seconds`` ago, as a replica that lags
+    the writer does (tools that can read as of a past time: ``get_service``); ``None`` ends it."""
+    name = f"{READ_LAG}:{role}"
+    if seconds is None:
+        clear_faults(path, name)
+    else:
+        set_fault(path, name, "read_lag", remaining=-1, delay_seconds=seconds)
+
+
+def set_operation_ttl(path: str | os.PathLike[str] | None, seconds: float, remaining: int = 1) -> None:
+    """Give the next ``remaining`` operation records a time to live of ``seconds`` (from their start)."""
+    set_fault(path, OPERATION_TTL, "operation_ttl", remaining=remaining, delay_seconds=seconds)
 
 
 def _active(conn: sqlite3.Connection, tool: str) -> sqlite3.Row | None:

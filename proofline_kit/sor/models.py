@@ -55,11 +55,14 @@ class Operation(BaseModel):
     started_at: float
     ready_at: float
     idempotency_key: str | None = None
+    expires_at: float | None = None
 
 
 class OperationLookup(BaseModel):
     found: bool
     operation: Operation | None = None
+    #: Set when the record existed and passed its time to live (it is no longer served).
+    expired_at: float | None = None
 
 
 class Account(BaseModel):

@@ -20,7 +20,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 from proofline_kit.sor import store
-from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_OUTAGE, Fault
+from proofline_kit.sor.db import now
+from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_LAG, READ_OUTAGE, Fault
 
 #: Request ``_meta`` key carrying the caller's idempotency key.
 IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
@@ -109,16 +110,24 @@ async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
-async def before_fault(ctx: Context, fault: Fault | None) -> None:
-    """The part of a fault that happens before the tool acts: waiting, or flooding progress."""
+#: Seconds between two notifications of a ``progress_flood`` (100 a second).
+FLOOD_INTERVAL_SECONDS = 0.01
+
+
+async def before_fault(ctx: Context, fault: Fault | None, sent: list[int] | None = None) -> None:
+    """The part of a fault that happens before the tool acts: waiting, or flooding progress
+    (``delay_seconds`` long, one notification every 10 ms; ``sent`` counts them)."""
     if fault is None:
         return
     if fault.mode == "delay":
         await anyio.sleep(fault.delay_seconds)
     elif fault.mode == "progress_flood":
-        count = int(fault.delay_seconds * 100)
+        count = int(fault.delay_seconds / FLOOD_INTERVAL_SECONDS)
         for i in range(count):
             await ctx.report_progress(i + 1, count, "flood")
+            if sent is not None:
+                sent[0] = i + 1
+            await anyio.sleep(FLOOD_INTERVAL_SECONDS)
 
 
 class Runner:
@@ -144,8 +153,18 @@ class Runner:
         key = idempotency_key(ctx)
         try:
             fault = await in_thread(store.take_fault, self.config.db_path, tool)
-            await before_fault(ctx, fault)
+            sent = [0]
+            try:
+                await before_fault(ctx, fault, sent)
+            except anyio.get_cancelled_exc_class():
+                # The caller cancelled (or went away) before anything was applied: honoured.
+                with anyio.CancelScope(shield=True):
+                    await in_thread(store.record_cancellation, self.config.db_path, tool, key, "honoured",
+                                    f"{sent[0]} progress notifications sent" if sent[0] else "")
+                raise
             mode = fault.mode if fault else None
+            if mode == "ignore_cancel":
+                return render(await self._ignoring_cancel(tool, key, fault.delay_seconds, apply))
             if mode == "fail_before_commit":
                 return error_result("failed_before_side_effect", f"injected failure before commit in {tool}")
             if mode == "lie":
@@ -167,10 +186,27 @@ class Runner:
             return padded(render(result), int(fault.delay_seconds * 1024 * 1024))
         return render(result)
 
+    async def _ignoring_cancel(
+        self, tool: str, key: str | None, wait: float, apply: Callable[[str | None], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """The ``ignore_cancel`` fault: hold the call up to ``wait`` seconds; if the caller's
+        ``notifications/cancelled`` arrives meanwhile, log it and apply the write anyway (a
+        receiver may ignore a cancellation), then stop answering. Without one, apply after ``wait``."""
+        try:
+            await anyio.sleep(wait)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await in_thread(store.record_cancellation, self.config.db_path, tool, key, "ignored")
+                await apply(key)
+            raise
+        return await apply(key)
+
     async def read(
-        self, ctx: Context, tool: str, fetch: Callable[[], Any], render: Callable[[Any], CallToolResult]
+        self, ctx: Context, tool: str, fetch: Callable[[], Any], render: Callable[[Any], CallToolResult],
+        as_of: Callable[[float], Any] | None = None,
     ) -> CallToolResult:
-        """Run a read tool: honours the ``*read*`` outage switch and the tool's own fault."""
+        """Run a read tool: honours the ``*read*`` outage switch, this identity's read lag (for
+        tools that can read ``as_of`` a past time) and the tool's own fault."""
         path = self.config.db_path
         try:
             outage = await in_thread(store.take_fault, path, READ_OUTAGE, readonly=self.readonly)
@@ -183,7 +219,11 @@ class Runner:
             await before_fault(ctx, fault)
             if fault is not None and fault.mode in ("fail_before_commit", "fail_after_commit", "unavailable"):
                 return error_result("unavailable", f"injected failure in {tool}")
-            data = await in_thread(fetch)
+            lag = await in_thread(store.take_fault, path, f"{READ_LAG}:{self.config.role}", readonly=True)
+            if lag is not None and lag.mode == "read_lag" and as_of is not None:
+                data = await in_thread(as_of, now() - lag.delay_seconds)
+            else:
+                data = await in_thread(fetch)
         except sqlite3.OperationalError as exc:
             # e.g. the reader started before the writer created the file, or the file is locked too long
             return error_result("unavailable", f"store unavailable: {exc}")

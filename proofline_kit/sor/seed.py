@@ -19,7 +19,8 @@ def reset_db(path: PathLike) -> None:
     """Create the schema if needed and delete every row (faults included)."""
     init_db(path)
     with writing(path) as conn:
-        for table in ("tickets", "services", "operations", "accounts", "refunds", "effects", "faults"):
+        for table in ("tickets", "services", "operations", "accounts", "refunds", "effects", "faults",
+                      "cancellations"):
             conn.execute(f"DELETE FROM {table}")
         conn.execute("DELETE FROM sqlite_sequence WHERE name = 'effects'")
 

@@ -9,14 +9,25 @@ others record it but apply again on every call, as many real enterprise APIs do.
 
 from __future__ import annotations
 
-from proofline_kit.sor.core import Refused, count_effects, effects, phantom_id
+from proofline_kit.sor.core import (
+    Refused,
+    cancellations,
+    count_effects,
+    effects,
+    phantom_id,
+    record_cancellation,
+)
 from proofline_kit.sor.db import connect, init_db, resolve_path
 from proofline_kit.sor.faults import (
+    OPERATION_TTL,
+    READ_LAG,
     READ_OUTAGE,
     Fault,
     clear_faults,
     list_faults,
     set_fault,
+    set_operation_ttl,
+    set_read_lag,
     set_read_outage,
     take_fault,
 )
@@ -39,16 +50,22 @@ __all__ = [
     "bump_version",
     # faults
     "READ_OUTAGE",
+    "READ_LAG",
+    "OPERATION_TTL",
     "Fault",
     "set_fault",
     "clear_faults",
     "set_read_outage",
+    "set_read_lag",
+    "set_operation_ttl",
     "take_fault",
     "list_faults",
     # effects (ground truth)
     "effects",
     "count_effects",
     "phantom_id",
+    "record_cancellation",
+    "cancellations",
     # operations
     "Refused",
     "create_ticket",

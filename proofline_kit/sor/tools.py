@@ -99,8 +99,10 @@ def register(server: MCPServer, run: Runner, config: SorConfig) -> None:
 
         async def apply(key: str | None) -> dict[str, Any]:
             await ctx.report_progress(1, 3, "checking service")
+            ttl = await in_thread(store.take_fault, path, store.OPERATION_TTL)
             result = await in_thread(
-                store.restart_service, path, service, tenant, expected_generation, idempotency_key=key
+                store.restart_service, path, service, tenant, expected_generation, idempotency_key=key,
+                record_ttl_seconds=ttl.delay_seconds if ttl is not None else None,
             )
             await ctx.report_progress(2, 3, f"operation {result['operation_id']} started")
             await ctx.report_progress(3, 3, "accepted")
@@ -171,7 +173,8 @@ def _register_reads(server: MCPServer, run: Runner, path: str) -> None:
     @server.tool(annotations=READ, structured_output=False)
     async def get_service(service: str, ctx: Context) -> CallToolResult:
         """Read a service's state as a JSON document in text content."""
-        return await run.read(ctx, "get_service", lambda: store.get_service(path, service), _service_text)
+        return await run.read(ctx, "get_service", lambda: store.get_service(path, service), _service_text,
+                              as_of=lambda at: store.get_service(path, service, as_of=at))
 
     @server.tool(annotations=READ)
     async def get_operation(
