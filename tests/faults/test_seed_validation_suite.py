@@ -1,23 +1,31 @@
 """The seed's runtime validation suite, one test per item of its list, in its order.
 
-Each test injects its fault for real (system-of-record fault switches, the TCP fault proxy, a
-restarted server, concurrent deliveries, expired records) and asserts on both the ledger and the
-downstream store's own effects log.
+Each test injects its fault for real (system-of-record fault switches, the TCP fault proxy, fault
+points that hold a worker at an exact stage until the test releases it, a restarted server,
+concurrent deliveries, a server-side record expiry, a lagging read replica, a tampered ledger) and
+counts side effects twice: in the system of record's own effects log, and in the transport-level
+witness that recorded every ``tools/call`` the runtime sent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 from ledger import store
 from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
+from proofline.conditions import holds
+from proofline.contracts import contract_for
 from proofline.controller import publish_message
 from proofline.errors import IdempotencyConflict
 from proofline.settings import ROOT
@@ -37,6 +45,7 @@ from tests.helpers import (
     uid,
 )
 from worker.dispatch import CeleryDispatch
+from worker.faultpoints import arm, fired, release
 
 BOTH = pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)
 ALL_PROTOCOLS = pytest.mark.parametrize("stack", ["stdio", "http", "http-legacy"], indirect=True)
@@ -48,8 +57,44 @@ def refund(stack: Stack, account: str, amount: int = 1500, **kw: Any):
     return refund_env(stack, account, amount=amount, **kw)
 
 
-def tool_called(stack: Stack, action_id: str) -> dict[str, Any]:
-    return next(e for e in stack.timeline(action_id) if e["event"] == "tool_called")["evidence"]
+def calls_of(stack: Stack, action_id: str) -> list[dict[str, Any]]:
+    """The evidence of every ``tool_called`` event of an action, in order."""
+    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == "tool_called"]
+
+
+def evidence_of(stack: Stack, action_id: str, event: str) -> list[dict[str, Any]]:
+    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
+
+
+def restart_env(stack: Stack, **kw: Any):
+    name = f"svc-{uid()}"
+    sor.put_service(stack.sor_db, name, "acme")
+    gen = sor.get_service(stack.sor_db, name)["generation"]
+    return stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
+                          target={"type": "service", "id": name, "expected_version": gen}, **kw)
+
+
+@contextmanager
+def held(stack: Stack, point: str) -> Iterator[int]:
+    """Arm ``point`` to hold the next worker that reaches it; yields the firing count to wait for.
+    Released (and disarmed) on the way out, whatever happened."""
+    shot = fired(stack.faultpoints, point) + 1
+    arm(stack.faultpoints, point, remaining=1, action="hold", seconds=60)
+    try:
+        yield shot
+    finally:
+        release(stack.faultpoints, point)
+
+
+def wait_held(stack: Stack, point: str, shot: int) -> None:
+    wait_for(lambda: fired(stack.faultpoints, point) >= shot, 30, what=f"a worker to reach {point}")
+
+
+def idempotency_record(stack: Stack, key: str) -> store.IdempotencyRecord:
+    with stack.conn.cursor() as cur:
+        record = store.get_idempotency_txn(cur, key)
+    assert record is not None, f"no idempotency record for {key}"
+    return record
 
 
 # --- 1. duplicate delivery with the same idempotency key ---------------------------------------------
@@ -57,23 +102,33 @@ def tool_called(stack: Stack, action_id: str) -> dict[str, Any]:
 
 @BOTH
 def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
-    # refund.issue's tool pays again on every call: only the runtime stands between a duplicate
-    # delivery and a second refund.
+    """Three duplicates race the first delivery: they arrive while the first holds the action's
+    lease and its claimed idempotency record, held at ``before_send``. refund.issue's tool pays
+    again on every call, so only the lease and the record stand between them and more refunds."""
     env = refund(stack, new_account(stack))
-    stack.publish(env)
-    stack.wait_settled(env.action_id)
     message = stack.message(env)
-    for _ in range(3):
-        stack.deliver(message)
-    # Each later delivery is either suppressed (the action is settled) or ignored (another
-    # delivery held the action's lease at that moment): never executed.
-    def handled() -> int:
-        events = stack.events(env.action_id)
-        return events.count("duplicate_suppressed") + events.count("redelivery_ignored")
-
-    wait_for(lambda: handled() == 3, 30, what="3 suppressions")
-    row = stack.action(env.action_id)
+    with held(stack, "before_send") as shot:
+        stack.publish(env)
+        wait_held(stack, "before_send", shot)
+        # The first delivery has claimed the key and is about to send; nothing reached the tool yet.
+        record = idempotency_record(stack, env.idempotency_key)
+        assert (record.status, record.attempts) == (IdempotencyStatus.in_progress, 1)
+        assert stack.effects(env.idempotency_key) == 0
+        for _ in range(3):
+            stack.deliver(message)
+        wait_for(lambda: stack.events(env.action_id).count("redelivery_ignored") == 3, 30,
+                 what="3 duplicates to meet the live lease")
+    row = stack.wait_settled(env.action_id)
+    ignored = evidence_of(stack, env.action_id, "redelivery_ignored")
+    assert {(e["reason_code"], e["which"], e["idempotency_key"]) for e in ignored} == {
+        ("lease_busy", "action", env.idempotency_key)}
+    # A duplicate after settlement is suppressed with the recorded result, not executed.
+    stack.deliver(message)
+    wait_for(lambda: "duplicate_suppressed" in stack.events(env.action_id), 30, what="the late duplicate")
     assert row.outcome == Outcome.completed_verified
+    assert len(calls_of(stack, env.action_id)) == 1
+    record = idempotency_record(stack, env.idempotency_key)
+    assert (record.status, record.attempts) == (IdempotencyStatus.completed, 1)
     assert stack.effects(env.idempotency_key) == 1
 
 
@@ -96,25 +151,41 @@ def test_duplicate_delivery_with_conflicting_arguments(stack: Stack) -> None:
     assert stack.effects(env.idempotency_key) == 1
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000 - 1000
     assert stack.action(env.action_id).outcome == Outcome.completed_verified
+    assert len(calls_of(stack, env.action_id)) == 1
 
 
 # --- 3. timeout before downstream receipt -------------------------------------------------------
 
 
+@PROXIED
 def test_timeout_before_downstream_receipt(stack: Stack) -> None:
-    """The server holds the request without acting past the caller's timeout; the caller's
-    cancellation stops it. Unknown outcome → verification proves the effect absent → recovery
-    retries with the same key → exactly one refund."""
+    """The network holds the request back (the proxy's request-direction delay) past the caller's
+    timeout, then loses it with its connection: the server never receives it. The caller cannot
+    know that: unknown outcome → verification proves the effect absent → retry with the same key
+    → exactly one refund."""
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=1.0)
-    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
-    stack.publish(env)
+    try:
+        with held(stack, "before_send") as shot:
+            stack.publish(env)
+            wait_held(stack, "before_send", shot)  # revalidated and claimed; the request is next
+            stack.proxy.set_mode("delay", seconds=600, direction="request")
+        stack.wait_event(env.action_id, "tool_called", timeout=30)
+        # Timed out with the request still held in the network: nothing reached the server.
+        assert stack.effects(env.idempotency_key) == 0
+        held_bytes = stack.proxy.stats()["bytes_client_to_server"]
+        stack.proxy.set_mode("reset")  # the held request is lost with its connection
+        assert stack.proxy.stats()["bytes_client_to_server"] == held_bytes
+    finally:
+        stack.proxy.set_mode("pass")
     row = stack.wait_settled(env.action_id, timeout=60)
-    calls = [e["evidence"] for e in stack.timeline(env.action_id) if e["event"] == "tool_called"]
-    assert calls[0]["outcome"] == Outcome.unknown_outcome.value
-    decided = [e["evidence"] for e in stack.timeline(env.action_id) if e["event"] == "recovery_decided"]
+    calls = calls_of(stack, env.action_id)
+    assert (calls[0]["outcome"], calls[0]["reason_code"]) == (Outcome.unknown_outcome.value, "response_lost")
+    decided = evidence_of(stack, env.action_id, "recovery_decided")
     assert decided[0]["decision"] == "retry" and decided[0]["facts"]["finding"] == "absent"
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert len(calls) == 2 and calls[1]["outcome"] == Outcome.completed_unverified.value
+    assert idempotency_record(stack, env.idempotency_key).attempts == 2
     assert stack.effects(env.idempotency_key) == 1
     assert len(sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]) == 1
 
@@ -128,19 +199,19 @@ def test_timeout_after_downstream_receipt(stack: Stack) -> None:
     response. Unknown outcome → verified through the independent read path, never re-sent."""
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=2.0)
-    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=0.8)
-    stack.publish(env)
     try:
-        stack.wait_event(env.action_id, "preconditions_passed")
-        stack.proxy.set_mode("blackhole", forward_close=False)
+        with held(stack, "before_send") as shot:
+            stack.publish(env)
+            wait_held(stack, "before_send", shot)
+            stack.proxy.set_mode("blackhole", forward_close=False)
         stack.wait_event(env.action_id, "tool_called", timeout=30)
+        assert stack.proxy.stats()["responses_dropped"] >= 1
     finally:
         stack.proxy.set_mode("pass")
-    assert tool_called(stack, env.action_id)["outcome"] == Outcome.unknown_outcome.value
-    assert stack.proxy.stats()["responses_dropped"] >= 1
+    assert calls_of(stack, env.action_id)[0]["outcome"] == Outcome.unknown_outcome.value
     row = stack.wait_settled(env.action_id)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
-    assert stack.events(env.action_id).count("tool_called") == 1
+    assert len(calls_of(stack, env.action_id)) == 1
     assert stack.effects(env.idempotency_key) == 1
 
 
@@ -150,28 +221,30 @@ def test_timeout_after_downstream_receipt(stack: Stack) -> None:
 @ALL_PROTOCOLS
 def test_lost_response_after_successful_mutation(stack: Stack) -> None:
     """The seed's most important test: the downstream applies the write and the response is lost;
-    the retry (a redelivery of the same envelope) and verification run; exactly one side effect
-    exists and the original result is recovered."""
+    the broker redelivers the same envelope (same key) while the first worker has recorded the
+    unknown outcome and not yet handed it to verification. The redelivery re-sends nothing: it
+    drives verification, which proves exactly one side effect and recovers the original result."""
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=1.0)
     sor.set_fault(stack.sor_db, "issue_refund", "drop_response", remaining=1, delay_seconds=30)
-    stack.publish(env)
-    stack.wait_event(env.action_id, "tool_called")
-    called = next(e for e in stack.timeline(env.action_id) if e["event"] == "tool_called")
-    assert called["evidence"]["outcome"] == Outcome.unknown_outcome.value
-    stack.deliver(stack.message(env))  # the broker's retry of the same envelope
-    row = stack.wait_settled(env.action_id)
+    with held(stack, "after_ledger") as shot:
+        stack.publish(env)
+        wait_held(stack, "after_ledger", shot)
+        assert calls_of(stack, env.action_id)[0]["outcome"] == Outcome.unknown_outcome.value
+        assert stack.action(env.action_id).status == ActionStatus.verifying
+        stack.deliver(stack.message(env))  # the broker's redelivery of the same envelope
+        stack.wait_event(env.action_id, "redelivery_reenqueued_verification")
+        row = stack.wait_settled(env.action_id)  # settled by the verification the redelivery drove
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert stack.events(env.action_id).count("redelivery_reenqueued_verification") == 1
+    assert len(calls_of(stack, env.action_id)) == 1
     assert stack.effects(env.idempotency_key) == 1
-    assert stack.events(env.action_id).count("tool_called") == 1
     refunds = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]
     assert len(refunds) == 1
     # The original result (the refund's id) is recovered from the system of record.
     assert row.result["recovered_by"] == "verification"
     assert row.result["values"]["refund"]["id"] == refunds[0]["id"]
-    with stack.conn.cursor() as cur:
-            record = store.get_idempotency_txn(cur, env.idempotency_key)
-    assert record.status == IdempotencyStatus.completed
+    assert idempotency_record(stack, env.idempotency_key).status == IdempotencyStatus.completed
 
 
 # --- 6. stale resource version -----------------------------------------------------------------------
@@ -186,7 +259,7 @@ def test_stale_resource_version(stack: Stack) -> None:
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "stale_version")
-    assert "tool_called" not in stack.events(env.action_id)
+    assert calls_of(stack, env.action_id) == []
     assert stack.effects(env.idempotency_key) == 0
     assert sor.get_ticket(stack.sor_db, ticket)["ticket"]["status"] == "open"
 
@@ -199,6 +272,7 @@ def test_expired_approval(stack: Stack) -> None:
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "approval_expired")
+    assert calls_of(stack, env.action_id) == []
     assert stack.effects(env.idempotency_key) == 0
 
 
@@ -213,6 +287,7 @@ def test_revoked_workload_identity(stack: Stack) -> None:
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "identity_revoked")
+    assert calls_of(stack, env.action_id) == []
     assert stack.effects(env.idempotency_key) == 0
 
 
@@ -231,13 +306,15 @@ def test_changed_tool_contract(stack: Stack) -> None:
     finally:
         stack.restart_writer()
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "tool_contract_changed")
-    failed = next(e for e in stack.timeline(env.action_id) if e["event"] == "revalidation_failed")["evidence"]
+    failed = evidence_of(stack, env.action_id, "revalidation_failed")[0]
     assert env.tool.contract_hash in failed["detail"]
+    assert calls_of(stack, env.action_id) == []
     assert stack.effects(env.idempotency_key) == 0
     # With the approved schema back, a fresh approval of the same intent executes.
     again = ticket_env(stack)
     stack.publish(again)
     assert stack.wait_settled(again.action_id).outcome == Outcome.completed_verified
+    assert stack.effects(again.idempotency_key) == 1
 
 
 # --- 10. concurrent action against the same target ------------------------------------------------
@@ -245,20 +322,22 @@ def test_changed_tool_contract(stack: Stack) -> None:
 
 def test_concurrent_action_against_the_same_target(stack: Stack) -> None:
     """Two different actions, both approved against the same account version, arrive together.
-    The target lock serialises them; the second then sees the version the first produced and
-    does not start: it is never adapted to the new state."""
+    The first holds the target's lock (held at ``before_send``) when the second arrives; the
+    target lock serialises them; the second then sees the version the first produced and does
+    not start: it is never adapted to the new state."""
     account = new_account(stack)
     first = refund(stack, account, amount=1000)
     second = refund(stack, account, amount=2000)
-    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=1.5)
-    stack.publish(first)
-    stack.wait_event(first.action_id, "preconditions_passed")
-    stack.publish(second)
+    with held(stack, "before_send") as shot:
+        stack.publish(first)
+        wait_held(stack, "before_send", shot)
+        stack.publish(second)
+        stack.wait_event(second.action_id, "target_busy")
     rows = {e.action_id: stack.wait_settled(e.action_id, timeout=60) for e in (first, second)}
     assert rows[first.action_id].outcome == Outcome.completed_verified
     assert (rows[second.action_id].outcome, rows[second.action_id].reason_code) == (Outcome.not_started,
                                                                                     "stale_version")
-    assert "target_busy" in stack.events(second.action_id)
+    assert calls_of(stack, second.action_id) == []
     assert stack.effects(first.idempotency_key) == 1 and stack.effects(second.idempotency_key) == 0
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000 - 1000
 
@@ -267,76 +346,95 @@ def test_concurrent_action_against_the_same_target(stack: Stack) -> None:
 
 
 def test_task_record_expiration(stack: Stack) -> None:
-    """The worker dies after the downstream applied the write and before it recorded anything;
-    by the time the message is delivered again, the idempotency record is past its replay window.
-    The runtime refuses to guess: nothing is called again, the action goes to an operator."""
-    from worker.faultpoints import arm, fired
-
-    account = new_account(stack)
-    env = refund(stack, account)
-    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=1.5)
-    arm(stack.faultpoints, "after_send", remaining=1)
-    stack.publish(env)
-    stack.wait_event(env.action_id, "idempotency_claimed")
-    with psycopg_admin(stack) as conn:  # time passes: the record ages out of its replay window
-        conn.execute("UPDATE idempotency_records SET expires_at = clock_timestamp() - interval '1 second' "
-                     "WHERE key = %s", (env.idempotency_key,))
-    row = stack.wait_settled(env.action_id, timeout=60)
-    assert fired(stack.faultpoints, "after_send") == 1
-    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.escalated, Outcome.unknown_outcome,
-                                                          "replay_window_expired")
-    assert "replay_window_expired" in stack.events(env.action_id)
-    assert "tool_called" not in stack.events(env.action_id)
-    assert stack.effects(env.idempotency_key) == 1  # applied once by the worker that died; never again
-    wait_for(stack.workers_alive, 10, what="Celery to replace the killed pool process")
-
-
-def psycopg_admin(stack: Stack):
-    import psycopg
-
-    return psycopg.connect(stack.admin_url, autocommit=True)
+    """An asynchronous restart is accepted with an operation id; the server keeps that operation's
+    status record for a time to live of its own (one second here). The runtime is held after
+    recording the acceptance until the server has really expired the record. Verification then
+    finds the record gone, records that as evidence (``operation_record_expired``), and still
+    settles the outcome from the authoritative read of the service."""
+    env = restart_env(stack)
+    sor.set_operation_ttl(stack.sor_db, 1.0)
+    try:
+        with held(stack, "after_ledger") as shot:
+            stack.publish(env)
+            wait_held(stack, "after_ledger", shot)
+            operation = calls_of(stack, env.action_id)[0]["downstream_operation_id"]
+            # The downstream answers for the operation until its time to live passes, then no more.
+            wait_for(lambda: not sor.get_operation(stack.sor_db, operation)["found"], 30,
+                     what=f"the server to expire the record of {operation}")
+        row = stack.wait_settled(env.action_id)
+    finally:
+        sor.clear_faults(stack.sor_db, sor.OPERATION_TTL)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    [expired] = evidence_of(stack, env.action_id, "operation_record_expired")
+    assert expired["reason_code"] == "operation_record_expired"
+    assert expired["arguments"] == {"operation_id": operation} and expired["record"]["found"] is False
+    assert expired["record"]["expired_at"] is not None
+    [finished] = evidence_of(stack, env.action_id, "verification_finished")
+    assert finished["operation_record"]["retrieved"] is False and finished["finding"] == "expected"
+    assert finished["read_tool"] == "get_service"
+    assert len(calls_of(stack, env.action_id)) == 1
+    assert stack.effects(env.idempotency_key) == 1
 
 
 # --- 12. ignored cancellation ------------------------------------------------------------------------
 
 
 def test_ignored_cancellation(stack: Stack) -> None:
+    """An operator cancels while the refund call is in flight. The server receives the MCP
+    ``notifications/cancelled`` and ignores it: it applies the refund anyway (``ignore_cancel``
+    holds the call until the cancel arrives, then commits). The runtime classifies the call by one
+    reason, reconciles from the system of record, and compensates (``reconcile_then_compensate``)."""
     account = new_account(stack)
     env = refund_env(stack, account, cancellation="reconcile_then_compensate")
-    # The server applies the refund and then keeps the request open: a cancellation cannot stop it.
-    sor.set_fault(stack.sor_db, "issue_refund", "drop_response", remaining=1, delay_seconds=3)
+    sor.set_fault(stack.sor_db, "issue_refund", "ignore_cancel", remaining=1, delay_seconds=60)
     stack.publish(env)
-    stack.wait_event(env.action_id, "preconditions_passed")
-    wait_for(lambda: stack.effects(env.idempotency_key) == 1, 20, what="the refund to be applied")
+
+    def in_flight() -> bool:  # the server took the fault's shot: the call is inside the tool
+        return any(f["tool"] == "issue_refund" and f["remaining"] == 0 for f in sor.list_faults(stack.sor_db))
+
+    wait_for(in_flight, 30, what="the refund call to reach the server")
+    assert stack.effects(env.idempotency_key) == 0  # nothing applied before the cancel
     result = cancel(stack.operator, CeleryDispatch(stack.app), env.action_id, "ops@example.com", "wrong customer")
     assert result["accepted"] and result["disposition"] == "awaiting external state"
     row = stack.wait_settled(env.action_id, timeout=60)
     assert (row.status, row.outcome) == (ActionStatus.cancelled, Outcome.compensated)
-    called = next(e for e in stack.timeline(env.action_id) if e["event"] == "tool_called")["evidence"]
-    assert called["reason_code"] in ("cancelled_in_flight", "response_lost")
+    [called] = calls_of(stack, env.action_id)
+    assert (called["outcome"], called["reason_code"]) == (Outcome.unknown_outcome.value, "cancelled_in_flight")
+    # The server's own log: it received the cancellation and did not honour it.
+    assert [c["disposition"] for c in sor.cancellations(stack.sor_db, env.idempotency_key)] == ["ignored"]
     # Reconciled from the system of record: one refund happened, and it was reversed once.
-    refund = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]
-    assert len(refund) == 1 and refund[0]["status"] == "reversed"
+    refunds = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]
+    assert len(refunds) == 1 and refunds[0]["status"] == "reversed"
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
+    comp = stack.action(recovery_action(stack, env.action_id))
+    assert stack.effects(env.idempotency_key) == 1 and stack.effects(comp.idempotency_key) == 1
 
 
 # --- 13. progress notification flood -----------------------------------------------------------------
 
 
 def test_progress_notification_flood(stack: Stack) -> None:
-    name = f"svc-{time.monotonic_ns()}"
-    sor.put_service(stack.sor_db, name, "acme")
-    gen = sor.get_service(stack.sor_db, name)["generation"]
-    env = stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
-                         target={"type": "service", "id": name, "expected_version": gen})
-    sor.set_fault(stack.sor_db, "restart_service", "progress_flood", remaining=1, delay_seconds=2.0)
+    """The server floods progress (one notification every 10 ms for a minute) and never answers.
+    Each notification restarts the one-second request timeout, so only the absolute deadline,
+    seven seconds out, can end the call: it is cut there, however much progress keeps coming."""
+    flood_seconds = 60.0
+    env = restart_env(stack, timeout_seconds=1.0, deadline_in=timedelta(seconds=7))
+    sor.set_fault(stack.sor_db, "restart_service", "progress_flood", remaining=1, delay_seconds=flood_seconds)
     stack.publish(env)
-    row = stack.wait_settled(env.action_id)
-    assert row.outcome == Outcome.completed_verified
-    called = next(e for e in stack.timeline(env.action_id) if e["event"] == "tool_called")["evidence"]
-    assert called["progress_total"] >= 100
+    row = stack.wait_settled(env.action_id, timeout=60)
+    [called] = calls_of(stack, env.action_id)
+    assert (called["outcome"], called["reason_code"]) == (Outcome.unknown_outcome.value, "absolute_deadline_reached")
+    # Progress outlived the request timeout many times over (so it did restart it)...
+    assert called["progress_total"] > 100
+    assert called["elapsed_ms"] > 1000 * 5
+    # ...but the flood was cut at the deadline, and only a bounded sample of it was recorded.
     assert len(called["progress"]) == 5  # PROOFLINE_PROGRESS_EVENTS_LIMIT in the test stack
-    assert stack.effects(env.idempotency_key) == 1
+    [seen] = sor.cancellations(stack.sor_db, env.idempotency_key)
+    sent = int(seen["disposition"].split(": ")[1].split()[0])
+    assert seen["disposition"].startswith("honoured") and called["progress_total"] <= sent < flood_seconds * 100
+    # Nothing was applied, verification proved it, and no retry runs past the deadline.
+    assert row.finding == "absent" and row.outcome == Outcome.failed_before_side_effect
+    assert stack.effects(env.idempotency_key) == 0
 
 
 # --- 14. partial multi-step completion ---------------------------------------------------------------
@@ -361,13 +459,12 @@ def test_partial_multi_step_completion(stack: Stack) -> None:
     assert comps[1].published_at < comps[0].published_at
     # Downstream: the refund is reversed and the created ticket closed, each exactly once.
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
-    refund = sor.find_refund_by_key(stack.sor_db, steps[1].idempotency_key)["refund"]
-    assert refund["status"] == "reversed"
-    ticket = sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]
-    assert ticket["status"] == "closed"
+    assert sor.find_refund_by_key(stack.sor_db, steps[1].idempotency_key)["refund"]["status"] == "reversed"
+    assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
     for comp in comps:
         assert stack.effects(comp.idempotency_key) == 1
     assert stack.effects(steps[0].idempotency_key) == 1 and stack.effects(steps[1].idempotency_key) == 1
+    assert stack.effects(steps[2].idempotency_key) == 0
 
 
 # --- 15. verification API outage ---------------------------------------------------------------------
@@ -384,7 +481,9 @@ def test_verification_api_outage(stack: Stack) -> None:
         sor.set_read_outage(stack.sor_db, False, role="reader")
     assert (row.status, row.outcome, row.finding) == (ActionStatus.escalated, Outcome.completed_unverified,
                                                        "unavailable")
-    assert stack.events(env.action_id).count("tool_called") == 1
+    [finished] = evidence_of(stack, env.action_id, "verification_finished")
+    assert finished["reads"] == 0 and finished["failed_reads"] > 1  # it kept trying to the bound
+    assert len(calls_of(stack, env.action_id)) == 1
     assert stack.effects(env.idempotency_key) == 1  # never a second write to "make sure"
 
 
@@ -392,37 +491,57 @@ def test_verification_api_outage(stack: Stack) -> None:
 
 
 def test_eventual_consistency_delay(stack: Stack) -> None:
-    name = f"svc-{uid()}"
-    sor.put_service(stack.sor_db, name, "acme")
-    gen = sor.get_service(stack.sor_db, name)["generation"]
-    env = stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
-                         target={"type": "service", "id": name, "expected_version": gen})
-    stack.publish(env)
-    row = stack.wait_settled(env.action_id)
+    """The verification read path is a replica that lags the writer by 1.5 s; service.restart's
+    contract declares a consistency delay of 3 s. Right after the restart the replica still shows
+    the service untouched, which is exactly what the contract's "absent" condition describes: read
+    within the declared delay it is no evidence of absence, so verification keeps reading until
+    the restart shows, and the single restart is verified instead of retried."""
+    contract = contract_for(stack.settings.contracts_dir, "service.restart")
+    lag = 1.5
+    assert contract.verification.consistency_delay_seconds > lag
+    env = restart_env(stack)
+    sor.set_read_lag(stack.sor_db, lag, role="reader")
+    try:
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id, timeout=60)
+        stale = sor.get_service(stack.sor_db, env.target.id, as_of=time.time() - 3600)
+    finally:
+        sor.set_read_lag(stack.sor_db, None, role="reader")
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
-    finished = next(e for e in stack.timeline(env.action_id) if e["event"] == "verification_finished")["evidence"]
+    # What a lagging read shows is what "absent" means: a verifier that did not wait would conclude it.
+    doc = env.model_dump(mode="json")
+    assert holds(contract.verification.absent, {"after": stale, "target": doc["target"], "args": doc["arguments"]})
+    [finished] = evidence_of(stack, env.action_id, "verification_finished")
     findings = [t["finding"] for t in finished["timeline"]]
-    assert findings[0] == "tolerated" and findings[-1] == "expected"  # warming up, then healthy
-    called = next(e for e in stack.timeline(env.action_id) if e["event"] == "tool_called")["evidence"]
-    assert called["outcome"] == Outcome.accepted.value and called["downstream_operation_id"].startswith("op-")
+    assert findings[0] == "not_reached" and "absent" not in findings and findings[-1] == "expected"
+    assert "recovery_decided" not in stack.events(env.action_id)
+    called = calls_of(stack, env.action_id)
+    assert len(called) == 1 and called[0]["outcome"] == Outcome.accepted.value
+    assert stack.effects(env.idempotency_key) == 1
 
 
 # --- 17. compensation retry --------------------------------------------------------------------------
 
 
 def test_compensation_retry(stack: Stack) -> None:
+    """Step 1 of a run cannot start, so step 0 (a created ticket) is compensated by closing it. The
+    first compensation call fails transiently before committing; the compensation is retried with
+    its same key and succeeds: two calls, one effect, the ticket closed once."""
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: stale_close_env(stack, **kw)])
-    # The compensation (close_ticket) applies, and its response is lost.
-    sor.set_fault(stack.sor_db, "close_ticket", "drop_response", remaining=1, delay_seconds=30)
+    sor.set_fault(stack.sor_db, "close_ticket", "fail_before_commit", remaining=1)
     stack.publish_run(steps)
     assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
     comp_id = recovery_action(stack, steps[0].action_id)
     comp = stack.action(comp_id)
-    called = next(e for e in stack.timeline(comp_id) if e["event"] == "tool_called")["evidence"]
-    assert called["outcome"] == Outcome.unknown_outcome.value
     assert comp.outcome == Outcome.completed_verified
+    first, second = calls_of(stack, comp_id)
+    assert (first["outcome"], first["reason_code"]) == (Outcome.failed_before_side_effect.value,
+                                                        "tool_error:failed_before_side_effect")
+    assert second["outcome"] == Outcome.completed_unverified.value
+    assert evidence_of(stack, comp_id, "retry_scheduled") == [{"attempts": 1}]
+    assert idempotency_record(stack, comp.idempotency_key).attempts == 2
     assert stack.effects(comp.idempotency_key) == 1
-    assert stack.events(comp_id).count("tool_called") == 1
+    assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
     assert stack.action(steps[0].action_id).outcome == Outcome.compensated
 
 
@@ -431,36 +550,44 @@ def test_compensation_retry(stack: Stack) -> None:
 
 def test_compensation_failure(stack: Stack) -> None:
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: stale_close_env(stack, **kw)])
-    # Step 1 is held until step 0 is verified; change the created ticket before compensation
-    # runs, so compensating would overwrite a legitimate concurrent change: it must refuse.
+    # Every compensation call fails before committing: the retries run out.
     sor.set_fault(stack.sor_db, "close_ticket", "fail_before_commit", remaining=-1)
+    blocked = None
     try:
         stack.publish_run(steps)
         parent = wait_for(lambda: (r := stack.action(steps[0].action_id)) and r.status == ActionStatus.escalated
                           and r, 60, what="compensation_failed")
     finally:
         sor.clear_faults(stack.sor_db)
-    assert parent.outcome == Outcome.compensation_failed
-    assert "compensation_failed" in stack.events(steps[0].action_id)
-    switches = {(s["scope"], s["value"]) for s in list_switches(stack.conn)}
-    assert ("tool_tenant", "create_ticket@acme") in switches
-    # The ticket is still open: the failed compensation applied nothing.
-    assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "open"
-    # Automation is blocked for that tool and tenant: a new action does not start.
-    blocked = ticket_env(stack)
-    stack.publish(blocked)
-    row = stack.wait_settled(blocked.action_id)
-    assert (row.outcome, row.reason_code) == (Outcome.not_started, "kill_switch_engaged")
-    assert stack.effects(blocked.idempotency_key) == 0
-    # It is in the manual queue with its evidence, and an operator can resolve it.
-    queued = {r["action_id"]: r for r in manual_queue(stack.conn)}
-    assert steps[0].action_id in queued
-    assert any(e["event"] == "compensation_failed" for e in queued[steps[0].action_id]["evidence"])
-    resolve(stack.operator, steps[0].action_id, "compensated", "oncall@example.com", "closed by hand",
-            {"ticket": "closed in the UI"})
-    assert stack.action(steps[0].action_id).reason_code == "operator_compensated"
-    assert "operator_intervention" in stack.events(steps[0].action_id)
-    clear_switch(stack.operator, KillSwitchScope.tool_tenant, "create_ticket@acme", "oncall@example.com", "resolved")
+    try:
+        assert parent.outcome == Outcome.compensation_failed
+        assert "compensation_failed" in stack.events(steps[0].action_id)
+        comp = stack.action(recovery_action(stack, steps[0].action_id))
+        attempts = calls_of(stack, comp.action_id)
+        assert len(attempts) == 2 and all(c["outcome"] == Outcome.failed_before_side_effect.value for c in attempts)
+        assert stack.effects(comp.idempotency_key) == 0
+        switches = {(s["scope"], s["value"]) for s in list_switches(stack.conn)}
+        assert ("tool_tenant", "create_ticket@acme") in switches
+        # The ticket is still open: the failed compensation applied nothing.
+        assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "open"
+        # Automation is blocked for that tool and tenant: a new action does not start.
+        blocked = ticket_env(stack)
+        stack.publish(blocked)
+        row = stack.wait_settled(blocked.action_id)
+        assert (row.outcome, row.reason_code) == (Outcome.not_started, "kill_switch_engaged")
+        assert calls_of(stack, blocked.action_id) == []
+        assert stack.effects(blocked.idempotency_key) == 0
+        # It is in the manual queue with its evidence, and an operator can resolve it.
+        queued = {r["action_id"]: r for r in manual_queue(stack.conn)}
+        assert steps[0].action_id in queued
+        assert any(e["event"] == "compensation_failed" for e in queued[steps[0].action_id]["evidence"])
+        resolve(stack.operator, steps[0].action_id, "compensated", "oncall@example.com", "closed by hand",
+                {"ticket": "closed in the UI"})
+        assert stack.action(steps[0].action_id).reason_code == "operator_compensated"
+        assert "operator_intervention" in stack.events(steps[0].action_id)
+    finally:
+        clear_switch(stack.operator, KillSwitchScope.tool_tenant, "create_ticket@acme", "oncall@example.com",
+                     "resolved")
 
 
 # --- 19. operator kill switch ------------------------------------------------------------------------
@@ -480,34 +607,75 @@ def test_operator_kill_switch(stack: Stack) -> None:
     finally:
         clear_switch(stack.operator, KillSwitchScope.tool, "issue_refund", "secops@example.com", "cleared")
     assert all((r.outcome, r.reason_code) == (Outcome.not_started, "kill_switch_engaged") for r in rows)
+    assert all(calls_of(stack, e.action_id) == [] for e in envs)
     assert all(stack.effects(e.idempotency_key) == 0 for e in envs)
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
-    events = [e for e in stack.timeline("killswitch:tool:issue_refund")]
-    assert [e["event"] for e in events][-2:] == ["kill_switch_set", "kill_switch_cleared"]
+    events = [e["event"] for e in stack.timeline("killswitch:tool:issue_refund")]
+    assert events[-2:] == ["kill_switch_set", "kill_switch_cleared"]
 
 
 # --- 20. forensic reconstruction from evidence -------------------------------------------------------
 
 
+def forensics_document(stack: Stack, action_id: str) -> dict[str, Any]:
+    """``proofline forensics --json`` as an operator runs it (the reader role), parsed."""
+    env = dict(os.environ, PROOFLINE_DATABASE_URL=stack.database_url,
+               PROOFLINE_READER_DATABASE_URL=stack.urls["reader"], PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "proofline", "forensics", "--json", action_id], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 def test_forensic_reconstruction_from_evidence(stack: Stack) -> None:
+    """A compensated run is reconstructed from the ledger alone; then the table owner rewrites one
+    recorded fact (the verification's finding) behind the insert-only trigger, and the report's
+    own chain check names the broken link, while the compensation's chain stays intact."""
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: stale_close_env(stack, **kw)])
     stack.publish_run(steps)
     run_settled(stack, steps[0].run_id)
-    env = dict(__import__("os").environ, PROOFLINE_DATABASE_URL=stack.database_url, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "proofline", "forensics", steps[0].action_id], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "ledger chain intact" in text
-    assert "1. Authorized" in text and "operator@example.com" in text and "agent:ops-assistant" in text
-    assert f"approval apr-{steps[0].action_id}" in text
-    assert "3. Executed" in text and "classified completed_unverified" in text
-    assert "4. What changed" in text and "finding expected" in text
-    assert "decided compensation (run_step_failed)" in text
-    comp = recovery_action(stack, steps[0].action_id)
-    assert f"ACTION {comp}" in text  # the compensation's own story, nested
-    assert "compensated" in text.split("6. Final state")[-1]
-    with stack.conn.cursor() as cur:
-        assert store.get_action(cur, steps[0].action_id).outcome == Outcome.compensated
-    json.dumps(text)  # printable as a single document
+    aid = steps[0].action_id
+    comp = recovery_action(stack, aid)
+    doc = forensics_document(stack, aid)
+    assert doc["chain"] == {"intact": True, "events": len(stack.events(aid)), "broken_at_seq": None, "problem": None}
+    authorized = doc["authorized"]["evidence"]
+    assert (authorized["requester"], authorized["workload_identity"]) == (steps[0].requester,
+                                                                         steps[0].workload_identity)
+    assert authorized["approval"]["id"] == steps[0].approval.id
+    assert [e["evidence"]["outcome"] for e in doc["executed"]] == [Outcome.completed_unverified.value]
+    [verified] = [e for e in doc["changed"] if e["event"] == "verification_finished"]
+    assert verified["evidence"]["finding"] == "expected"
+    decided = [e for e in doc["recovery"] if e["event"] == "recovery_decided"]
+    assert [(d["evidence"]["decision"], d["evidence"]["reason"]) for d in decided] == [("compensation",
+                                                                                        "run_step_failed")]
+    [published] = [e for e in doc["recovery"] if e["event"] == "recovery_action_published"]
+    assert published["action"]["action_id"] == comp and published["action"]["chain"]["intact"] is True
+    assert published["action"]["executed"][0]["evidence"]["outcome"] == Outcome.completed_unverified.value
+    assert [(e["event"], e["evidence"].get("recovery_action")) for e in doc["final"]] == [
+        ("final_state", None), ("compensated", comp)]
 
+    # The owner rewrites history: the verification "found" a prohibited state instead.
+    seq = verified["seq"]
+    with psycopg.connect(stack.admin_url, autocommit=True) as admin:
+        original = admin.execute("SELECT evidence FROM ledger_events WHERE action_id = %s AND seq = %s",
+                                 (aid, seq)).fetchone()[0]
+        edit = "UPDATE ledger_events SET evidence = %s WHERE action_id = %s AND seq = %s"
+        try:
+            with admin.transaction():
+                admin.execute("ALTER TABLE ledger_events DISABLE TRIGGER ledger_events_no_update")
+                admin.execute(edit, (json.dumps({**original, "finding": "prohibited"}), aid, seq))
+                admin.execute("ALTER TABLE ledger_events ENABLE TRIGGER ledger_events_no_update")
+            tampered = forensics_document(stack, aid)
+        finally:  # put the record back: the shared stack's other tests check every chain
+            with admin.transaction():
+                admin.execute("ALTER TABLE ledger_events DISABLE TRIGGER ledger_events_no_update")
+                admin.execute(edit, (json.dumps(original), aid, seq))
+                admin.execute("ALTER TABLE ledger_events ENABLE TRIGGER ledger_events_no_update")
+    assert tampered["chain"]["intact"] is False
+    assert tampered["chain"]["broken_at_seq"] == seq
+    assert tampered["chain"]["problem"] == "content does not match its hash (the event was altered)"
+    [shown] = [e for e in tampered["changed"] if e["event"] == "verification_finished"]
+    assert shown["evidence"]["finding"] == "prohibited"  # the report shows what is stored, flagged by the check
+    [nested] = [e["action"] for e in tampered["recovery"] if e["event"] == "recovery_action_published"]
+    assert nested["chain"]["intact"] is True  # the compensation's own chain
+    assert forensics_document(stack, aid)["chain"]["intact"] is True  # restored
