@@ -30,7 +30,8 @@ MODES = frozenset(
 )
 #: Tool name of the switch that takes every read tool down.
 READ_OUTAGE = "*read*"
-#: Tool name prefix of the switch that makes one identity's reads lag behind the writer.
+#: Tool name prefix of the switch that makes one identity's reads lag behind the writer (its
+#: ``delay_seconds`` holds the wall-clock time the replica shows).
 READ_LAG = "*lag*"
 #: Tool name of the switch that gives the next operation record a short time to live.
 OPERATION_TTL = "*operation_ttl*"
@@ -87,14 +88,15 @@ def set_read_outage(path: str | os.PathLike[str] | None, on: bool = True, role: 
         clear_faults(path, read_outage_name(role))
 
 
-def set_read_lag(path: str | os.PathLike[str] | None, seconds: float | None, role: str = "reader") -> None:
-    """Make ``role``'s reads show the record as it stood ``seconds`` ago, as a replica that lags
-    the writer does (tools that can read as of a past time: ``get_service``); ``None`` ends it."""
+def set_replica_position(path: str | os.PathLike[str] | None, at: float | None, role: str = "reader") -> None:
+    """Make ``role``'s reads show the record as it stood at wall-clock time ``at``, as a replica whose
+    replication stopped there (tools that can read as of a past time: ``get_service``); ``None``
+    lets it catch up. Its lag grows until then, so a test decides by a condition when it ends."""
     name = f"{READ_LAG}:{role}"
-    if seconds is None:
+    if at is None:
         clear_faults(path, name)
     else:
-        set_fault(path, name, "read_lag", remaining=-1, delay_seconds=seconds)
+        set_fault(path, name, "read_lag", remaining=-1, delay_seconds=at)
 
 
 def set_operation_ttl(path: str | os.PathLike[str] | None, seconds: float, remaining: int = 1) -> None:

@@ -205,8 +205,8 @@ class Runner:
         self, ctx: Context, tool: str, fetch: Callable[[], Any], render: Callable[[Any], CallToolResult],
         as_of: Callable[[float], Any] | None = None,
     ) -> CallToolResult:
-        """Run a read tool: honours the ``*read*`` outage switch, this identity's read lag (for
-        tools that can read ``as_of`` a past time) and the tool's own fault."""
+        """Run a read tool: honours the ``*read*`` outage switch, this identity's replica position
+        (for tools that can read ``as_of`` a past time) and the tool's own fault."""
         path = self.config.db_path
         try:
             outage = await in_thread(store.take_fault, path, READ_OUTAGE, readonly=self.readonly)
@@ -221,7 +221,7 @@ class Runner:
                 return error_result("unavailable", f"injected failure in {tool}")
             lag = await in_thread(store.take_fault, path, f"{READ_LAG}:{self.config.role}", readonly=True)
             if lag is not None and lag.mode == "read_lag" and as_of is not None:
-                data = await in_thread(as_of, now() - lag.delay_seconds)
+                data = await in_thread(as_of, min(lag.delay_seconds, now()))
             else:
                 data = await in_thread(fetch)
         except sqlite3.OperationalError as exc:

@@ -27,8 +27,8 @@ from proofline_kit.sor.faults import (
     list_faults,
     set_fault,
     set_operation_ttl,
-    set_read_lag,
     set_read_outage,
+    set_replica_position,
     take_fault,
 )
 from proofline_kit.sor.refunds import find_refund_by_key, get_account, issue_refund, reverse_refund
@@ -56,7 +56,7 @@ __all__ = [
     "set_fault",
     "clear_faults",
     "set_read_outage",
-    "set_read_lag",
+    "set_replica_position",
     "set_operation_ttl",
     "take_fault",
     "list_faults",

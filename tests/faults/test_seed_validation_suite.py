@@ -90,6 +90,12 @@ def wait_held(stack: Stack, point: str, shot: int) -> None:
     wait_for(lambda: fired(stack.faultpoints, point) >= shot, 30, what=f"a worker to reach {point}")
 
 
+def sent_and_applied(stack: Stack, key: str) -> tuple[int, int]:
+    """(``tools/call`` requests carrying ``key`` that the witness saw the write server receive,
+    mutations the system of record applied under ``key``): the two independent counts."""
+    return stack.witness.count(key=key, server="sor"), stack.effects(key)
+
+
 def idempotency_record(stack: Stack, key: str) -> store.IdempotencyRecord:
     with stack.conn.cursor() as cur:
         record = store.get_idempotency_txn(cur, key)
@@ -113,7 +119,7 @@ def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
         # The first delivery has claimed the key and is about to send; nothing reached the tool yet.
         record = idempotency_record(stack, env.idempotency_key)
         assert (record.status, record.attempts) == (IdempotencyStatus.in_progress, 1)
-        assert stack.effects(env.idempotency_key) == 0
+        assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
         for _ in range(3):
             stack.deliver(message)
         wait_for(lambda: stack.events(env.action_id).count("redelivery_ignored") == 3, 30,
@@ -129,7 +135,7 @@ def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
     assert len(calls_of(stack, env.action_id)) == 1
     record = idempotency_record(stack, env.idempotency_key)
     assert (record.status, record.attempts) == (IdempotencyStatus.completed, 1)
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
 
 
 # --- 2. duplicate delivery with conflicting arguments ------------------------------------------------
@@ -147,8 +153,8 @@ def test_duplicate_delivery_with_conflicting_arguments(stack: Stack) -> None:
         stack.publish(other)
     stack.deliver(stack.message(other))  # as if the broker carried it anyway
     stack.wait_event(env.action_id, "idempotency_conflict")
-    assert stack.effects(other.idempotency_key) == 0
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, other.idempotency_key) == (0, 0)
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000 - 1000
     assert stack.action(env.action_id).outcome == Outcome.completed_verified
     assert len(calls_of(stack, env.action_id)) == 1
@@ -172,7 +178,7 @@ def test_timeout_before_downstream_receipt(stack: Stack) -> None:
             stack.proxy.set_mode("delay", seconds=600, direction="request")
         stack.wait_event(env.action_id, "tool_called", timeout=30)
         # Timed out with the request still held in the network: nothing reached the server.
-        assert stack.effects(env.idempotency_key) == 0
+        assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
         held_bytes = stack.proxy.stats()["bytes_client_to_server"]
         stack.proxy.set_mode("reset")  # the held request is lost with its connection
         assert stack.proxy.stats()["bytes_client_to_server"] == held_bytes
@@ -186,7 +192,10 @@ def test_timeout_before_downstream_receipt(stack: Stack) -> None:
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert len(calls) == 2 and calls[1]["outcome"] == Outcome.completed_unverified.value
     assert idempotency_record(stack, env.idempotency_key).attempts == 2
-    assert stack.effects(env.idempotency_key) == 1
+    # The runtime sent two requests; the server received only the retry, and applied it once.
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+    [received] = stack.witness.calls(key=env.idempotency_key, server="sor")
+    assert received.fencing_token == idempotency_record(stack, env.idempotency_key).fencing_token
     assert len(sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]) == 1
 
 
@@ -212,7 +221,10 @@ def test_timeout_after_downstream_receipt(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert len(calls_of(stack, env.action_id)) == 1
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+    # The server did answer, with success: the answer is what the network lost.
+    [received] = stack.witness.calls(key=env.idempotency_key, server="sor")
+    assert received.answered and received.is_error is False
 
 
 # --- 5. lost response after successful mutation ------------------------------------------------------
@@ -238,7 +250,7 @@ def test_lost_response_after_successful_mutation(stack: Stack) -> None:
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert stack.events(env.action_id).count("redelivery_reenqueued_verification") == 1
     assert len(calls_of(stack, env.action_id)) == 1
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
     refunds = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]
     assert len(refunds) == 1
     # The original result (the refund's id) is recovered from the system of record.
@@ -260,7 +272,7 @@ def test_stale_resource_version(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "stale_version")
     assert calls_of(stack, env.action_id) == []
-    assert stack.effects(env.idempotency_key) == 0
+    assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
     assert sor.get_ticket(stack.sor_db, ticket)["ticket"]["status"] == "open"
 
 
@@ -273,7 +285,7 @@ def test_expired_approval(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "approval_expired")
     assert calls_of(stack, env.action_id) == []
-    assert stack.effects(env.idempotency_key) == 0
+    assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
 
 
 # --- 8. revoked workload identity --------------------------------------------------------------------
@@ -288,7 +300,7 @@ def test_revoked_workload_identity(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id)
     assert (row.outcome, row.reason_code) == (Outcome.not_started, "identity_revoked")
     assert calls_of(stack, env.action_id) == []
-    assert stack.effects(env.idempotency_key) == 0
+    assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
 
 
 # --- 9. changed tool contract -------------------------------------------------------------------
@@ -309,12 +321,12 @@ def test_changed_tool_contract(stack: Stack) -> None:
     failed = evidence_of(stack, env.action_id, "revalidation_failed")[0]
     assert env.tool.contract_hash in failed["detail"]
     assert calls_of(stack, env.action_id) == []
-    assert stack.effects(env.idempotency_key) == 0
+    assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
     # With the approved schema back, a fresh approval of the same intent executes.
     again = ticket_env(stack)
     stack.publish(again)
     assert stack.wait_settled(again.action_id).outcome == Outcome.completed_verified
-    assert stack.effects(again.idempotency_key) == 1
+    assert sent_and_applied(stack, again.idempotency_key) == (1, 1)
 
 
 # --- 10. concurrent action against the same target ------------------------------------------------
@@ -338,7 +350,8 @@ def test_concurrent_action_against_the_same_target(stack: Stack) -> None:
     assert (rows[second.action_id].outcome, rows[second.action_id].reason_code) == (Outcome.not_started,
                                                                                     "stale_version")
     assert calls_of(stack, second.action_id) == []
-    assert stack.effects(first.idempotency_key) == 1 and stack.effects(second.idempotency_key) == 0
+    assert sent_and_applied(stack, first.idempotency_key) == (1, 1)
+    assert sent_and_applied(stack, second.idempotency_key) == (0, 0)
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000 - 1000
 
 
@@ -353,6 +366,7 @@ def test_task_record_expiration(stack: Stack) -> None:
     settles the outcome from the authoritative read of the service."""
     env = restart_env(stack)
     sor.set_operation_ttl(stack.sor_db, 1.0)
+    start = stack.witness.mark()
     try:
         with held(stack, "after_ledger") as shot:
             stack.publish(env)
@@ -373,7 +387,10 @@ def test_task_record_expiration(stack: Stack) -> None:
     assert finished["operation_record"]["retrieved"] is False and finished["finding"] == "expected"
     assert finished["read_tool"] == "get_service"
     assert len(calls_of(stack, env.action_id)) == 1
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+    # The runtime did ask the read identity for the operation, after the record had expired.
+    asked = stack.witness.calls(tool="get_operation", server="sor:read", since=start)
+    assert len(asked) == 1 and asked[0].answered and asked[0].is_error is False
 
 
 # --- 12. ignored cancellation ------------------------------------------------------------------------
@@ -393,7 +410,7 @@ def test_ignored_cancellation(stack: Stack) -> None:
         return any(f["tool"] == "issue_refund" and f["remaining"] == 0 for f in sor.list_faults(stack.sor_db))
 
     wait_for(in_flight, 30, what="the refund call to reach the server")
-    assert stack.effects(env.idempotency_key) == 0  # nothing applied before the cancel
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 0)  # received, nothing applied yet
     result = cancel(stack.operator, CeleryDispatch(stack.app), env.action_id, "ops@example.com", "wrong customer")
     assert result["accepted"] and result["disposition"] == "awaiting external state"
     row = stack.wait_settled(env.action_id, timeout=60)
@@ -402,12 +419,16 @@ def test_ignored_cancellation(stack: Stack) -> None:
     assert (called["outcome"], called["reason_code"]) == (Outcome.unknown_outcome.value, "cancelled_in_flight")
     # The server's own log: it received the cancellation and did not honour it.
     assert [c["disposition"] for c in sor.cancellations(stack.sor_db, env.idempotency_key)] == ["ignored"]
+    [received] = stack.witness.calls(key=env.idempotency_key, server="sor")
+    assert received.cancelled and [c["via"] for c in stack.witness.cancels(key=env.idempotency_key)] == [
+        "notification"]
     # Reconciled from the system of record: one refund happened, and it was reversed once.
     refunds = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]
     assert len(refunds) == 1 and refunds[0]["status"] == "reversed"
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
     comp = stack.action(recovery_action(stack, env.action_id))
-    assert stack.effects(env.idempotency_key) == 1 and stack.effects(comp.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+    assert sent_and_applied(stack, comp.idempotency_key) == (1, 1)
 
 
 # --- 13. progress notification flood -----------------------------------------------------------------
@@ -434,7 +455,9 @@ def test_progress_notification_flood(stack: Stack) -> None:
     assert seen["disposition"].startswith("honoured") and called["progress_total"] <= sent < flood_seconds * 100
     # Nothing was applied, verification proved it, and no retry runs past the deadline.
     assert row.finding == "absent" and row.outcome == Outcome.failed_before_side_effect
-    assert stack.effects(env.idempotency_key) == 0
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 0)
+    [received] = stack.witness.calls(key=env.idempotency_key, server="sor")
+    assert received.cancelled and not received.answered and received.progress >= called["progress_total"]
 
 
 # --- 14. partial multi-step completion ---------------------------------------------------------------
@@ -461,10 +484,9 @@ def test_partial_multi_step_completion(stack: Stack) -> None:
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
     assert sor.find_refund_by_key(stack.sor_db, steps[1].idempotency_key)["refund"]["status"] == "reversed"
     assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
-    for comp in comps:
-        assert stack.effects(comp.idempotency_key) == 1
-    assert stack.effects(steps[0].idempotency_key) == 1 and stack.effects(steps[1].idempotency_key) == 1
-    assert stack.effects(steps[2].idempotency_key) == 0
+    for key in (steps[0].idempotency_key, steps[1].idempotency_key, *(c.idempotency_key for c in comps)):
+        assert sent_and_applied(stack, key) == (1, 1)
+    assert sent_and_applied(stack, steps[2].idempotency_key) == (0, 0)
 
 
 # --- 15. verification API outage ---------------------------------------------------------------------
@@ -474,6 +496,7 @@ def test_verification_api_outage(stack: Stack) -> None:
     account = new_account(stack)
     env = refund_env(stack, account)
     sor.set_read_outage(stack.sor_db, True, role="reader")  # the verification read path is down
+    start = stack.witness.mark()
     try:
         stack.publish(env)
         row = stack.wait_settled(env.action_id, timeout=60)
@@ -483,41 +506,51 @@ def test_verification_api_outage(stack: Stack) -> None:
                                                        "unavailable")
     [finished] = evidence_of(stack, env.action_id, "verification_finished")
     assert finished["reads"] == 0 and finished["failed_reads"] > 1  # it kept trying to the bound
+    reads = stack.witness.calls(tool="find_refund_by_key", server="sor:read", since=start)
+    assert len(reads) >= finished["failed_reads"] and all(r.is_error for r in reads)
     assert len(calls_of(stack, env.action_id)) == 1
-    assert stack.effects(env.idempotency_key) == 1  # never a second write to "make sure"
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)  # never a second write to "make sure"
 
 
 # --- 16. eventual consistency delay ------------------------------------------------------------------
 
 
 def test_eventual_consistency_delay(stack: Stack) -> None:
-    """The verification read path is a replica that lags the writer by 1.5 s; service.restart's
-    contract declares a consistency delay of 3 s. Right after the restart the replica still shows
-    the service untouched, which is exactly what the contract's "absent" condition describes: read
-    within the declared delay it is no evidence of absence, so verification keeps reading until
-    the restart shows, and the single restart is verified instead of retried."""
+    """The verification read path is a replica that lags the writer: it stops replicating just
+    before the restart, and catches up only once the test has seen verification read it (through
+    the witness). service.restart's contract declares a consistency delay of 3 s. The stale read
+    shows the service untouched, which is exactly what the contract's "absent" condition
+    describes: read within the declared delay it is no evidence of absence, so verification keeps
+    reading until the restart shows, and the single restart is verified instead of retried."""
     contract = contract_for(stack.settings.contracts_dir, "service.restart")
-    lag = 1.5
-    assert contract.verification.consistency_delay_seconds > lag
     env = restart_env(stack)
-    sor.set_read_lag(stack.sor_db, lag, role="reader")
+    stopped_at = time.time()
+    sor.set_replica_position(stack.sor_db, stopped_at, role="reader")
+    start = stack.witness.mark()
     try:
         stack.publish(env)
-        row = stack.wait_settled(env.action_id, timeout=60)
-        stale = sor.get_service(stack.sor_db, env.target.id, as_of=time.time() - 3600)
+
+        def stale_reads() -> int:  # verification's reads (the write identity does the precondition read)
+            return len([c for c in stack.witness.calls(tool="get_service", server="sor:read", since=start)
+                        if c.answered])
+
+        wait_for(stale_reads, 30, what="verification to read the lagging replica")
     finally:
-        sor.set_read_lag(stack.sor_db, None, role="reader")
+        sor.set_replica_position(stack.sor_db, None, role="reader")  # replication catches up
+    row = stack.wait_settled(env.action_id, timeout=60)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
-    # What a lagging read shows is what "absent" means: a verifier that did not wait would conclude it.
+    # What the replica showed is what "absent" means: a verifier that did not wait would conclude it.
+    stale = sor.get_service(stack.sor_db, env.target.id, as_of=stopped_at)
     doc = env.model_dump(mode="json")
     assert holds(contract.verification.absent, {"after": stale, "target": doc["target"], "args": doc["arguments"]})
+    assert "recovery_decided" not in stack.events(env.action_id)
     [finished] = evidence_of(stack, env.action_id, "verification_finished")
     findings = [t["finding"] for t in finished["timeline"]]
     assert findings[0] == "not_reached" and "absent" not in findings and findings[-1] == "expected"
-    assert "recovery_decided" not in stack.events(env.action_id)
     called = calls_of(stack, env.action_id)
     assert len(called) == 1 and called[0]["outcome"] == Outcome.accepted.value
-    assert stack.effects(env.idempotency_key) == 1
+    assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+    assert stack.witness.count(tool="get_service", server="sor:read", since=start) >= finished["reads"] > 1
 
 
 # --- 17. compensation retry --------------------------------------------------------------------------
@@ -540,7 +573,9 @@ def test_compensation_retry(stack: Stack) -> None:
     assert second["outcome"] == Outcome.completed_unverified.value
     assert evidence_of(stack, comp_id, "retry_scheduled") == [{"attempts": 1}]
     assert idempotency_record(stack, comp.idempotency_key).attempts == 2
-    assert stack.effects(comp.idempotency_key) == 1
+    # Two requests with the same key reached the server: the first refused, the second applied.
+    assert sent_and_applied(stack, comp.idempotency_key) == (2, 1)
+    assert [c.is_error for c in stack.witness.calls(key=comp.idempotency_key, server="sor")] == [True, False]
     assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
     assert stack.action(steps[0].action_id).outcome == Outcome.compensated
 
@@ -565,7 +600,7 @@ def test_compensation_failure(stack: Stack) -> None:
         comp = stack.action(recovery_action(stack, steps[0].action_id))
         attempts = calls_of(stack, comp.action_id)
         assert len(attempts) == 2 and all(c["outcome"] == Outcome.failed_before_side_effect.value for c in attempts)
-        assert stack.effects(comp.idempotency_key) == 0
+        assert sent_and_applied(stack, comp.idempotency_key) == (2, 0)
         switches = {(s["scope"], s["value"]) for s in list_switches(stack.conn)}
         assert ("tool_tenant", "create_ticket@acme") in switches
         # The ticket is still open: the failed compensation applied nothing.
@@ -576,7 +611,7 @@ def test_compensation_failure(stack: Stack) -> None:
         row = stack.wait_settled(blocked.action_id)
         assert (row.outcome, row.reason_code) == (Outcome.not_started, "kill_switch_engaged")
         assert calls_of(stack, blocked.action_id) == []
-        assert stack.effects(blocked.idempotency_key) == 0
+        assert sent_and_applied(stack, blocked.idempotency_key) == (0, 0)
         # It is in the manual queue with its evidence, and an operator can resolve it.
         queued = {r["action_id"]: r for r in manual_queue(stack.conn)}
         assert steps[0].action_id in queued
@@ -608,7 +643,7 @@ def test_operator_kill_switch(stack: Stack) -> None:
         clear_switch(stack.operator, KillSwitchScope.tool, "issue_refund", "secops@example.com", "cleared")
     assert all((r.outcome, r.reason_code) == (Outcome.not_started, "kill_switch_engaged") for r in rows)
     assert all(calls_of(stack, e.action_id) == [] for e in envs)
-    assert all(stack.effects(e.idempotency_key) == 0 for e in envs)
+    assert [sent_and_applied(stack, e.idempotency_key) for e in envs] == [(0, 0)] * 3
     assert sor.get_account(stack.sor_db, account)["account"]["balance_cents"] == 100_000
     events = [e["event"] for e in stack.timeline("killswitch:tool:issue_refund")]
     assert events[-2:] == ["kill_switch_set", "kill_switch_cleared"]
@@ -653,6 +688,10 @@ def test_forensic_reconstruction_from_evidence(stack: Stack) -> None:
     assert published["action"]["executed"][0]["evidence"]["outcome"] == Outcome.completed_unverified.value
     assert [(e["event"], e["evidence"].get("recovery_action")) for e in doc["final"]] == [
         ("final_state", None), ("compensated", comp)]
+    # What the report says executed is what the witness and the system of record saw.
+    assert sent_and_applied(stack, steps[0].idempotency_key) == (1, 1)
+    assert sent_and_applied(stack, stack.action(comp).idempotency_key) == (1, 1)
+    assert sent_and_applied(stack, steps[1].idempotency_key) == (0, 0)
 
     # The owner rewrites history: the verification "found" a prohibited state instead.
     seq = verified["seq"]
