@@ -46,6 +46,7 @@ from worker.dispatch import Dispatch
 from worker.lease import (
     Heartbeat,
     Locks,
+    SessionKeeper,
     action_lock_name,
     release_lease_txn,
     target_lock_name,
@@ -185,6 +186,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         return _lease_busy(rt, envelope, exc, delivery)
 
     locked = True
+    # From here the locks live on this session: keep it busy and never swap it, until they go.
+    rt.holding_locks = True
+    keeper = SessionKeeper(conn, settings.heartbeat_seconds, touch=rt.touch).start()
     try:
         existing = facts["action"]
         if existing is None:
@@ -257,6 +261,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         except AuthorityBudgetExceeded as exc:  # the run's budget; the transaction rolled back
             return _not_started(rt, envelope, red, events, "revalidation_failed", exc.as_evidence(), exc.code,
                                 dispatch)
+        except LeaseBusy as exc:  # this session lost its locks before the claim: nothing was written
+            locked = False
+            return _lease_busy(rt, envelope, exc, delivery)
         if step != "call":
             locked = False
         if step == "not_started":
@@ -282,6 +289,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             except psycopg.Error:
                 rt.reset_connection()
         raise
+    finally:
+        keeper.stop()
+        rt.holding_locks = False
 
 
 def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:
@@ -320,7 +330,7 @@ def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Lock
         budget = check_run_budget_txn(cur, envelope, amount)
         if budget is not None:
             events.append(("authority_budget_checked", budget))
-        token = write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds)
+        token = write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds, locks)
         events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
                                           "ttl_seconds": settings.lease_ttl_seconds}))
         # The admitted amount is recorded by the guarded move to executing (no separate update).
@@ -345,7 +355,8 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
                                    {**exc.as_evidence(), **delivery, "idempotency_key": envelope.idempotency_key,
                                     "arguments_hash": envelope.arguments_hash})
             return TaskSummary("ignored", exc.code, aid).as_dict()
-        store.append_event_txn(cur, aid, "target_busy", rt.settings.worker_id, {**exc.as_evidence(), **delivery})
+        event = "lock_session_lost" if exc.context.get("which") == "lost" else "target_busy"
+        store.append_event_txn(cur, aid, event, rt.settings.worker_id, {**exc.as_evidence(), **delivery})
     raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
 
 

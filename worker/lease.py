@@ -80,8 +80,26 @@ def unlock_sql(locks: Locks) -> tuple[str, tuple[str, str]]:
     return f"SELECT {UNLOCK_SQL}, {UNLOCK_SQL}", (locks.target, locks.action)
 
 
-def write_lease_txn(cur: Cursor, action_id: str, target_key: str, worker_id: str, ttl_seconds: float) -> int:
-    """Record (or take over) the lease row; returns the new fencing token."""
+# Whether this session still holds both advisory locks (an advisory lock on a bigint key shows in
+# pg_locks as classid = high 32 bits, objid = low 32 bits, objsubid = 1).
+HOLDS_LOCKS_SQL = """
+SELECT count(*) = 2 AS held FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted AND l.objsubid = 1
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = ANY(ARRAY[hashtextextended(%s, 0), hashtextextended(%s, 0)])
+"""
+
+
+def write_lease_txn(cur: Cursor, action_id: str, target_key: str, worker_id: str, ttl_seconds: float,
+                    locks: Locks | None = None) -> int:
+    """Record (or take over) the lease row; returns the new fencing token. With ``locks``, first
+    check that this session still holds them: a session that ended (or was replaced) since they
+    were taken holds nothing, and another worker may already be advancing the action."""
+    if locks is not None:
+        cur.execute(HOLDS_LOCKS_SQL, (locks.action, locks.target))
+        row = cur.fetchone()
+        if row is None or not row["held"]:
+            raise LeaseBusy("the advisory locks taken for this action are no longer held by this session",
+                            which="lost")
     cur.execute(
         """INSERT INTO leases (action_id, target_key, owner_host, owner_pid, worker_id, fencing_token, expires_at)
            VALUES (%(a)s, %(t)s, %(h)s, %(p)s, %(w)s, nextval('lease_fencing_seq'),
@@ -107,6 +125,38 @@ def release_lease_txn(cur: Cursor, action_id: str, fencing_token: int) -> bool:
         (action_id, fencing_token),
     )
     return cur.fetchone() is not None
+
+
+class SessionKeeper:
+    """Keeps the lock-holding session busy from the moment the locks are taken until the action
+    lets them go, so that Postgres's ``idle_session_timeout`` (the lease TTL) only ends the session
+    of a worker that stopped running, never one that waits on a slow MCP server before the call
+    (the call itself also has its :class:`Heartbeat`)."""
+
+    def __init__(self, conn: psycopg.Connection, interval: float, touch=lambda: None) -> None:
+        self.conn, self.interval, self.touch = conn, interval, touch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lock-session-keeper", daemon=True)
+
+    def start(self) -> SessionKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval + 5)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                with self.conn.cursor() as cur:
+                    cur.execute("SELECT 1")
+                self.touch()
+        except psycopg.Error:
+            # The session is gone, and its locks with it: the claim transaction's lock check
+            # (write_lease_txn) refuses to go on.
+            log.warning("lock session lost", extra={"event": "lock_session_lost"})
 
 
 class Heartbeat:

@@ -39,6 +39,9 @@ class Runtime:
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
     _last_used: float = 0.0
+    #: Set while this process holds an action's advisory locks on ``_conn``: the connection is then
+    #: never replaced (that would drop the locks while the action goes on).
+    holding_locks: bool = False
 
     @property
     def idle_timeout(self) -> float:
@@ -52,9 +55,10 @@ class Runtime:
     @property
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
         """The process's connection. A broken one, or one the server has probably ended for being
-        idle, is replaced before use (never while a lease is held: the heartbeat keeps it in use)."""
+        idle, is replaced before use; while it holds an action's locks it is never replaced for
+        having been idle (the session keeper and the heartbeat keep it in use)."""
         now = time.monotonic()
-        stale = self._conn is not None and now - self._last_used > self.idle_timeout * 0.8
+        stale = self._conn is not None and not self.holding_locks and now - self._last_used > self.idle_timeout * 0.8
         if self._conn is None or self._conn.closed or self._conn.broken or stale:
             self.reset_connection()
             self._conn = connect(

@@ -13,8 +13,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -26,7 +28,7 @@ from ledger import store
 from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
 from proofline.conditions import holds
 from proofline.contracts import contract_for
-from proofline.controller import publish_message
+from proofline.controller import publish, publish_message
 from proofline.errors import IdempotencyConflict
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
@@ -108,23 +110,30 @@ def idempotency_record(stack: Stack, key: str) -> store.IdempotencyRecord:
 
 @BOTH
 def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
-    """Three duplicates race the first delivery: they arrive while the first holds the action's
-    lease and its claimed idempotency record, held at ``before_send``. refund.issue's tool pays
-    again on every call, so only the lease and the record stand between them and more refunds."""
+    """Duplicates race the first delivery: the controller publishes the same envelope twice at
+    once (two connections), and the broker delivers it three more times, all while the first
+    delivery holds the action's lease and its claimed idempotency record (held at
+    ``before_send``). refund.issue's tool pays again on every call, so only the lease and the
+    record stand between the duplicates and more refunds."""
     env = refund(stack, new_account(stack))
     message = stack.message(env)
     with held(stack, "before_send") as shot:
-        stack.publish(env)
+        publish_concurrently(stack, env, 2)
         wait_held(stack, "before_send", shot)
-        # The first delivery has claimed the key and is about to send; nothing reached the tool yet.
+        # One delivery has claimed the key and is about to send; nothing reached the tool yet.
         record = idempotency_record(stack, env.idempotency_key)
         assert (record.status, record.attempts) == (IdempotencyStatus.in_progress, 1)
         assert sent_and_applied(stack, env.idempotency_key) == (0, 0)
         for _ in range(3):
             stack.deliver(message)
-        wait_for(lambda: stack.events(env.action_id).count("redelivery_ignored") == 3, 30,
-                 what="3 duplicates to meet the live lease")
+        # Each of the other four deliveries meets the live lease. (Two deliveries that lock at the
+        # same instant can each get one of the two locks; the one refused on the target lock
+        # backs off and meets the lease on its next delivery, so the count may pass four.)
+        wait_for(lambda: stack.events(env.action_id).count("redelivery_ignored") >= 4, 30,
+                 what="4 duplicates to meet the live lease")
     row = stack.wait_settled(env.action_id)
+    events = stack.events(env.action_id)
+    assert (events.count("published"), events.count("republished")) == (1, 1)
     ignored = evidence_of(stack, env.action_id, "redelivery_ignored")
     assert {(e["reason_code"], e["which"], e["idempotency_key"]) for e in ignored} == {
         ("lease_busy", "action", env.idempotency_key)}
@@ -136,6 +145,23 @@ def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
     record = idempotency_record(stack, env.idempotency_key)
     assert (record.status, record.attempts) == (IdempotencyStatus.completed, 1)
     assert sent_and_applied(stack, env.idempotency_key) == (1, 1)
+
+
+def publish_concurrently(stack: Stack, env: Any, n: int) -> None:
+    """Publish one envelope from ``n`` controller connections at the same moment."""
+    conns = [store.connect(stack.urls["controller"]) for _ in range(n)]
+    start = threading.Barrier(n)
+
+    def one(conn: psycopg.Connection) -> dict[str, Any]:
+        start.wait(10)
+        return publish(stack.settings, conn, stack.app, env)
+
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, conns))
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 # --- 2. duplicate delivery with conflicting arguments ------------------------------------------------
