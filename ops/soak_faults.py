@@ -30,8 +30,8 @@ import psutil
 import psycopg
 
 from ops.soak_stack import SoakStack
+from proofline_kit.resources import ADMIN_URL
 from proofline_kit.sor import store as sor
-from tests.conftest import ADMIN_URL
 
 KINDS = ("worker_kill", "worker_freeze", "redis_kill", "pg_terminate", "proxy_blackhole", "proxy_reset",
          "proxy_delay", "read_outage")
@@ -272,7 +272,7 @@ class FaultInjector:
     def _proxy(self, record: FaultRecord, mode: str, duration: float, **params: Any) -> None:
         proxy = self.soak.proxy
         assert proxy is not None
-        record.target = f"proxy :{proxy.port} -> writer :{self.soak.writer_port}"
+        record.target = f"proxy :{proxy.port} -> writer's witness relay :{self.soak.writer_port}"
         record.duration = round(duration, 3)
         record.detail = {"mode": mode, **params}
         proxy.set_mode(mode, **params)

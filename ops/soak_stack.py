@@ -18,90 +18,18 @@ from typing import Any
 
 import psutil
 import psycopg
-import redis
 from celery import Celery
 
 from ledger import store
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline_kit.faults import FaultProxy
+from proofline_kit.processes import stop_process, wait_for
+from proofline_kit.redis_server import RedisServer
+from proofline_kit.resources import create_database, drop_database, role_urls
 from proofline_kit.sor import store as sor
-from tests.conftest import (
-    CANARY_SECRET,
-    Stack,
-    create_database,
-    drop_database,
-    free_port,
-    role_urls,
-    start_process,
-    start_workers,
-    stop_process,
-    wait_for,
-    wait_port,
-)
-
-#: The environment ``tests.conftest.build_stack`` gives workers: short leases, a fast reconciler.
-STACK_ENV = {
-    "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
-    "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
-    "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
-    "PROOFLINE_VERIFY_STALL_SECONDS": "30",
-    "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
-}
-
-
-class RedisServer:
-    """A ``redis-server`` without persistence, owned by this process, that can be killed with
-    SIGKILL and started again on the same port (everything it held is then gone)."""
-
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self) -> RedisServer:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)]
-        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child owns it for its life
-        try:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
-        self.starts += 1
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
-
-        def answers() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (see {self.workdir}/redis.log)")
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        try:
-            wait_for(answers, 20, what=f"redis on port {self.port}")
-        finally:
-            client.close()
-        return self
-
-    def kill(self) -> None:
-        """``kill -9``: no shutdown, no save; every queued and unacknowledged message is lost."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, grace=5.0)
+from proofline_kit.stack import STACK_ENV, Stack, start_http_servers, start_workers
+from proofline_kit.witness import WitnessLog
 
 
 def _servers_yaml(write_port: int, read_port: int) -> str:
@@ -123,6 +51,7 @@ class SoakStack:
     stack: Stack | None = None
     admin_url: str | None = None
     sor_processes: list[subprocess.Popen] = field(default_factory=list)
+    #: The witness relays' ports: the writer's (behind the fault proxy) and the reader's.
     writer_port: int = 0
     reader_port: int = 0
     lease_ttl: float = 4.0
@@ -266,13 +195,12 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
                     "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir)})
         soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
-        soak.writer_port, soak.reader_port = free_port(), free_port()
-        for role, port in (("writer", soak.writer_port), ("reader", soak.reader_port)):
-            soak.sor_processes.append(start_process(
-                [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port), "--role", role,
-                 "--db", str(sor_db), "--sse"], env, workdir / f"sor-{role}.log"))
-        wait_port(soak.writer_port)
-        wait_port(soak.reader_port)
+        # Each server binds a port of its choosing behind a witness relay; the proxy fronts the writer's.
+        witness_log = workdir / "witness" / "calls.jsonl"
+        witness_log.parent.mkdir(parents=True, exist_ok=True)
+        (workdir / "ports").mkdir(exist_ok=True)
+        _writer, soak.writer_port, soak.reader_port = start_http_servers(workdir, env, sor_db, witness_log,
+                                                                         soak.sor_processes)
         soak.proxy = FaultProxy(target=("127.0.0.1", soak.writer_port)).start()
         servers_file = workdir / "servers.yaml"
         servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port))
@@ -285,7 +213,7 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         urls = role_urls(soak.admin_url)
         conn = store.connect(urls["controller"], application_name="proofline-soak-controller")
         soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, soak.redis.url, sor_db, servers_file,
-                           settings, app, conn, env, [], urls=urls)
+                           settings, app, conn, env, [], urls=urls, witness=WitnessLog(witness_log))
         # The controller probes the live server with the same environment the workers get.
         soak._saved_sor_db, soak._env_touched = os.environ.get("SOR_DB"), True
         os.environ["SOR_DB"] = str(sor_db)

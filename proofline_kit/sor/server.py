@@ -4,14 +4,18 @@ Two identities share one SQLite file: ``writer`` may call every tool; ``reader``
 read-only and refuses write tools, so a verifier's read path can never change the record.
 
 Run it with ``python -m proofline_kit.sor --transport stdio|http [--host H --port P]
-[--role writer|reader] [--db PATH]``; over HTTP the endpoint is ``http://H:P/mcp``.
+[--role writer|reader] [--db PATH]``; over HTTP the endpoint is ``http://H:P/mcp``. With
+``--port 0 --port-file F`` it binds a free port itself and writes the port it got to F (atomically,
+once it listens), so nothing has to guess a free port and bind it later.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 
@@ -56,7 +60,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--db", default=None)
     # Plain JSON bodies cannot carry progress notifications; --sse answers with an event stream.
     parser.add_argument("--sse", action="store_true", help="HTTP: stream responses (progress arrives)")
+    parser.add_argument("--port-file", type=Path, default=None, help="HTTP: write the port listened on here")
     return parser.parse_args(argv)
+
+
+def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Path, json_response: bool) -> None:
+    """Bind first, report the port, then serve on that very socket (no window for another bind)."""
+    import anyio
+    import uvicorn
+
+    sock = socket.create_server((host, port))
+    tmp = port_file.with_name(port_file.name + ".tmp")
+    tmp.write_text(f"{sock.getsockname()[1]}\n")
+    os.replace(tmp, port_file)
+    app = server.streamable_http_app(stateless_http=True, json_response=json_response, host=host)
+    config = uvicorn.Config(app, log_level=os.environ.get("SOR_LOG_LEVEL", "WARNING").lower())
+    anyio.run(lambda: uvicorn.Server(config).serve(sockets=[sock]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -65,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     server = build_server(SorConfig.from_env(db_path=args.db, role=args.role))
     if args.transport == "stdio":
         server.run("stdio")
+    elif args.port_file is not None:
+        _serve_on_own_socket(server, args.host, args.port, args.port_file, json_response=not args.sse)
     else:
         # Stateless + JSON responses: no session to lose on restart, one plain JSON body per call.
         server.run(

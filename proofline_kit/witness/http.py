@@ -205,10 +205,16 @@ class HttpRelay:
             return
         observer = Observer(self.writer, self.name, "http", self.open_calls)
         methods: deque[bytes] = deque()
+        server_closed = asyncio.Event()
+
+        def client_closed() -> None:
+            if not server_closed.is_set():  # the client gave up first, not after the server went away
+                observer.client_closed()
+
         try:
-            await asyncio.gather(_pipe(reader, up_writer, _Requests(observer, methods), writer,
-                                       observer.client_closed),
-                                 _pipe(up_reader, writer, _Responses(observer.server, methods), up_writer))
+            await asyncio.gather(_pipe(reader, up_writer, _Requests(observer, methods), writer, client_closed),
+                                 _pipe(up_reader, writer, _Responses(observer.server, methods), up_writer,
+                                       server_closed.set))
         finally:
             observer.close()
             for w in (writer, up_writer):

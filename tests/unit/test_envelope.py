@@ -4,11 +4,12 @@ published JSON Schema kept equal to the model."""
 from __future__ import annotations
 
 import json
-import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from proofline.canonical import sha256_hex
@@ -55,26 +56,20 @@ def test_argument_hash_ignores_key_order():
     assert build_envelope(**fields(arguments=reordered)).idempotency_key == build_envelope(**fields()).idempotency_key
 
 
-def test_key_is_identical_across_rebuilds():
-    first = build_envelope(**fields())
-    time.sleep(0.01)
-    second = build_envelope(**fields())
-    assert first.idempotency_key == second.idempotency_key
-    assert first.arguments_hash == second.arguments_hash
+moments = st.datetimes(min_value=datetime(2026, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.just(UTC))
 
 
-def test_key_does_not_depend_on_deadline_expiry_or_clock():
-    first = build_envelope(**fields())
-    time.sleep(0.01)
-    now = datetime.now(UTC)
-    later = build_envelope(**fields(
-        deadline=now + timedelta(minutes=3),
-        approval={"id": "apr-1", "version": 1, "expires_at": now + timedelta(hours=2)},
-        timeout_seconds=9,
-    ))
-    assert later.deadline != first.deadline
-    assert later.approval.expires_at != first.approval.expires_at
-    assert later.idempotency_key == first.idempotency_key
+@settings(max_examples=200, deadline=None)
+@given(deadline=moments, expires=moments, timeout=st.integers(min_value=1, max_value=3600),
+       requester=st.emails(), policy_version=st.integers(min_value=1, max_value=10**6))
+def test_key_ignores_everything_but_the_intent(deadline, expires, timeout, requester, policy_version):
+    """Deadlines, expiry, timeouts, who asked and the policy version (and the clock at build time)
+    change nothing: a retry of the same intent always carries the same key."""
+    base = build_envelope(**fields())
+    other = build_envelope(**fields(deadline=deadline, timeout_seconds=timeout, requester=requester,
+                                    policy_version=policy_version,
+                                    approval={"id": "apr-1", "version": 1, "expires_at": expires}))
+    assert (other.idempotency_key, other.arguments_hash) == (base.idempotency_key, base.arguments_hash)
 
 
 @pytest.mark.parametrize(

@@ -17,20 +17,14 @@ from typing import Any
 
 import pytest
 
+from proofline_kit import processes
 from proofline_kit.faults import FaultProxy, make_mode, read_mode, write_mode
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
+    return processes.wait_for(predicate, timeout, interval=0.01, what=what)
 
 
 class EchoServer:

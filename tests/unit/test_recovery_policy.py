@@ -4,7 +4,9 @@ declares yet, plus determinism and property tests of the rules that must hold fo
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
 from typing import Any
 
@@ -248,49 +250,6 @@ def test_decide(f: Facts, policy: Recovery, expected: Decision):
     assert decide(f, policy) == expected
 
 
-def test_the_table_reaches_every_kind_and_reason():
-    decisions = [p.values[2] for p in CASES]
-    assert {d.kind for d in decisions} == set(RecoveryKind)
-    assert {d.reason for d in decisions} == {
-        "compensation_made_no_change", "compensation_failed", "effect_absent_retry_same_key", "retries_exhausted",
-        "outcome_not_provable", "irreversible_no_compensation", "partial_completion", "run_step_failed",
-        "cancel_after_effect", "verification_failed", "no_recovery_workflow", "no_rule_matched", "policy_manual",
-            "effect_absent_not_wanted",
-    }
-
-
-@pytest.mark.parametrize(("f", "policy", "expected"), CASES)
-def test_decide_is_deterministic(f: Facts, policy: Recovery, expected: Decision):
-    first = decide(f, policy)
-    for _ in range(100):
-        # A fresh, equal copy of the facts: the decision depends on their values, not on the object.
-        assert decide(dataclasses.replace(f), policy) == first
-
-
-def test_decide_does_not_touch_its_inputs():
-    f = facts(run_failed=True)
-    policy = TICKET_CREATE
-    before_facts, before_policy = f.as_evidence(), policy.model_dump()
-    decide(f, policy)
-    assert f.as_evidence() == before_facts
-    assert policy.model_dump() == before_policy
-
-
-def test_evidence_records_enum_values_and_every_fact():
-    f = facts(outcome=Outcome.unknown_outcome, finding=F.absent, cancel_requested=True)
-    evidence = f.as_evidence()
-    assert evidence["outcome"] == "unknown_outcome"
-    assert evidence["finding"] == "absent"
-    assert set(evidence) == {field.name for field in dataclasses.fields(Facts)}
-    assert evidence["cancel_requested"] is True and evidence["run_failed"] is False
-    assert json.loads(json.dumps(evidence)) == evidence
-
-
-def test_evidence_keeps_missing_outcome_and_finding_as_null():
-    evidence = facts(outcome=None, finding=None).as_evidence()
-    assert evidence["outcome"] is None and evidence["finding"] is None
-
-
 # --- properties over every combination of facts --------------------------------------------------------
 
 seconds = st.floats(min_value=-60, max_value=600, allow_nan=False, allow_infinity=False)
@@ -325,6 +284,55 @@ all_policies = st.builds(
     rollback=st.none() | st.just(ROLLBACK),
     forward=st.none() | st.just(FORWARD),
 ) | st.sampled_from([REFUND_ISSUE, REFUND_REVERSE, SERVICE_RESTART, TICKET_CREATE])
+
+def reasons_in_source() -> set[str]:
+    """Every reason ``decide`` can give, read from its source: the literal second argument of each
+    ``Decision(...)``, or every literal of the expression a named one was assigned from."""
+    tree = ast.parse(inspect.getsource(decide))
+    assigned = {target.id: node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)}
+    reasons: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Decision":
+            arg = node.args[1]
+            values = ast.walk(assigned[arg.id]) if isinstance(arg, ast.Name) else [arg]
+            reasons |= {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+    return reasons
+
+
+def test_the_table_reaches_every_kind_and_every_reason_decide_can_give():
+    """Run over the table's inputs, ``decide`` itself reaches every recovery kind and every reason
+    in its source: a new branch without a case fails here."""
+    decisions = [decide(*p.values[:2]) for p in CASES]
+    assert {d.kind for d in decisions} == set(RecoveryKind)
+    assert {d.reason for d in decisions} == reasons_in_source()
+
+
+@settings(max_examples=500, deadline=None)
+@given(f=all_facts(), policy=all_policies)
+def test_decide_depends_only_on_the_values_of_its_inputs(f: Facts, policy: Recovery):
+    """Equal copies of the facts and the policy get the same decision, and nothing is mutated."""
+    before_facts, before_policy = f.as_evidence(), policy.model_dump()
+    first = decide(f, policy)
+    assert decide(dataclasses.replace(f), policy.model_copy(deep=True)) == first
+    assert f.as_evidence() == before_facts
+    assert policy.model_dump() == before_policy
+
+
+def test_evidence_records_enum_values_and_every_fact():
+    f = facts(outcome=Outcome.unknown_outcome, finding=F.absent, cancel_requested=True)
+    evidence = f.as_evidence()
+    assert evidence["outcome"] == "unknown_outcome"
+    assert evidence["finding"] == "absent"
+    assert set(evidence) == {field.name for field in dataclasses.fields(Facts)}
+    assert evidence["cancel_requested"] is True and evidence["run_failed"] is False
+    assert json.loads(json.dumps(evidence)) == evidence
+
+
+def test_evidence_keeps_missing_outcome_and_finding_as_null():
+    evidence = facts(outcome=None, finding=None).as_evidence()
+    assert evidence["outcome"] is None and evidence["finding"] is None
+
 
 WORKFLOWS = {K.compensation: "compensation", K.native_rollback: "rollback", K.forward_recovery: "forward"}
 

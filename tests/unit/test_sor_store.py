@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from proofline_kit.processes import wait_for
 from proofline_kit.sor import store
 
 
@@ -91,9 +91,9 @@ def test_restart_completes_lazily_after_ready_at(db):
     with pytest.raises(store.Refused, match="conflicting_operation"):
         store.restart_service(db, "checkout", "acme", 2, restart_seconds=0.2)
 
-    time.sleep(0.25)
-    # Readers see the settled view without writing ...
-    assert store.get_operation(db, op_id)["operation"]["state"] == "completed"
+    # Once ready_at has passed, readers see the settled view without writing ...
+    wait_for(lambda: store.get_operation(db, op_id)["operation"]["state"] == "completed", 10,
+             what="the restart's ready_at to pass")
     service = store.get_service(db, "checkout")
     assert service == {
         **service,

@@ -1,0 +1,92 @@
+"""A private ``redis-server`` (no persistence) that a test or the soak owns and may kill.
+
+redis-server cannot report a port it picked, so a free port is chosen and tried: if another
+process took it meanwhile, this server exits on the failed bind and another port is tried. A
+server is only accepted once the process answering on the port is ours (``INFO``'s
+``process_id`` is the pid we started). A restart after :meth:`kill` uses the same port (the
+workers' broker URL names it) and fails loudly if that port was taken in between.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import redis
+
+from proofline_kit.processes import stop_process, wait_for
+
+ATTEMPTS = 5
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> RedisServer:
+        if self.port is not None:  # a restart: the same port, or a clear failure
+            if not self._launch(self.port):
+                raise RuntimeError(f"redis-server could not listen on port {self.port} again (taken meanwhile?)")
+            return self
+        for _ in range(ATTEMPTS):
+            port = _unused_port()
+            if self._launch(port):
+                self.port = port
+                return self
+        raise RuntimeError(f"redis-server found no free port in {ATTEMPTS} attempts")
+
+    def _launch(self, port: int) -> bool:
+        argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--daemonize", "no", "--dir", str(self.workdir)]
+        with open(self.workdir / "redis.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+
+        def ours() -> str | None:
+            if proc.poll() is not None:
+                return "exited"
+            try:
+                return "ours" if client.info("server")["process_id"] == proc.pid else None
+            except redis.RedisError:
+                return None
+
+        try:
+            state = wait_for(ours, 20, what=f"redis-server on port {port}")
+        finally:
+            client.close()
+        if state != "ours":
+            proc.wait(5)
+            return False
+        self.proc = proc
+        self.starts += 1
+        return True
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown, no save; every queued and unacknowledged message is lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace=5.0)

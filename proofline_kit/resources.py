@@ -1,0 +1,107 @@
+"""Shared services a stack borrows a piece of: a Postgres database it creates (and only that one is
+ever dropped) and a Redis database it claims (and only a claimed one is ever flushed).
+
+A Redis database is claimed with ``SET NX`` of :data:`CLAIM_KEY` holding a token unique to the claim,
+and used only if the claim key is all it holds: a database with anybody else's keys in it is
+released untouched and the next one is tried. Releasing flushes the database only while the claim
+key still holds our token.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import redis
+
+from ledger.migrate import upgrade
+
+ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+
+#: The database roles migration 0003 creates (short name -> role), and the development role.
+DB_ROLES = {"controller": "proofline_controller", "worker": "proofline_worker", "recovery": "proofline_recovery",
+            "operator": "proofline_operator", "reader": "proofline_reader", "runtime": "proofline_runtime"}
+
+
+def with_database(url: str, dbname: str, user: str | None = None) -> str:
+    """The same server URL (TCP or unix socket) for another database and, optionally, user."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if user is not None:
+        netloc = f"{user}@{netloc.rsplit('@', 1)[-1]}" if "@" in netloc else f"{user}@{netloc}"
+    return urlunsplit((parts.scheme, netloc, f"/{dbname}", parts.query, parts.fragment))
+
+
+def create_database(prefix: str, maintenance_url: str = ADMIN_URL) -> tuple[str, str]:
+    """A new, migrated database; returns (admin url, runtime-role url). ``role_urls`` gives the rest."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(maintenance_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    admin = with_database(maintenance_url, name)
+    upgrade(admin)
+    return admin, with_database(maintenance_url, name, user="proofline_runtime")
+
+
+def role_urls(admin_url: str) -> dict[str, str]:
+    """The URL of each database role (``DB_ROLES`` keys) for the database ``admin_url`` names."""
+    name = urlsplit(admin_url).path.lstrip("/")
+    return {short: with_database(admin_url, name, user=role) for short, role in DB_ROLES.items()}
+
+
+def drop_database(admin_url: str) -> None:
+    """Drop the database ``admin_url`` names (one :func:`create_database` made)."""
+    name = urlsplit(admin_url).path.lstrip("/")
+    with psycopg.connect(with_database(admin_url, "postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+CLAIM_KEY = "proofline:test-claim"
+#: A claim outlives any test session; an abandoned one frees its database after this long.
+CLAIM_SECONDS = 3 * 3600
+
+
+@dataclass(frozen=True)
+class RedisClaim:
+    """A Redis database this process claimed: its broker URL and the token that proves the claim."""
+
+    url: str
+    number: int
+    token: str
+
+
+def claim_redis_db(base_url: str = REDIS_URL, candidates: range = range(1, 16)) -> RedisClaim:
+    """The first candidate database that is free (no claim key) and empty, claimed for this process."""
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+    for number in candidates:
+        url = f"{base_url}/{number}"
+        client = redis.Redis.from_url(url)
+        try:
+            if not client.set(CLAIM_KEY, token, nx=True, ex=CLAIM_SECONDS):
+                continue
+            if client.dbsize() == 1:
+                return RedisClaim(url, number, token)
+            _unclaim(client, token)  # somebody's data lives here: leave it exactly as it was
+        finally:
+            client.close()
+    raise RuntimeError(f"no free, empty Redis database among {list(candidates)} at {base_url}")
+
+
+def _unclaim(client: redis.Redis, token: str) -> bool:
+    """Delete the claim key if it still holds ``token`` (atomically); True when it did."""
+    script = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+    return bool(client.eval(script, 1, CLAIM_KEY, token))
+
+
+def release_redis_db(claim: RedisClaim) -> None:
+    """Empty the claimed database and give it up, only while the claim is still ours."""
+    client = redis.Redis.from_url(claim.url)
+    try:
+        script = ("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('FLUSHDB') return 1 end return 0")
+        client.eval(script, 1, CLAIM_KEY, claim.token)
+    finally:
+        client.close()

@@ -1,0 +1,387 @@
+"""A whole Proofline deployment started from Python, for tests, the soak and the benchmarks (no
+pytest needed): a fresh migrated Postgres database, a claimed Redis database, the demo system of
+record over stdio or streamable HTTP behind witness relays, and real Celery worker processes.
+
+Nothing here is mocked. Every server binds port 0 and reports the port it got; everything is
+stopped by the process id this module started; the databases dropped and flushed are only the
+ones created or claimed here (``proofline_kit.resources``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+from celery import Celery
+
+from ledger import seal, store
+from ledger.states import ActionStatus, KillSwitchScope
+from proofline.controller import describe_server, prepare, publish, publish_run, send_message, signed_message
+from proofline.envelope import Envelope
+from proofline.keys import generate as generate_keys
+from proofline.settings import ROOT, Settings
+from proofline_kit.processes import start_process, stop_process, wait_for, wait_port_file
+from proofline_kit.resources import (
+    ADMIN_URL,
+    REDIS_URL,
+    RedisClaim,
+    claim_redis_db,
+    create_database,
+    drop_database,
+    release_redis_db,
+    role_urls,
+)
+from proofline_kit.sor import store as sor
+from proofline_kit.witness import WitnessLog
+from proofline_kit.witness.placement import READ_SUFFIX, http_relay_argv, witness_stdio_servers
+
+CANARY_SECRET = "canary-must-never-reach-a-tool"
+SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
+#: What every stack's workers get: short leases, a fast reconciler, bounded progress records.
+STACK_ENV = {
+    "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
+    "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
+    "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
+    "PROOFLINE_VERIFY_STALL_SECONDS": "30",
+    # A credential in the worker's environment that no MCP server may inherit.
+    "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
+}
+
+
+@dataclass
+class Stack:
+    """One running Proofline deployment: ledger database, broker, system of record, workers."""
+
+    transport: str
+    workdir: Path
+    admin_url: str
+    database_url: str
+    broker_url: str
+    sor_db: Path
+    servers_file: Path
+    settings: Settings
+    app: Celery
+    conn: psycopg.Connection
+    env: dict[str, str]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    _live: tuple[str | None, dict[str, str]] | None = None
+    #: The TCP fault proxy between workers and the writer ("http-proxy" stacks only).
+    proxy: Any = None
+    #: Every tools/call the workers sent to any server, as the witness relays saw it.
+    witness: WitnessLog | None = None
+    #: The Redis database this stack claimed (flushed at teardown only while still claimed).
+    redis_claim: RedisClaim | None = None
+    #: How to (re)start the HTTP writer: argv, environment, port file, process ("http" stacks only).
+    writer: dict[str, Any] = field(default_factory=dict)
+    #: URL per database role (``DB_ROLES`` keys). ``conn`` is the controller's, the workers run as
+    #: ``runtime`` (development: worker + recovery), ``operator`` is for operator paths.
+    urls: dict[str, str] = field(default_factory=dict)
+    _operator: psycopg.Connection | None = None
+
+    @property
+    def seal_key(self) -> seal.SealKey:
+        return seal.sealer_for(self.settings)
+
+    @property
+    def faultpoints(self) -> Path:
+        return self.workdir / "faultpoints.json"
+
+    @property
+    def operator(self) -> psycopg.Connection:
+        """A connection as proofline_operator: kill switches, revocations, cancellations, resolutions."""
+        if self._operator is None or self._operator.closed:
+            self._operator = store.connect(self.urls["operator"])
+        return self._operator
+
+    def restart_writer(self, **env: str) -> None:
+        """Restart the HTTP system-of-record writer with extra environment (for example a changed
+        tool schema). It binds a new port of its choosing; the witness relay in front of it reads the
+        port file at each new connection, so the workers' URL does not change."""
+        old = self.writer["process"]
+        self.writer["port_file"].unlink(missing_ok=True)
+        stop_process(old, grace=2.0)
+        self.processes.remove(old)
+        proc = start_process(self.writer["argv"], {**self.env, **env}, self.workdir / "sor-writer.log")
+        self.processes.append(proc)
+        self.writer["process"] = proc
+        self.writer["port"] = wait_port_file(self.writer["port_file"], proc)
+        self._live = None
+
+    # --- controller side ---------------------------------------------------------------------
+    def live(self) -> tuple[str | None, dict[str, str]]:
+        if self._live is None:
+            self._live = describe_server(self.settings, "sor")
+        return self._live
+
+    def envelope(self, action_type: str, **kw: Any) -> Envelope:
+        uid = uuid.uuid4().hex[:10]
+        kw.setdefault("run_id", f"run-{uid}")
+        kw.setdefault("action_id", f"act-{uid}")
+        kw.setdefault("tenant", "acme")
+        kw.setdefault("live", self.live())
+        return prepare(self.settings, action_type=action_type, **kw)
+
+    def publish(self, envelope: Envelope) -> dict[str, Any]:
+        return publish(self.settings, self.conn, self.app, envelope)
+
+    def publish_run(self, envelopes: list[Envelope]) -> list[dict[str, Any]]:
+        return publish_run(self.settings, self.conn, self.app, envelopes)
+
+    def deliver(self, message: Any) -> str:
+        """Put a raw message on the actions queue, as a duplicate or hostile delivery would."""
+        return send_message(self.app, message)
+
+    def message(self, envelope: Envelope) -> dict[str, Any]:
+        return signed_message(self.settings, envelope)
+
+    # --- observation ----------------------------------------------------------------------------
+    def action(self, action_id: str) -> store.ActionRow | None:
+        with self.conn.cursor() as cur:
+            return store.get_action(cur, action_id)
+
+    def events(self, action_id: str) -> list[str]:
+        with self.conn.cursor() as cur:
+            return [e["event"] for e in store.timeline(cur, action_id)]
+
+    def timeline(self, action_id: str) -> list[dict[str, Any]]:
+        with self.conn.cursor() as cur:
+            return store.timeline(cur, action_id)
+
+    def wait_settled(self, action_id: str, timeout: float = 40.0) -> store.ActionRow:
+        def settled() -> store.ActionRow | None:
+            row = self.action(action_id)
+            return row if row is not None and row.status in SETTLED else None
+
+        return wait_for(settled, timeout, what=f"{action_id} to settle (now {self.action(action_id)})")
+
+    def wait_event(self, action_id: str, event: str, timeout: float = 30.0) -> None:
+        wait_for(lambda: event in self.events(action_id), timeout, what=f"{event} on {action_id}")
+
+    def refusals(self) -> list[dict[str, Any]]:
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT action_id, evidence FROM ledger_events WHERE event = 'envelope_refused' ORDER BY id")
+            return list(cur.fetchall())
+
+    def effects(self, key: str) -> int:
+        return sor.count_effects(self.sor_db, key)
+
+    def workers_alive(self) -> bool:
+        return all(w.poll() is None for w in self.workers)
+
+    # --- what a test arms -------------------------------------------------------------------------
+    def disarm(self) -> None:
+        """Clear everything a test can arm on this stack: the system of record's faults (read
+        outages included), the workers' fault points, every kill switch, the fault proxy's mode."""
+        sor.clear_faults(self.sor_db)
+        disarm_fault_points(self.faultpoints)
+        from recovery.operator import clear_switch, list_switches
+
+        for switch in list_switches(self.operator):
+            clear_switch(self.operator, KillSwitchScope(switch["scope"]), switch["value"], "test-teardown",
+                         "cleared when the test that set it ended")
+        if self.proxy is not None:
+            self.proxy.set_mode("pass")
+
+
+def disarm_fault_points(path: Path) -> None:
+    """Set every armed fault point to zero shots left (their fired counts are kept)."""
+    if not path.exists():
+        return
+    with path.open("r+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # the lock worker/faultpoints.py takes to fire one
+        points = json.loads(handle.read() or "{}")
+        for spec in points.values():
+            spec["remaining"] = 0
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(points))
+
+
+def _servers_yaml(transport: str, write_port: int | None, read_port: int | None, witness_log: Path) -> str:
+    if transport == "stdio":
+        return witness_stdio_servers((ROOT / "servers.yaml").read_text(), witness_log)
+    # "http-legacy": the initialize-handshake protocol with HTTP sessions, as 1.x-SDK servers speak.
+    protocol = "legacy" if transport == "http-legacy" else "auto"
+    return (
+        "servers:\n  sor:\n    transport: http\n"
+        f"    url: http://127.0.0.1:{write_port}/mcp\n    protocol: {protocol}\n    expected_version: \"1.0.0\"\n"
+        f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
+    )
+
+
+def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str = "w",
+                  beat: bool = True, role: str = "all", env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to.
+    ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process).
+    Returns once every new worker's consumer is on the broker."""
+    baseline = _consumers(stack)
+    started = []
+    for i in range(count):
+        # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
+        argv = [sys.executable, "-m", "proofline", "worker", "--role", role, "--concurrency", str(concurrency),
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
+        if beat and i == 0:
+            argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
+        proc = start_process(argv, env or stack.env, stack.workdir / f"worker-{name}{i}.log")
+        started.append(proc)
+    stack.workers.extend(started)
+
+    def consuming() -> bool:
+        dead = [p.args for p in started if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"a worker exited while starting: {dead}")
+        return _consumers(stack) >= baseline + count
+
+    wait_for(consuming, 60, what=f"{count} new worker(s) to consume from the broker")
+    return started
+
+
+def _consumers(stack: Stack) -> int:
+    """Connections to the stack's Redis database blocked in (or last seen in) BRPOP: one per
+    Celery consumer reading its queues. The stack's Redis database is its own, so each is ours."""
+    client = redis_client(stack)
+    try:
+        db = int(stack.broker_url.rsplit("/", 1)[1])
+        return sum(1 for c in client.client_list() if int(c.get("db", -1)) == db and c.get("cmd") == "brpop")
+    finally:
+        client.close()
+
+
+def start_witness(processes: list[subprocess.Popen], log: Path, name: str, workdir: Path, env: dict[str, str],
+                  upstream: str | None = None, upstream_port_file: Path | None = None) -> int:
+    """An HTTP witness relay in front of a server; returns the port the relay bound itself."""
+    slug = name.replace(":", "-")
+    port_file = workdir / "ports" / f"witness-{slug}.port"
+    argv = http_relay_argv(log, name, port_file, upstream=upstream, upstream_port_file=upstream_port_file)
+    processes.append(start_process(argv, env, workdir / f"witness-{slug}.log"))
+    return wait_port_file(port_file, processes[-1])
+
+
+def start_http_servers(tmp: Path, env: dict[str, str], sor_db: Path, witness_log: Path,
+                        processes: list[subprocess.Popen]) -> tuple[dict[str, Any], int, int]:
+    """Writer and reader on ports they pick, each behind a witness relay: (writer, relay ports)."""
+    writer: dict[str, Any] = {}
+    relay_ports = []
+    for role, name in (("writer", "sor"), ("reader", "sor" + READ_SUFFIX)):
+        port_file = tmp / "ports" / f"sor-{role}.port"
+        argv = [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", "0", "--port-file",
+                str(port_file), "--role", role, "--db", str(sor_db), "--sse"]
+        processes.append(start_process(argv, env, tmp / f"sor-{role}.log"))
+        port = wait_port_file(port_file, processes[-1])
+        if role == "writer":
+            writer = {"argv": argv, "port": port, "port_file": port_file, "process": processes[-1]}
+            # The writer may restart on another port: its relay reads the port file per connection.
+            relay_ports.append(start_witness(processes, witness_log, name, tmp, env, upstream_port_file=port_file))
+        else:
+            relay_ports.append(start_witness(processes, witness_log, name, tmp, env,
+                                             upstream=f"http://127.0.0.1:{port}/mcp"))
+    return writer, relay_ports[0], relay_ports[1]
+
+
+def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
+                redis_url: str | None = None, maintenance_url: str = ADMIN_URL) -> Stack:
+    """Start a stack's servers (no workers: ``start_workers``). ``transport`` is stdio, http,
+    http-legacy or http-proxy (a FaultProxy between the workers and the writer's relay).
+    ``redis_db`` asks for that database number (claimed like any other: it must be free and empty)."""
+    (tmp / "ports").mkdir(parents=True, exist_ok=True)
+    processes: list[subprocess.Popen] = []
+    claim = claim_redis_db(redis_url or REDIS_URL, range(redis_db, redis_db + 1) if redis_db is not None
+                           else range(1, 16))
+    try:
+        admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}", maintenance_url)
+    except BaseException:
+        release_redis_db(claim)
+        raise
+    try:
+        return _assemble(transport, tmp, claim, admin, runtime_url, extra_env, processes)
+    except BaseException:
+        for proc in processes:
+            stop_process(proc)
+        release_redis_db(claim)
+        drop_database(admin)
+        raise
+
+
+def _assemble(transport: str, tmp: Path, claim: RedisClaim, admin: str, runtime_url: str,
+              extra_env: dict[str, str] | None, processes: list[subprocess.Popen]) -> Stack:
+    broker = claim.url
+    # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
+    sor_db = tmp / "var" / "sor.sqlite3"
+    sor.init_db(sor_db)
+    sor.seed_demo(sor_db)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
+    urls = role_urls(admin)
+    # Development keys per stack: controller, recovery, ledger and seal keys and the keyring.
+    keys_dir = tmp / "keys"
+    generate_keys(keys_dir, force=True, development=True)
+    env.update(STACK_ENV)
+    env.update({
+        "PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker, "PROOFLINE_KEYS_DIR": str(keys_dir),
+        # The CLI's controller, operator and reader commands each connect as their own role.
+        "PROOFLINE_CONTROLLER_DATABASE_URL": urls["controller"], "PROOFLINE_OPERATOR_DATABASE_URL": urls["operator"],
+        "PROOFLINE_READER_DATABASE_URL": urls["reader"],
+        "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT),
+        # Test-only kill points inside the worker (worker/faultpoints.py), armed per test.
+        "PROOFLINE_FAULT_POINTS_ENABLED": "true",
+        "PROOFLINE_FAULT_POINTS_FILE": str(tmp / "faultpoints.json"),
+    })
+    witness_log = tmp / "witness" / "calls.jsonl"
+    witness_log.parent.mkdir(parents=True, exist_ok=True)
+    write_port = read_port = None
+    writer: dict[str, Any] = {}
+    proxy = None
+    if transport.startswith("http"):
+        # The witness relays sit next to the servers: whatever reaches them reached the server.
+        writer, write_port, read_port = start_http_servers(tmp, env, sor_db, witness_log, processes)
+    if transport == "http-proxy":
+        from proofline_kit.faults import FaultProxy
+
+        proxy = FaultProxy(target=("127.0.0.1", write_port)).start()
+        write_port = proxy.port
+    servers_file = tmp / "servers.yaml"
+    servers_file.write_text(_servers_yaml(transport, write_port, read_port, witness_log))
+    env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
+    env.update(extra_env or {})
+    settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
+                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}))
+    seal.sealer_for(settings)  # this process opens the stack's sealed messages too
+    app = Celery("proofline-test-controller", broker=broker)
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    conn = store.connect(urls["controller"])  # the controller side publishes as proofline_controller
+    stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
+                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log), redis_claim=claim)
+    # The controller probes the live server with the same environment the workers get.
+    os.environ["SOR_DB"] = str(sor_db)
+    return stack
+
+
+def teardown_stack(stack: Stack) -> None:
+    """Stop what the stack started (by process id), release its Redis claim, drop its database
+    (kept when ``PROOFLINE_TEST_KEEP_DATABASES`` is set, to read a failure's ledger)."""
+    if stack.proxy is not None:
+        stack.proxy.stop()
+    for proc in stack.workers + stack.processes:
+        stop_process(proc)
+    stack.conn.close()
+    if stack._operator is not None:
+        stack._operator.close()
+    stack.app.close()
+    if stack.redis_claim is not None:
+        release_redis_db(stack.redis_claim)
+    if not os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):
+        drop_database(stack.admin_url)
+
+
+def redis_client(stack: Stack) -> redis.Redis:
+    """A client of the stack's own (claimed) Redis database."""
+    return redis.Redis.from_url(stack.broker_url)
