@@ -194,7 +194,8 @@ class Stack:
 
 
 def disarm_fault_points(path: Path) -> None:
-    """Set every armed fault point to zero shots left (their fired counts are kept)."""
+    """Set every armed fault point to zero shots left and release any held worker (their fired
+    counts are kept)."""
     if not path.exists():
         return
     with path.open("r+") as handle:
@@ -202,6 +203,7 @@ def disarm_fault_points(path: Path) -> None:
         points = json.loads(handle.read() or "{}")
         for spec in points.values():
             spec["remaining"] = 0
+            spec["released"] = spec.get("fired", 0)  # a worker held at a point ("hold") goes on
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(points))
