@@ -30,6 +30,8 @@ from proofline.envelope import Envelope
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline_kit.sor import store as sor
+from proofline_kit.witness import WitnessLog
+from proofline_kit.witness.placement import READ_SUFFIX, http_relay_argv, witness_stdio_servers
 
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -144,6 +146,8 @@ class Stack:
     _live: tuple[str | None, dict[str, str]] | None = None
     #: The TCP fault proxy between workers and the writer ("http-proxy" stacks only).
     proxy: Any = None
+    #: Every tools/call the workers sent to any server, as the witness relays saw it.
+    witness: WitnessLog | None = None
     @property
     def seal_key(self) -> seal.SealKey:
         return seal.sealer_for(self.settings)
@@ -240,9 +244,9 @@ class Stack:
         return all(w.poll() is None for w in self.workers)
 
 
-def _servers_yaml(transport: str, write_port: int | None, read_port: int | None) -> str:
+def _servers_yaml(transport: str, write_port: int | None, read_port: int | None, witness_log: Path) -> str:
     if transport == "stdio":
-        return (ROOT / "servers.yaml").read_text()
+        return witness_stdio_servers((ROOT / "servers.yaml").read_text(), witness_log)
     # "http-legacy": the initialize-handshake protocol with HTTP sessions, as 1.x-SDK servers speak.
     protocol = "legacy" if transport == "http-legacy" else "auto"
     return (
@@ -296,6 +300,19 @@ def release_redis_db(broker_url: str) -> None:
         client.flushdb()
 
 
+def start_witness(processes: list[subprocess.Popen], upstream: str, log: Path, name: str, tmp: Path,
+                  env: dict[str, str]) -> int:
+    """An HTTP witness relay in front of ``upstream``; returns the port it bound (it picks one)."""
+    port_file = tmp / "witness" / f"{name.replace(':', '-')}.port"
+    port_file.unlink(missing_ok=True)
+    processes.append(start_process(http_relay_argv(upstream, log, name, port_file), env,
+                                   tmp / f"witness-{name.replace(':', '-')}.log"))
+    wait_for(lambda: port_file.exists() or processes[-1].poll() is not None, 20, what=f"witness {name} to bind")
+    if not port_file.exists():
+        raise RuntimeError(f"witness relay {name} exited with {processes[-1].returncode}")
+    return int(port_file.read_text())
+
+
 def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
                 redis_url: str | None = None, maintenance_url: str = ADMIN_URL) -> Stack:
     admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}", maintenance_url)
@@ -331,6 +348,8 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         "PROOFLINE_FAULT_POINTS_FILE": str(tmp / "faultpoints.json"),
     })
     processes = []
+    witness_log = tmp / "witness" / "calls.jsonl"
+    witness_log.parent.mkdir(parents=True, exist_ok=True)
     write_port = read_port = None
     writer: dict[str, Any] = {}
     proxy = None
@@ -344,6 +363,10 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
                 writer = {"argv": argv, "port": port, "process": processes[-1]}
         wait_port(write_port)
         wait_port(read_port)
+        # The witness relays sit next to the servers: whatever reaches them reached the server.
+        write_port, read_port = (
+            start_witness(processes, f"http://127.0.0.1:{port}/mcp", witness_log, name, tmp, env)
+            for port, name in ((write_port, "sor"), (read_port, "sor" + READ_SUFFIX)))
     worker_write_port = write_port
     if transport == "http-proxy":
         from proofline_kit.faults import FaultProxy
@@ -351,7 +374,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         proxy = FaultProxy(target=("127.0.0.1", write_port)).start()
         worker_write_port = proxy.port
     servers_file = tmp / "servers.yaml"
-    servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port))
+    servers_file.write_text(_servers_yaml(transport, worker_write_port, read_port, witness_log))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
     settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
@@ -361,7 +384,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
     conn = store.connect(urls["controller"])  # the controller side publishes as proofline_controller
     stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
-                  processes, proxy=proxy, writer=writer, urls=urls)
+                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log))
     # The controller probes the live server with the same environment the workers get.
     os.environ["SOR_DB"] = str(sor_db)
     return stack

@@ -21,7 +21,10 @@ def sor_processes(stack: Stack) -> list[psutil.Process]:
         for child in psutil.Process(worker.pid).children(recursive=True):
             try:
                 # The server itself, not the sh/bwrap processes that sandbox it.
-                if "proofline_kit.sor" in " ".join(child.cmdline()) and child.name().startswith("python"):
+                cmdline = " ".join(child.cmdline())
+                # The witness relay wrapping each server names it in its argv: not a server itself.
+                if ("proofline_kit.sor" in cmdline and "proofline_kit.witness" not in cmdline
+                        and child.name().startswith("python")):
                     found.append(child)
             except psutil.NoSuchProcess:
                 continue
