@@ -62,6 +62,9 @@ def test_action_through_the_sqlalchemy_broker(tmp_path) -> None:
                  what="the second delivery to be recorded")
         assert s.effects(env.idempotency_key) == 1
         assert s.events(env.action_id).count("tool_called") == 1
+        # The server was handed the refund once, and its answer never came back.
+        [call] = s.witness.calls(key=env.idempotency_key)
+        assert call.tool == "issue_refund" and call.arguments_sha256 == env.arguments_hash
 
         with psycopg.connect(s.admin_url) as conn:
             carried = dict(conn.execute(

@@ -71,6 +71,7 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
         s.deliver(sign(fresh, k2_signer))
         row = s.wait_settled(retired_env.action_id, timeout=60)
         assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row.reason_code
+        assert s.witness.count(key=retired_env.idempotency_key) == 1
         assert s.effects(retired_env.idempotency_key) == 1
         timeline = s.timeline(retired_env.action_id)
         assert "redriven" in [e["event"] for e in timeline]
@@ -80,6 +81,7 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
 
         fresh_refusals = wait_for(lambda: refusals_for(s, fresh.action_id), 30, what="the retired key's new message")
         assert {r["reason_code"] for r in fresh_refusals} == {ExpiredSigningKey.code}
+        assert s.witness.count(key=fresh.idempotency_key) == 0
         assert s.effects(fresh.idempotency_key) == 0
 
         revoked_refusals = wait_for(lambda: refusals_for(s, revoked_env.action_id), 30,
@@ -92,6 +94,7 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
                   if e["event"] == "deadline_expired_unexecuted"]
         assert expiry and expiry[0]["last_refusal"]["reason_code"] == "envelope_key_revoked"
         assert "tool_called" not in s.events(revoked_env.action_id)
+        assert s.witness.count(key=revoked_env.idempotency_key) == 0
         assert s.effects(revoked_env.idempotency_key) == 0
     finally:
         teardown_stack(s)

@@ -75,6 +75,7 @@ def test_downgrade_and_upgrade_keep_the_ledger_and_its_proofs(tmp_path) -> None:
         before = snapshot(s.admin_url)
         assert len(before["events"]) > 10 and len(before["actions"]) == 2
         effects_before = [s.effects(e.idempotency_key) for e in envs]
+        calls_before = [s.witness.count(key=e.idempotency_key) for e in envs]
 
         # One step at a time to the oldest revision that keeps the ledger, then straight back up;
         # then straight down and up again, so each downgrade runs after an upgrade that re-created it.
@@ -96,6 +97,7 @@ def test_downgrade_and_upgrade_keep_the_ledger_and_its_proofs(tmp_path) -> None:
         assert report["events"] == len(before["events"]) and report["broken"] == []
         assert report["checkpoint"] is not None  # the chains were checked against the signed checkpoint too
         assert [s.effects(e.idempotency_key) for e in envs] == effects_before == [1, 1]
+        assert calls_before == [1, 1]
 
         # The role guards came back with 0003: the migrated database runs a new action end to end.
         start_workers(s)
@@ -104,6 +106,8 @@ def test_downgrade_and_upgrade_keep_the_ledger_and_its_proofs(tmp_path) -> None:
         row = s.wait_settled(fresh.action_id, timeout=60)
         assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
         assert s.effects(fresh.idempotency_key) == 1
+        assert s.witness.count(key=fresh.idempotency_key) == 1
+        assert [s.witness.count(key=e.idempotency_key) for e in envs] == calls_before  # nothing re-run
         with psycopg.connect(s.urls["worker"]) as worker_conn:
             try:
                 worker_conn.execute("UPDATE ledger_events SET actor = 'x' WHERE id = 1")

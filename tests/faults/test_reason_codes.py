@@ -39,6 +39,7 @@ def test_deadline_passed_before_execution_sends_nothing(stack: Stack) -> None:
     refused = evidence_of(stack, env.action_id, "revalidation_failed")
     assert [r["reason_code"] for r in refused] == ["deadline_passed"]
     assert "tool_called" not in stack.events(env.action_id)
+    assert stack.witness.count(key=env.idempotency_key) == 0
     assert stack.effects(env.idempotency_key) == 0
 
 
@@ -52,22 +53,29 @@ def test_policy_version_no_longer_accepted_is_refused(stack: Stack) -> None:
                                                           "policy_version_rejected")
     refused = evidence_of(stack, env.action_id, "revalidation_failed")
     assert refused[0]["reason_code"] == "policy_version_rejected" and str(retired) in refused[0]["detail"]
+    assert stack.witness.count(key=env.idempotency_key) == 0
     assert stack.effects(env.idempotency_key) == 0
     # The same action approved under an accepted version runs (the refusal was the version alone).
     ok = ticket_env(stack, policy_version=max(accepted))
     stack.publish(ok)
     assert stack.wait_settled(ok.action_id).outcome == Outcome.completed_verified
+    assert stack.witness.count(key=ok.idempotency_key) == 1
     assert stack.effects(ok.idempotency_key) == 1
 
 
 def test_target_read_down_sends_nothing_and_retries_the_same_envelope(stack: Stack) -> None:
     env = ticket_env(stack)
+    start = stack.witness.mark()
     sor.set_read_outage(stack.sor_db, True, role="writer")  # the precondition read; verification's is up
     try:
         stack.publish(env)
         wait_for(lambda: len(evidence_of(stack, env.action_id, "precheck_unavailable")) >= 2, 30,
                  what="two refused precondition reads")
         assert "tool_called" not in stack.events(env.action_id)
+        # The reads really reached the writer and were answered with an error; no write was sent.
+        reads = stack.witness.calls(tool="find_ticket_by_key", server="sor", since=start)
+        assert len(reads) >= 2 and all(c.is_error for c in reads if c.answered)
+        assert stack.witness.count(key=env.idempotency_key) == 0
         assert stack.effects(env.idempotency_key) == 0
     finally:
         sor.set_read_outage(stack.sor_db, False, role="writer")
@@ -79,6 +87,7 @@ def test_target_read_down_sends_nothing_and_retries_the_same_envelope(stack: Sta
     # Every refused read came before the one call, and that call is the only one.
     assert events.count("tool_called") == 1
     assert max(i for i, e in enumerate(events) if e == "precheck_unavailable") < events.index("tool_called")
+    assert stack.witness.count(key=env.idempotency_key) == 1
     assert stack.effects(env.idempotency_key) == 1
 
 
@@ -100,12 +109,15 @@ def test_cancel_after_the_effect_closes_as_cancel_too_late(stack: Stack) -> None
     final = evidence_of(stack, env.action_id, "final_state")
     assert final[-1]["reason_code"] == "cancel_too_late"
     assert stack.events(env.action_id).count("tool_called") == 1
+    assert stack.witness.count(key=env.idempotency_key) == 1
+    assert stack.witness.cancels(key=env.idempotency_key) == []  # nothing was in flight to cancel
     assert stack.effects(env.idempotency_key) == 1
 
 
 def test_later_step_delivered_early_is_ignored_and_runs_once_released(stack: Stack) -> None:
     first, second = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
-    sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=2.0)
+    # Step 0 is held long enough that step 1 cannot have been released when its early delivery lands.
+    sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=6.0)
     try:
         stack.publish_run([first, second])
         assert stack.action(second.action_id).status == ActionStatus.pending
@@ -115,6 +127,7 @@ def test_later_step_delivered_early_is_ignored_and_runs_once_released(stack: Sta
                  what="the early delivery to be recorded")
         early = evidence_of(stack, second.action_id, "early_delivery_ignored")[0]
         assert early["status"] == "pending"
+        assert stack.witness.count(key=second.idempotency_key) == 0
         assert stack.effects(second.idempotency_key) == 0
     finally:
         sor.clear_faults(stack.sor_db, "create_ticket")
@@ -124,4 +137,5 @@ def test_later_step_delivered_early_is_ignored_and_runs_once_released(stack: Sta
     events = stack.events(second.action_id)
     assert events.count("tool_called") == 1
     assert events.index("early_delivery_ignored") < events.index("tool_called")
+    assert [stack.witness.count(key=e.idempotency_key) for e in (first, second)] == [1, 1]
     assert [stack.effects(e.idempotency_key) for e in (first, second)] == [1, 1]
