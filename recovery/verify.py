@@ -148,22 +148,12 @@ def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, curren
     return status, outcome, record_status, reason
 
 
-def _disposition(action: store.ActionRow, envelope: Envelope, finding: VerificationFinding,
-                 cancel_requested: bool) -> tuple[ActionStatus, Outcome | None, IdempotencyStatus | None, str]:
-    """(status, outcome or None to keep, idempotency status or None to keep, reason) for a finding."""
-    status, outcome, record_status, reason = DISPOSITION[finding]
-    blocked = (action.recovery_data or {}).get("retry_blocked_by")
-    if blocked and finding == VerificationFinding.absent:
-        # A retry found its preconditions broken and nothing of ours downstream: it never starts.
-        status, outcome, record_status, reason = ActionStatus.closed, Outcome.not_started, None, blocked
-    if cancel_requested:
-        status, outcome, record_status, reason = _cancel_disposition(
-            envelope, finding, (status, outcome, record_status, reason))
-    if finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
-        outcome = None  # an unknown outcome stays unknown: we never learned more
-    if finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
-        outcome = Outcome.partially_completed
-    return status, outcome, record_status, reason
+def _cancel_arrived(cur, action_id: str) -> bool:
+    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
+    transaction is seen here, one that comes after it finds the action settled."""
+    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
+    row = cur.fetchone()
+    return row is not None and row["cancel_requested_at"] is not None
 
 
 def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
@@ -180,6 +170,18 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     obs = observe(rt, envelope, contract, base)
+    status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    blocked = (action.recovery_data or {}).get("retry_blocked_by")
+    if blocked and obs.finding == VerificationFinding.absent:
+        # A retry found its preconditions broken and nothing of ours downstream: it never starts.
+        status, outcome, record_status, reason = ActionStatus.closed, Outcome.not_started, None, blocked
+    if action.cancel_requested_at is not None:
+        status, outcome, record_status, reason = _cancel_disposition(
+            envelope, obs.finding, (status, outcome, record_status, reason))
+    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+        outcome = None  # an unknown outcome stays unknown: we never learned more
+    if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
+        outcome = Outcome.partially_completed
     evidence = {
         "verification_key": verification_key(envelope), "finding": obs.finding.value, "reads": obs.reads,
         "failed_reads": obs.failed_reads, "last_error": obs.last_error, "timeline": obs.kept,
@@ -198,13 +200,11 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     faultpoints.hit("before_verify_commit")
     try:
         with store.transaction(conn) as cur:
-            # Read the cancellation under the row lock, not from before polling: a cancel that
-            # arrived while verification read the system of record must decide the disposition,
-            # and one that comes after this commit finds the action settled.
-            cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
-            locked = cur.fetchone()
-            cancel_requested = locked is not None and locked["cancel_requested_at"] is not None
-            status, outcome, record_status, reason = _disposition(action, envelope, obs.finding, cancel_requested)
+            if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
+                # Cancelled while verification was reading the system of record: the cancellation
+                # decides the disposition as if it had been there from the start.
+                status, outcome, record_status, reason = _cancel_disposition(
+                    envelope, obs.finding, (status, outcome, record_status, reason))
             events = [("verification_finished", evidence)]
             if record_status is not None:
                 store.settle_idempotency_txn(cur, envelope.idempotency_key, record_status,
