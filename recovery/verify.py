@@ -135,6 +135,14 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
 }
 
 
+def _cancel_arrived(cur, action_id: str) -> bool:
+    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
+    transaction is seen here, one that comes after it finds the action settled."""
+    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
+    row = cur.fetchone()
+    return row is not None and row["cancel_requested_at"] is not None
+
+
 def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
     """A cancelled action's final disposition, once verification knows the external state."""
     status, outcome, record_status, reason = current
@@ -224,11 +232,3 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     after_settle(rt.conn, rt.settings.worker_id, action_id, dispatch, envelope=envelope, status=status,
                  outcome=outcome or action.outcome)
     return {"status": status.value, "action_id": action_id, "finding": obs.finding.value}
-
-
-def _cancel_arrived(cur, action_id: str) -> bool:
-    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
-    transaction is seen here, one that comes after it finds the action settled."""
-    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
-    row = cur.fetchone()
-    return row is not None and row["cancel_requested_at"] is not None
