@@ -116,23 +116,22 @@ def test_cancel_after_the_effect_closes_as_cancel_too_late(stack: Stack) -> None
 
 def test_later_step_delivered_early_is_ignored_and_runs_once_released(stack: Stack) -> None:
     first, second = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
-    # Step 0 is held long enough that step 1 cannot have been released when its early delivery lands.
-    sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=6.0)
-    try:
-        stack.publish_run([first, second])
-        assert stack.action(second.action_id).status == ActionStatus.pending
-        wait_for(lambda: "preconditions_passed" in stack.events(first.action_id), 30, what="step 0 in flight")
-        stack.deliver(stack.message(second))  # the broker hands out step 1 before step 0 is verified
-        wait_for(lambda: evidence_of(stack, second.action_id, "early_delivery_ignored"), 30,
-                 what="the early delivery to be recorded")
-        early = evidence_of(stack, second.action_id, "early_delivery_ignored")[0]
-        assert early["status"] == "pending"
-        assert stack.witness.count(key=second.idempotency_key) == 0
-        assert stack.effects(second.idempotency_key) == 0
-    finally:
-        sor.clear_faults(stack.sor_db, "create_ticket")
+    # Step 0's message is lost by the broker: only the reconciler's re-drive (seconds later) can run
+    # it, so step 1 is certainly still held back when its own message arrives out of turn.
+    broker = LosingBroker()
+    publish_message(stack.conn, broker, stack.message(first), first, settings=stack.settings)
+    publish_message(stack.conn, broker, stack.message(second), second, settings=stack.settings, hold=True)
+    assert stack.action(second.action_id).status == ActionStatus.pending
+    stack.deliver(stack.message(second))
+    wait_for(lambda: evidence_of(stack, second.action_id, "early_delivery_ignored"), 30,
+             what="the early delivery to be recorded")
+    early = evidence_of(stack, second.action_id, "early_delivery_ignored")[0]
+    assert early["status"] == "pending"
+    assert stack.witness.count(key=second.idempotency_key) == 0
+    assert stack.effects(second.idempotency_key) == 0
     settled = run_settled(stack, first.run_id)
     assert settled["outcome"] == "completed", settled
+    assert "redriven" in stack.events(first.action_id)
     assert stack.wait_settled(second.action_id).outcome == Outcome.completed_verified
     events = stack.events(second.action_id)
     assert events.count("tool_called") == 1
