@@ -20,8 +20,18 @@ from proofline.controller import publish_message, signed_message
 from proofline.errors import ExpiredSigningKey
 from proofline.keys import KeyRole, load_keyring, read_signing_key, revoke, rotate
 from proofline.signing import sign
+from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
-from tests.helpers import LosingBroker, ticket_env
+from tests.helpers import (
+    LosingBroker,
+    new_account,
+    recovery_action,
+    refund_env,
+    run_of,
+    run_settled,
+    stale_close_env,
+    ticket_env,
+)
 
 
 def lose(stack: Stack, envelope) -> dict:
@@ -96,5 +106,41 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
         assert "tool_called" not in s.events(revoked_env.action_id)
         assert s.witness.count(key=revoked_env.idempotency_key) == 0
         assert s.effects(revoked_env.idempotency_key) == 0
+    finally:
+        teardown_stack(s)
+
+
+def test_a_run_outlives_the_rotation_of_the_key_that_signed_it(tmp_path) -> None:
+    """Every step of a run is signed and stored when the run is published; the later steps are sent
+    when the earlier ones are verified, and compensations derive from the stored parents. With the
+    controller key rotated out (no overlap) right after publication, step 1 is still released and
+    run, and when step 2 fails, the refund of step 1 is compensated from its stored message."""
+    s = build_stack("stdio", tmp_path)
+    try:
+        account = new_account(s)
+        steps = run_of(s, [lambda **kw: refund_env(s, account, **kw), lambda **kw: ticket_env(s, **kw),
+                           lambda **kw: stale_close_env(s, **kw)])
+        broker = LosingBroker()  # nothing runs before the rotation: step 0 waits for a re-drive
+        for env in steps:
+            publish_message(s.conn, broker, s.message(env), env, settings=s.settings, hold=env.step > 0)
+        old, new = rotate(s.settings.keys_dir, KeyRole.controller, overlap=timedelta(0))
+        assert {m["key_id"] for m in broker.lost} == {old} != {new}
+        start_workers(s)
+        summary = run_settled(s, steps[0].run_id)
+        assert summary["outcome"] == "compensated", summary
+        rows = [s.action(e.action_id) for e in steps]
+        assert [r.outcome for r in rows] == [Outcome.compensated, Outcome.compensated, Outcome.not_started]
+        retired = [e["evidence"].get("key_retired_after_storage", {}).get("key_id")
+                   for env in steps[:2] for e in s.timeline(env.action_id) if e["event"] == "validated"]
+        assert retired and set(retired) == {old}
+        refund_comp = s.action(recovery_action(s, steps[0].action_id))
+        assert refund_comp.outcome == Outcome.completed_verified
+        assert sor.find_refund_by_key(s.sor_db, steps[0].idempotency_key)["refund"]["status"] == "reversed"
+        for env in steps[:2]:
+            assert s.witness.count(key=env.idempotency_key) == 1
+            assert s.effects(env.idempotency_key) == 1
+        assert s.witness.count(key=refund_comp.idempotency_key) == 1
+        assert s.effects(refund_comp.idempotency_key) == 1
+        assert s.witness.count(key=steps[2].idempotency_key) == 0
     finally:
         teardown_stack(s)
