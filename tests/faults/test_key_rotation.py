@@ -8,7 +8,8 @@ of it (the broker lost the message) runs. A *revoked* key is refused whatever wa
 
 The messages are "lost" by publishing through a broker that drops them (the ledger records them);
 the keys are rotated with no overlap, so the old key has retired before any worker starts; the
-reconciler then re-drives the stored messages to real workers.
+reconciler then re-drives the stored messages to real workers. A second test runs a whole
+multi-step run, with a compensation, on messages signed by a key that retired before it started.
 """
 
 from __future__ import annotations
