@@ -256,6 +256,20 @@ def get_action(cur: Cursor, action_id: str) -> ActionRow | None:
     return ActionRow.from_row(row) if row else None
 
 
+def stored_message_at(cur: Cursor, message: Any) -> datetime | None:
+    """When the ledger recorded exactly this signed message (its action id, key id and signature),
+    by the database clock; ``None`` when it never did. ``published_at`` is set by the database at
+    insert and can never change (roles_ddl), so no caller can date a message back."""
+    env = message.get("envelope") if isinstance(message, dict) else None
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in
+                                            (env.get("action_id"), message.get("key_id"), message.get("signature"))):
+        return None
+    cur.execute("SELECT published_at FROM actions WHERE action_id = %s AND key_id = %s AND signature = %s",
+                (env["action_id"], message["key_id"], message["signature"]))
+    row = cur.fetchone()
+    return row["published_at"] if row else None
+
+
 def timeline(cur: Cursor, action_id: str) -> list[dict[str, Any]]:
     cur.execute(
         "SELECT seq, at, event, actor, evidence, hash FROM ledger_events WHERE action_id = %s ORDER BY seq",

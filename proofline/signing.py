@@ -7,7 +7,13 @@ derived envelopes (retry-free compensations, rollbacks, forward fixes) with the 
 hold only the keyring of public keys, so nothing a worker host holds can mint an envelope.
 
 Refusal order: shape, signature presence, key id known, key revoked, key expired, key role may sign
-envelopes at all, canonical JSON, signature. Whether the role fits the content (a fresh action or a
+envelopes at all, canonical JSON, signature.
+
+Retired is not revoked. A key past its ``not_after`` (rotated out) signs nothing new, but a message
+the ledger stored before that moment stays the authority it was: a run's later step released after
+the rotation, a re-drive of a message the broker lost, the parent a compensation derives from.
+:func:`verify` accepts such a message when the caller says when the ledger stored it
+(``stored_at``, from the database clock). A revoked key is refused whatever was stored. Whether the role fits the content (a fresh action or a
 derived one) is checked once the envelope is parsed (:func:`check_role`).
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -44,6 +51,8 @@ class Verified:
 
     document: dict[str, Any]
     key: PublicKey
+    #: When the key had retired and the message was accepted as one the ledger stored before that.
+    stored_before_retirement: datetime | None = None
 
 
 def encode_signature(raw: bytes) -> str:
@@ -89,8 +98,13 @@ def _decode(signature: str) -> bytes:
     return raw
 
 
-def verify(message: Any, keyring: Keyring, now: datetime | None = None) -> Verified:
-    """Return the signed envelope document and its key, or raise the precise refusal."""
+def verify(message: Any, keyring: Keyring, now: datetime | None = None,
+           stored_at: Callable[[], datetime | None] | None = None) -> Verified:
+    """Return the signed envelope document and its key, or raise the precise refusal.
+
+    ``stored_at`` is asked only when the key has retired (past ``not_after``): it returns when the
+    ledger recorded exactly this signed message, or ``None`` when it never did. A message stored
+    before the key retired is accepted; any other is refused as signed with an expired key."""
     if not isinstance(message, dict) or not isinstance(message.get("envelope"), dict):
         raise MalformedEnvelope("message is not an object with an 'envelope' object")
     signature = message.get("signature")
@@ -104,8 +118,12 @@ def verify(message: Any, keyring: Keyring, now: datetime | None = None) -> Verif
         raise UnknownSigningKey(f"unknown signing key id {key_id[:64]!r}")
     if key.revoked:
         raise RevokedSigningKey(f"signing key {key_id} is revoked", key_id=key_id)
+    stored = None
     if key.expired(now or datetime.now(UTC)):
-        raise ExpiredSigningKey(f"signing key {key_id} expired at {key.not_after.isoformat()}", key_id=key_id)
+        stored = stored_at() if stored_at is not None else None
+        if stored is None or key.not_after is None or stored >= key.not_after:
+            raise ExpiredSigningKey(f"signing key {key_id} expired at {key.not_after.isoformat()}", key_id=key_id,
+                                    stored_at=stored.isoformat() if stored is not None else "never")
     if key.role not in ENVELOPE_ROLES:
         raise WrongKeyRole(f"key {key_id} is a {key.role.value} key; it may not sign envelopes", key_id=key_id)
     try:
@@ -116,4 +134,4 @@ def verify(message: Any, keyring: Keyring, now: datetime | None = None) -> Verif
         key.public.verify(_decode(signature), data)
     except InvalidSignature:
         raise BadSignature("signature does not match the envelope content") from None
-    return Verified(message["envelope"], key)
+    return Verified(message["envelope"], key, stored)

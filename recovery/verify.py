@@ -136,6 +136,14 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
 }
 
 
+def _cancel_arrived(cur, action_id: str) -> bool:
+    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
+    transaction is seen here, one that comes after it finds the action settled."""
+    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
+    row = cur.fetchone()
+    return row is not None and row["cancel_requested_at"] is not None
+
+
 def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
     """A cancelled action's final disposition, once verification knows the external state."""
     status, outcome, record_status, reason = current
@@ -197,6 +205,11 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     faultpoints.hit("before_verify_commit")
     try:
         with store.transaction(conn) as cur:
+            if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
+                # Cancelled while verification was reading the system of record: the cancellation
+                # decides the disposition as if it had been there from the start.
+                status, outcome, record_status, reason = _cancel_disposition(
+                    envelope, obs.finding, (status, outcome, record_status, reason))
             events = [("verification_finished", evidence)]
             if record_expired is not None:
                 events.insert(0, ("operation_record_expired", record_expired))

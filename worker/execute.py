@@ -153,7 +153,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     faultpoints.hit("on_delivery")
     try:
         try:
-            envelope, contract = validate_envelope(message, settings, rt.contract)
+            stored = StoredAt(rt, message)
+            envelope, contract = validate_envelope(message, settings, rt.contract, stored_at=stored)
             parent_link = _check_parent_link(rt, envelope) if envelope.recovers is not None else None
         except (EnvelopeRefused, psycopg.Error, ConfigurationError):
             raise  # a worker without its keyring must not refuse good envelopes as malformed
@@ -172,7 +173,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
                        "contract": contract.action_type, "contract_version": contract.version,
                        "contract_digest": contract.digest, "idempotency_key": envelope.idempotency_key,
                        "arguments_hash": envelope.arguments_hash, **delivery,
-                       **({"parent_link": parent_link} if parent_link else {})}),
+                       **({"parent_link": parent_link} if parent_link else {}),
+                       **({"key_retired_after_storage": stored.evidence} if stored.evidence else {})}),
     ]
     locks = Locks(action_lock_name(aid), target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id))
     conn = rt.conn
@@ -292,6 +294,22 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     finally:
         keeper.stop()
         rt.holding_locks = False
+
+
+class StoredAt:
+    """When the ledger stored this delivery's exact signed message; asked only when its signing key
+    has retired (a rotation's overlap ended), so the common path makes no extra read."""
+
+    def __init__(self, rt: Runtime, message: Any) -> None:
+        self.rt, self.message = rt, message
+        self.evidence: dict[str, Any] | None = None
+
+    def __call__(self) -> datetime | None:
+        with self.rt.conn.cursor() as cur:
+            at = store.stored_message_at(cur, self.message)
+        if at is not None:
+            self.evidence = {"key_id": self.message.get("key_id"), "stored_at": at.isoformat()}
+        return at
 
 
 def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -69,8 +70,10 @@ def claimed_fields(message: Any) -> dict[str, Any]:
             for k in ("action_id", "run_id", "tenant", "action_type") if k in env}
 
 
-def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tuple[Envelope, Contract]:
-    """Schema, signature, argument hash, idempotency key and contract: all or nothing."""
+def validate_envelope(message: Any, settings: Settings, contract_lookup,
+                      stored_at: Callable[[], datetime | None] | None = None) -> tuple[Envelope, Contract]:
+    """Schema, signature, argument hash, idempotency key and contract: all or nothing. ``stored_at``
+    says when the ledger stored this exact message (asked only if its key has retired)."""
     if isinstance(message, RefusedBody):
         raise MESSAGE_REFUSALS.get(message.reason, MessageRefused)(
             message.detail, message_digest=message.digest, message_bytes=message.size, excerpt=message.excerpt)
@@ -80,7 +83,7 @@ def validate_envelope(message: Any, settings: Settings, contract_lookup) -> tupl
         raise MalformedEnvelope(f"message is not JSON: {safe_repr(exc)}") from exc
     if size > MAX_MESSAGE_BYTES:
         raise MalformedEnvelope(f"message is {size} bytes; the limit is {MAX_MESSAGE_BYTES}")
-    verified = verify(message, load_keyring(settings.keyring_file, settings.environment))
+    verified = verify(message, load_keyring(settings.keyring_file, settings.environment), stored_at=stored_at)
     try:
         envelope = Envelope.model_validate(verified.document)
     except ValidationError as exc:
@@ -124,7 +127,8 @@ def authenticate_row(row: ActionRow, keyring: Keyring, role: KeyRole) -> Envelop
     if message is None:
         raise ParentSignatureInvalid(f"action {row.action_id} has no signed message", action_id=row.action_id)
     try:
-        verified = verify(message, keyring)
+        # The row's own publication time: a message stored before its key retired still verifies.
+        verified = verify(message, keyring, stored_at=lambda: row.published_at)
         envelope = Envelope.model_validate(verified.document)
         if verified.key.role != role:
             raise WrongKeyRole(f"signed by a {verified.key.role.value} key, not a {role.value} key")

@@ -1,0 +1,77 @@
+"""A frozen worker past its lease, and the fencing token that keeps its late write out.
+
+The pool process running a refund is stopped (SIGSTOP) while the system of record is applying the
+call. Its heartbeats stop; Postgres ends its idle session after the lease TTL, freeing its locks;
+the reconciler sees the expired lease and re-sends the stored message; another worker takes the
+lease with a new fencing token, finds the claim in progress, and settles the action from the
+system of record without calling again. Then the frozen process is resumed (SIGCONT): it holds a
+result, and its write under the old token is refused and recorded as ``stale_write_refused``. The
+action keeps the verdict the new holder proved; the server was handed one call, carrying the old
+token, and the refund exists once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psycopg
+
+from ledger.states import ActionStatus, Outcome
+from proofline.errors import StaleLease
+from proofline_kit.sor import store as sor
+from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
+from tests.helpers import new_account, refund_env
+
+
+def test_frozen_worker_past_its_lease_cannot_write_late(tmp_path) -> None:
+    s = build_stack("stdio", tmp_path)
+    frozen = None
+    try:
+        start_workers(s, name="a")
+        start_workers(s, name="b", beat=False)
+        env = refund_env(s, new_account(s), timeout_seconds=8)
+        # The server takes a while to apply the call, so the worker is frozen with the call open.
+        sor.set_fault(s.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
+        s.publish(env)
+        wait_for(lambda: s.witness.count(key=env.idempotency_key) == 1, 30, what="the call at the server")
+        with psycopg.connect(s.admin_url) as admin:
+            owner, first_token = admin.execute("SELECT owner_pid, fencing_token FROM leases WHERE action_id = %s",
+                                               (env.action_id,)).fetchone()
+        os.kill(owner, signal.SIGSTOP)
+        frozen = owner
+
+        # Another holder takes over and settles the action from the system of record.
+        row = s.wait_settled(env.action_id, timeout=90)
+        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row.reason_code
+        timeline = s.timeline(env.action_id)
+        takeover = [e["evidence"] for e in timeline if e["event"] == "reconcile_required"]
+        assert takeover and takeover[0]["previous_fencing_token"] == first_token
+        assert takeover[0]["fencing_token"] > first_token
+        assert any(e["event"] == "redriven" and e["evidence"]["reason"] == "lease_expired" for e in timeline)
+        assert "tool_called" not in [e["event"] for e in timeline]  # the frozen holder has not written yet
+
+        os.kill(owner, signal.SIGCONT)
+        frozen = None
+        wait_for(lambda: "stale_write_refused" in s.events(env.action_id), 60, what="the late write to be refused")
+        refused = [e for e in s.timeline(env.action_id) if e["event"] == "stale_write_refused"]
+        assert len(refused) == 1 and refused[0]["evidence"]["reason_code"] == StaleLease.code
+        assert refused[0]["evidence"]["observed"]["outcome"] in (Outcome.completed_unverified.value,
+                                                                 Outcome.unknown_outcome.value)
+        # Nothing the late holder saw changed the action or the idempotency record.
+        after = s.action(env.action_id)
+        assert (after.status, after.outcome, after.reason_code) == (row.status, row.outcome, row.reason_code)
+        assert "tool_called" not in s.events(env.action_id)
+        with psycopg.connect(s.admin_url) as admin:
+            record_token = admin.execute("SELECT fencing_token FROM idempotency_records WHERE key = %s",
+                                         (env.idempotency_key,)).fetchone()[0]
+        assert record_token == takeover[0]["fencing_token"]
+        [call] = s.witness.calls(key=env.idempotency_key)
+        assert call.fencing_token == first_token
+        assert s.effects(env.idempotency_key) == 1
+        assert s.workers_alive()
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        sor.clear_faults(s.sor_db, "issue_refund")
+        teardown_stack(s)
