@@ -70,6 +70,10 @@ class SandboxSpec(BaseModel):
     #: Paths bound read-only / read-write (relative ones are relative to the servers file).
     ro_paths: tuple[str, ...] = ()
     rw_paths: tuple[str, ...] = ()
+    #: The writer's data, bound read-only for a read identity (set by :func:`reader_sandbox`): a
+    #: write refused there (``EROFS``) is a program with no read-only mode falling back, as intended;
+    #: the audit does not count it.
+    read_only_data: tuple[str, ...] = ()
     #: Address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU), open files, processes (RLIMIT_NPROC).
     memory_mb: int = Field(1024, ge=64)
     cpu_seconds: int = Field(3600, ge=1)
@@ -95,6 +99,7 @@ def reader_sandbox(writer: dict, override: dict | None) -> dict:
     merged = dict(writer)
     merged["ro_paths"] = [*writer.get("ro_paths", ()), *writer.get("rw_paths", ())]
     merged["rw_paths"] = []
+    merged["read_only_data"] = [*writer.get("read_only_data", ()), *writer.get("rw_paths", ())]
     merged.update(override or {})
     return merged
 
@@ -198,6 +203,7 @@ class Roots:
     writable: tuple[str, ...] = ()
     own: tuple[str, ...] = OWN_FILESYSTEMS
     symlinks: tuple[tuple[str, str], ...] = ()
+    read_only_data: tuple[str, ...] = ()
     cwd: str = "/"
     network: bool = False
 
@@ -257,6 +263,7 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
     args += ["--chdir", cwd, "--", *command]
     if roots is not None:
         roots.append(Roots(read_only=(*bound, *files), writable=tuple(writable), own=own, symlinks=tuple(links),
+                           read_only_data=tuple(_resolve(x, base_dir) for x in spec.read_only_data),
                            cwd=cwd, network=spec.network))
     return args
 

@@ -21,7 +21,8 @@ Each failed syscall is classified (:func:`classify`); what counts as a violation
   for optional files) and is not counted; neither are the few files every libc looks up
   (:data:`LIBC_PROBES`).
 - ``read_only`` / ``permission_denied``: ``EROFS``, ``EACCES`` or ``EPERM`` on any path, except the
-  interpreter's own bytecode cache (``__pycache__``).
+  interpreter's own bytecode cache (``__pycache__``) and, for a read identity, ``EROFS`` on the
+  writer's data it sees read-only (a program with no read-only mode tries read-write first).
 - ``network_denied``: a failed ``connect``/``sendto``/``sendmsg`` to an IP address, or to an
   abstract unix socket, when the server has no network.
 - ``denied_syscall``: any failed :data:`DENIED_SYSCALLS` (ptrace, mount, namespaces, modules, …).
@@ -271,7 +272,8 @@ def classify(record: dict[str, Any], roots: Roots, *, exists: Callable[[str], bo
             full = raw if raw.startswith("/") else str(PurePosixPath(where) / raw)
             path = resolve(full, roots, lstat_link)
             evidence = {**base, "path": path, **({"given": raw} if raw != path else {})}
-            if err in DENIED and not _bytecode_cache(path):
+            expected = err == "EROFS" and _covered(path, roots.read_only_data)
+            if err in DENIED and not expected and not _bytecode_cache(path):
                 return {"kind": DENIED[err], **evidence}
             if err in NOT_FOUND and _hidden(path, roots, writes(record), exists):
                 return {"kind": "hidden_path", **evidence}

@@ -126,6 +126,24 @@ def attempt(reads: list[str], writes: list[str], tcp: list[int], unix: list[str]
 
 
 @server.tool()
+def open_files() -> dict[str, str]:
+    """Every open file of every process it can see, as ``pid/comm/fd -> target``."""
+    out: dict[str, str] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        comm = _read(f"/proc/{pid}/comm").get("data", "?").strip()
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                out[f"{pid}/{comm}/{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+    return out
+
+
+@server.tool()
 def spin(seconds: float) -> dict[str, Any]:
     """Burn CPU for ``seconds`` (a CPU limit below that kills the server)."""
     end = time.monotonic() + seconds
