@@ -38,8 +38,8 @@ DEFAULT_UID = DEFAULT_GID = 65534
 #: The fd bwrap writes its JSON status to (child pid, then the exit code); the sandboxed child never
 #: inherits it (bwrap closes it before exec), so a server cannot forge its own exit status.
 STATUS_FD = 3
-#: A path that never exists inside a sandbox (its root is bwrap's own tmpfs). An audited sandbox looks
-#: it up just before exec'ing the server: audit lines before that lookup are bwrap's set-up.
+#: A path that never exists inside a sandbox (its root is bwrap's own tmpfs). An audited sandbox tries
+#: to ``cd`` there just before exec'ing the server: audit lines before that are bwrap's set-up.
 AUDIT_MARKER = "/.proofline-audit-start"
 #: System directories bound read-only (or recreated as the same symlink) so dynamically linked
 #: interpreters run. Nothing under /etc except the loader cache unless the server has network.
@@ -278,13 +278,13 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
     With ``audit_path``, strace runs outermost (outside the limits and the namespaces: the server
     cannot see, signal or starve it) and writes the server's failed file, network and privileged
     syscalls to that path (a FIFO the worker reads; worker/sandbox_audit.py). Inside the sandbox a
-    ``sh`` first looks up :data:`AUDIT_MARKER` (a failed lookup that marks where bwrap's own set-up
-    ends) and then execs the server."""
+    ``sh`` first tries to enter :data:`AUDIT_MARKER` (a failed, traced ``chdir`` that marks where
+    bwrap's own set-up ends) and then execs the server."""
     if runtime_paths is None:
         runtime_paths = interpreter_paths()
     inner = list(command)
     if audit_path is not None:
-        inner = [SHELL, "-c", f'[ -e {AUDIT_MARKER} ]; exec "$@"', "audited", *command]
+        inner = [SHELL, "-c", f'cd {AUDIT_MARKER} 2>/dev/null; exec "$@"', "audited", *command]
     bw = bwrap_args(spec, command=inner, env=env, cwd=cwd, base_dir=base_dir, runtime_paths=runtime_paths,
                     roots=roots)
     limits = (f"ulimit -v {spec.memory_mb * 1024} && ulimit -t {spec.cpu_seconds} && "

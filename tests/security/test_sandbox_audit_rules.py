@@ -108,7 +108,7 @@ def test_the_auditor_ignores_set_up_and_counts_after_the_marker(tmp_path: Path) 
         fd = os.open(a.path, os.O_WRONLY)  # what strace does; the reader thread is waiting for it
         os.write(fd, (at("/etc/shadow") + "\n").encode())  # bwrap's set-up: before the marker
         # The marker, a violation, and a line strace has not finished writing yet.
-        os.write(fd, (at(AUDIT_MARKER) + "\n" + at("/etc/shadow") + "\n" + at(str(key))[:-30]).encode())
+        os.write(fd, (line("chdir", f'"{hx(AUDIT_MARKER)}"') + "\n" + at("/etc/shadow") + "\n" + at(str(key))[:-30]).encode())
         found = a.take()
         assert a.armed and [f["path"] for f in found] == ["/etc/shadow"]
         os.write(fd, (at(str(key))[-30:] + "\n").encode())
