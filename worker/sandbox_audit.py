@@ -315,6 +315,7 @@ class Auditor:
         self._eof = False
         self._stop = threading.Event()
         self._opened = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader at once
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._drain, name=f"audit-{server}-{role}", daemon=True)
         self._thread.start()
@@ -329,8 +330,8 @@ class Auditor:
             self._fd = fd
         self._opened.set()
         while not self._stop.is_set() and not self._eof:
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            if ready:
+            ready, _, _ = select.select([fd, self._wake_r], [], [])
+            if fd in ready:
                 self.settle()
 
     def settle(self) -> None:
@@ -385,7 +386,10 @@ class Auditor:
         return out
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # closed already
         self._stop.set()
+        os.write(self._wake_w, b"x")
         if self._fd is None:
             try:  # unblock a reader still waiting for strace to open the FIFO
                 os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
@@ -396,4 +400,6 @@ class Auditor:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -269,3 +270,35 @@ def test_through_a_real_worker_each_attempt_is_a_violation_event(audit_stack: St
     assert outcome == control
     assert (s.workdir / "data" / "records.txt").read_text() == "original"
     assert KEY_CANARY not in json.dumps(found)
+
+
+def test_the_tracers_death_takes_the_server_with_it(world: dict[str, Any]) -> None:
+    """Fail closed: a server never runs on untraced. Killing strace (as nothing inside the sandbox
+    can, it is not in its PID namespace) ends the server; the next call gets a fresh, audited one."""
+    m = open_sessions(world, hostile=data_spec(world))
+    server = world["servers"]["hostile"]
+    me = psutil.Process()
+
+    def traced() -> tuple[list[psutil.Process], list[psutil.Process]]:
+        kids = me.children(recursive=True)
+        tracers = [p for p in kids if p.name() == "strace"]
+        servers = [p for p in kids if p.name().startswith("python") and "hostile_server.py" in p.cmdline()[-1]]
+        return tracers, servers
+
+    try:
+        first = run_tool(m, server, "write", "status", {})["pid"]
+        tracers, servers = traced()
+        assert len(tracers) == 1 and len(servers) == 1
+        tracers[0].kill()
+        wait_for(lambda: not servers[0].is_running() or servers[0].status() == psutil.STATUS_ZOMBIE, 30,
+                 what="the server to die with its tracer")
+        with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a closed connection
+            run_tool(m, server, "write", "status", {})
+        m.discard(server, "write")
+        assert run_tool(m, server, "write", "attempt", {**escapes(world), "privileged": False})["reads"]
+        again, _ = traced()
+        assert len(again) == 1 and again[0].pid != tracers[0].pid
+        assert {f["path"] for f in m.take_audit() if f["kind"] == "hidden_path"} >= {"/etc/shadow"}
+        assert first == 2  # the server is PID 2 of its own namespace (bwrap is 1)
+    finally:
+        m.close()
