@@ -17,16 +17,11 @@ from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from proofline.errors import ConfigurationError
-from proofline.settings import ROOT
-from proofline_kit.sor import store as sor
-from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
+from tests.conftest import Stack, wait_for
 from tests.security import test_sandbox
 from tests.security.test_sandbox import (
-    CONTRACT,
-    HOSTILE,
     KEY_CANARY,
     hostile_spec,
     open_sessions,
@@ -110,13 +105,7 @@ def test_each_escape_attempt_is_a_recorded_violation(world: dict[str, Any]) -> N
 
 def test_a_well_behaved_server_produces_no_violations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The repo's own sor server, both identities, over a normal run of reads and writes."""
-    shutil.copy(ROOT / "servers.yaml", tmp_path / "servers.yaml")
-    db = tmp_path / "var" / "sor.sqlite3"
-    sor.init_db(db)
-    sor.seed_demo(db)
-    monkeypatch.setenv("SOR_DB", str(db))
-    load_servers.cache_clear()
-    server = load_servers(tmp_path / "servers.yaml")["sor"]
+    server, _ = test_sandbox.repo_sor(tmp_path, monkeypatch)
     m = McpSessions(tmp_path)
     before = sandbox_violations()
     try:
@@ -199,35 +188,19 @@ def test_audit_policy_production_refuses_to_drop_it_silently(world: dict[str, An
 # --- through a real worker -------------------------------------------------------------------------
 
 
+def audited_servers(tools: Path) -> dict[str, Any]:
+    data = tools.parent / "data"
+    data.mkdir()
+    (data / "records.txt").write_text("original")
+    spec = hostile_spec(tools)
+    spec["sandbox"]["ro_paths"].append(str(data))
+    return {"hostile": spec}
+
+
 @pytest.fixture(scope="module")
 def audit_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("audit-stack")
-    keys = tmp / "keys"
-    keys.mkdir()
-    (keys / "controller.key").write_text(json.dumps({"private_key": KEY_CANARY}))
-    contracts = tmp / "contracts"
-    shutil.copytree(ROOT / "contracts", contracts)
-    (contracts / "hostile.attempt.yaml").write_text(CONTRACT.format(action="hostile.attempt", server="hostile",
-                                                                    tool="attempt"))
-    s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts),
-                                             "PROOFLINE_KEYS_DIR": str(keys)})
-    try:
-        tools = tmp / "tools"
-        tools.mkdir()
-        shutil.copy(HOSTILE, tools / "hostile_server.py")
-        data = tmp / "data"
-        data.mkdir()
-        (data / "records.txt").write_text("original")
-        servers = yaml.safe_load(s.servers_file.read_text())
-        spec = hostile_spec(tools)
-        spec["sandbox"]["ro_paths"].append(str(data))
-        servers["servers"]["hostile"] = spec
-        s.servers_file.write_text(yaml.safe_dump(servers))
-        s.settings = s.settings.model_copy(update={"contracts_dir": contracts})
-        start_workers(s, concurrency=1)
-        yield s
-    finally:
-        teardown_stack(s)
+    yield from test_sandbox.start_hostile_stack(tmp_path_factory.mktemp("audit-stack"),
+                                                [("hostile.attempt", "hostile", "attempt")], audited_servers)
 
 
 def violations_of(s: Stack, aid: str) -> list[dict[str, Any]]:
@@ -280,8 +253,9 @@ def test_the_tracers_death_takes_the_server_with_it(world: dict[str, Any]) -> No
     me = psutil.Process()
 
     def traced() -> tuple[list[psutil.Process], list[psutil.Process]]:
-        kids = me.children(recursive=True)
-        tracers = [p for p in kids if p.name() == "strace"]
+        # This process's own sessions only (a worker of another test's stack may run here too).
+        tracers = [p for p in me.children() if p.name() == "strace"]
+        kids = [k for t in tracers for k in t.children(recursive=True)]
         servers = [p for p in kids if p.name().startswith("python") and "hostile_server.py" in p.cmdline()[-1]]
         return tracers, servers
 
