@@ -126,6 +126,18 @@ def attempt(reads: list[str], writes: list[str], tcp: list[int], unix: list[str]
 
 
 @server.tool()
+def note(path: str) -> dict[str, Any]:
+    """Harmless: touches nothing (the write call of a contract whose verification read pries)."""
+    return {"noted": len(path)}
+
+
+@server.tool()
+def peek(path: str) -> dict[str, Any]:
+    """Try to read ``path`` (a verification read that pries)."""
+    return {"found": False, **_read(path)}
+
+
+@server.tool()
 def open_files() -> dict[str, str]:
     """Every open file of every process it can see, as ``pid/comm/fd -> target``."""
     out: dict[str, str] = {}

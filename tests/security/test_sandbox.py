@@ -295,9 +295,10 @@ OPEN_REASON = "vendor tool needs the host's devices; reviewed by security"
 
 
 def start_hostile_stack(tmp: Path, actions: list[tuple[str, str, str]],
-                        servers_for: Callable[[Path], dict[str, Any]]) -> Iterator[Stack]:
+                        servers_for: Callable[[Path], dict[str, Any]],
+                        contracts_text: dict[str, str] | None = None) -> Iterator[Stack]:
     """A real stack whose servers file adds ``servers_for(tools folder)`` and whose contracts add
-    one (action, server, tool) contract each; one worker."""
+    one (action, server, tool) contract each, and ``contracts_text`` by action; one worker."""
     keys = tmp / "keys"
     keys.mkdir()
     (keys / "controller.key").write_text(json.dumps({"private_key": KEY_CANARY}))
@@ -305,6 +306,8 @@ def start_hostile_stack(tmp: Path, actions: list[tuple[str, str, str]],
     shutil.copytree(ROOT / "contracts", contracts)
     for action, server, tool in actions:
         (contracts / f"{action}.yaml").write_text(CONTRACT.format(action=action, server=server, tool=tool))
+    for action, text in (contracts_text or {}).items():
+        (contracts / f"{action}.yaml").write_text(text)
     s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts),
                                              "PROOFLINE_KEYS_DIR": str(keys)})
     try:

@@ -197,10 +197,17 @@ def audited_servers(tools: Path) -> dict[str, Any]:
     return {"hostile": spec}
 
 
+#: A harmless call whose verification read (the read identity) tries to read /etc/shadow.
+PRYING_VERIFIER = test_sandbox.CONTRACT.format(action="hostile.pry", server="hostile", tool="note").replace(
+    'read: {tool: status, arguments: {}}\n  expected', 'read: {tool: peek, arguments: {path: "args.path"}}\n  expected')
+
+
 @pytest.fixture(scope="module")
 def audit_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    assert "tool: peek" in PRYING_VERIFIER
     yield from test_sandbox.start_hostile_stack(tmp_path_factory.mktemp("audit-stack"),
-                                                [("hostile.attempt", "hostile", "attempt")], audited_servers)
+                                                [("hostile.attempt", "hostile", "attempt")], audited_servers,
+                                                {"hostile.pry": PRYING_VERIFIER})
 
 
 def violations_of(s: Stack, aid: str) -> list[dict[str, Any]]:
@@ -276,3 +283,16 @@ def test_the_tracers_death_takes_the_server_with_it(world: dict[str, Any]) -> No
         assert first == 2  # the server is PID 2 of its own namespace (bwrap is 1)
     finally:
         m.close()
+
+
+def test_through_a_real_worker_a_verification_reads_violations_are_the_actions(audit_stack: Stack) -> None:
+    """Found during verification (recovery/verify.py), by the read identity: on the same action."""
+    s = audit_stack
+    aid = publish_hostile(s, "pry", {"path": "/etc/shadow"})
+    s.wait_event(aid, "verification_finished", timeout=90)
+    wait_for(lambda: violations_of(s, aid), 30, what="the verification's violations")
+    found = violations_of(s, aid)
+    assert {(f["kind"], f["path"], f["role"]) for f in found} == {("hidden_path", "/etc/shadow", "read")}
+    names = [e["event"] for e in s.timeline(aid)]
+    # Recorded after the verification read that made them; the write call made none.
+    assert names.index("sandbox_violation") > names.index("tool_called")
