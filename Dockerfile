@@ -2,8 +2,9 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 WORKDIR /app
-# bubblewrap sandboxes stdio tool servers (worker/sandbox.py); sh (dash) applies their rlimits.
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
+# bubblewrap sandboxes stdio tool servers (worker/sandbox.py); sh (dash) applies their rlimits;
+# strace audits what the sandbox denies them (worker/sandbox_audit.py).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap strace && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md celeryconfig.py servers.yaml ./
 COPY proofline ./proofline
 COPY worker ./worker

@@ -22,7 +22,7 @@ from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
 from recovery.operation_record import read_operation_record
-from worker import calls, faultpoints
+from worker import calls, faultpoints, sandbox_events
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
 from worker.results import measure, result_limit
@@ -157,6 +157,7 @@ def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, curren
     return status, outcome, record_status, reason
 
 
+@sandbox_events.records_audit
 def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
         action = store.get_action(cur, action_id)
@@ -170,6 +171,7 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     current_redactor.set(red)
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
+    rt.mcp.action_id = action_id  # what the sandbox audit finds during these reads is this action's
     # The downstream's own record of the operation first (evidence only), then the authoritative read.
     operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
     obs = observe(rt, envelope, contract, base)

@@ -40,7 +40,7 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
-from worker import calls, faultpoints, quota, refusals
+from worker import calls, faultpoints, quota, refusals, sandbox_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -146,6 +146,7 @@ def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
     return for_message(message, fields)
 
 
+@sandbox_events.records_audit
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
     settings = rt.settings
@@ -168,6 +169,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     red = for_envelope(message["envelope"], contract.sensitive_fields)
     current_redactor.set(red)  # logs and Sentry events of this task are scrubbed with it too
     aid = envelope.action_id
+    rt.mcp.action_id = aid  # calls from here on are this action's (worker/sandbox_events.py)
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
@@ -625,19 +627,24 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
                    token: int, locks: Locks, dispatch) -> dict[str, Any]:
     aid = envelope.action_id
     evidence = _result_evidence(envelope, verdict, report)
+    audit = sandbox_events.pending(rt, aid)  # taken once: a retried write records the same findings
     try:
         try:
-            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation)
+            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
+                                      audit)
         except psycopg.OperationalError:
             # The session died while we called (and its locks with it). Write again on a new
             # session: the fencing token still decides whether this worker may record the result.
             rt.reset_connection()
-            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation)
+            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
+                                      audit)
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
             store.append_event_txn(cur, aid, "stale_write_refused", rt.settings.worker_id,
                                    {**exc.as_evidence(), "observed": evidence}, red)
+            store.append_events_txn(cur, aid, rt.settings.worker_id,
+                                    sandbox_events.write_pending_txn(cur, rt, aid, audit), red)
         unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
     if verdict.outcome == Outcome.failed_before_side_effect:
@@ -652,7 +659,7 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
 
 def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
                       evidence: dict[str, Any], token: int, locks: Locks,
-                      violation: dict[str, Any] | None = None) -> bool:
+                      violation: dict[str, Any] | None = None, audit: sandbox_events.Pending = None) -> bool:
     """Record the classified call, settle the idempotency record, release the lease: one commit.
 
     Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
@@ -672,7 +679,8 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: C
         retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
         if violation is not None:
-            events.append(("sandbox_violation", violation))
+            events.append((sandbox_events.EVENT, violation))
+        events += sandbox_events.write_pending_txn(cur, rt, aid, audit)
         if verdict.outcome == Outcome.failed_before_side_effect:
             status = ActionStatus.published if retry else ActionStatus.closed
             events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))

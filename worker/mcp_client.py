@@ -8,7 +8,10 @@ A session that dies (server killed, connection lost) is replaced on the next cal
 
 stdio servers run sandboxed (worker/sandbox.py). bwrap writes the sandboxed process's exit status
 to a per-session status file, so a server killed by a limit is told apart from one that merely
-closed: such a death is a sandbox violation, counted here and recorded on the call it broke.
+closed: such a death is a sandbox violation, counted here and recorded on the call it broke. An
+audited sandbox (worker/sandbox_audit.py) also reports the paths, addresses and syscalls it denied;
+each is a violation too, counted when found and kept for the ledger with the action whose call was
+in flight (:meth:`McpSessions.take_audit`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -31,6 +34,7 @@ from mcp import Client, StdioServerParameters
 from proofline.errors import McpUnavailable
 from worker import sandbox
 from worker.bounded_stdio import bounded_stdio_client
+from worker.sandbox_audit import Auditor
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
@@ -45,7 +49,8 @@ _violations_lock = threading.Lock()
 
 
 def sandbox_violations() -> int:
-    """Sandbox violations (servers killed by a limit) seen by this process, for metrics."""
+    """Sandbox violations (servers killed by a limit, denied paths, addresses and syscalls) seen by
+    this process, for metrics."""
     return _violations
 
 
@@ -53,6 +58,11 @@ def _count_violation() -> None:
     global _violations
     with _violations_lock:
         _violations += 1
+
+
+def _audited(found: dict[str, Any]) -> None:
+    _count_violation()
+    log.warning("sandbox denied a server", extra={"event": "sandbox_violation", **found})
 
 
 def _alive(pid: int) -> bool:
@@ -66,7 +76,7 @@ def _alive(pid: int) -> bool:
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
                     environment: str = "development", status_path: str | None = None,
-                    max_message_bytes: int | None = None) -> Any:
+                    max_message_bytes: int | None = None, audit: Auditor | None = None) -> Any:
     """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials),
     or a stdio command, sandboxed unless the servers file disables it with a reason, read through a
     transport that bounds every message to ``max_message_bytes`` when given."""
@@ -82,8 +92,12 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
                                                             "role": role, "reason": unsandboxed})
         return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
                                               cwd=cwd), max_message_bytes)
+    roots: list[sandbox.Roots] = []
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
-                            base_dir=base_dir, status_path=status_path)
+                            base_dir=base_dir, status_path=status_path, roots=roots,
+                            audit_path=audit.path if audit is not None else None)
+    if audit is not None:
+        audit.roots = roots[0]
     # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
     # environment pins every one of them, so what bwrap starts with is exactly launch.env.
     return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
@@ -159,19 +173,26 @@ class _Session:
         self._stop: anyio.Event | None = None
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
+        self.auditor: Auditor | None = None
         if endpoint.transport == "stdio":
             # Refused here (production, no reason) as a configuration error, before anything is spawned.
             sandbox.require_policy(name, role, endpoint.sandbox, environment)
             if endpoint.sandbox.enabled:
+                unaudited = sandbox.require_audit(name, role, endpoint.sandbox, environment)
                 fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
                 os.close(fd)
+                if unaudited is None:
+                    self.auditor = Auditor(name, role, on_violation=_audited)
+                else:
+                    log.warning("sandboxed server runs without auditing", extra={
+                        "event": "sandbox_audit_disabled", "server": name, "role": role, "reason": unaudited})
 
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
-                                     max_message_bytes=self.max_message_bytes)
+                                     max_message_bytes=self.max_message_bytes, audit=self.auditor)
             async with Client(target, mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
@@ -204,6 +225,8 @@ class _Session:
         return self.checked or None
 
     def cleanup(self) -> None:
+        if self.auditor is not None:
+            self.auditor.close()
         if self.status_path is not None:
             try:
                 os.unlink(self.status_path)
@@ -259,7 +282,33 @@ class McpSessions:
         self._stack = ExitStack()
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
         self._sessions: dict[tuple[str, Role], _Session] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        #: Audit findings not yet written to the ledger, and the action the calls are made for.
+        self._audit: list[dict[str, Any]] = []
+        self.action_id: str | None = None
+
+    @contextmanager
+    def acting_for(self, action_id: str) -> Iterator[None]:
+        """Calls made inside are this action's: what their audits find is recorded on it."""
+        previous, self.action_id = self.action_id, action_id
+        try:
+            yield
+        finally:
+            self.action_id = previous
+
+    def _collect(self, session: _Session, in_flight: bool) -> None:
+        if session.auditor is None:
+            return
+        for found in session.auditor.take():
+            with self._lock:
+                self._audit.append({**found, "in_flight": in_flight, "action_id": self.action_id})
+
+    def take_audit(self) -> list[dict[str, Any]]:
+        """Every audit finding not yet taken, each with the ``action_id`` whose call was in flight
+        (None, or ``in_flight`` false, when it happened between calls)."""
+        with self._lock:
+            out, self._audit = self._audit, []
+        return out
 
     def _session(self, server: Server, role: Role) -> _Session:
         key = (server.name, role)
@@ -268,6 +317,7 @@ class McpSessions:
             if session is not None and not session.dead:
                 return session
             if session is not None:
+                self._collect(session, in_flight=True)
                 session.violation()
                 session.cleanup()
             endpoint = server.write if role == "write" else server.read
@@ -285,6 +335,13 @@ class McpSessions:
                 detail = f"; sandbox exit {status['exit-code']}" if "exit-code" in status else ""
                 raise McpUnavailable(f"{server.name}/{role}: cannot open a session: {session.error!r}{detail}",
                                      **({"sandbox_violation": found} if found else {}))
+            if session.auditor is not None:
+                session.auditor.settle()
+                if not session.auditor.armed:
+                    # strace writes the marker before the server starts: without it nothing is audited.
+                    self._portal.call(session.stop)
+                    session.cleanup()
+                    raise McpUnavailable(f"{server.name}/{role}: the sandbox audit did not start")
             self._sessions[key] = session
             return session
 
@@ -300,10 +357,14 @@ class McpSessions:
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
-        if cancel_handle is None:
-            return self._portal.call(fn, client)
-        cancel_handle.portal = self._portal
-        return self._portal.call(_cancellable, fn, client, cancel_handle)
+        self._collect(session, in_flight=False)
+        try:
+            if cancel_handle is None:
+                return self._portal.call(fn, client)
+            cancel_handle.portal = self._portal
+            return self._portal.call(_cancellable, fn, client, cancel_handle)
+        finally:
+            self._collect(session, in_flight=True)
 
     def server_version(self, server: Server, role: Role = "write") -> str | None:
         session = self._session(server, role)
@@ -325,6 +386,7 @@ class McpSessions:
             session = self._sessions.pop((server.name, role), None)
         if session is None:
             return None
+        self._collect(session, in_flight=True)
         found = session.violation()
         self._portal.call(session.stop)
         session.cleanup()

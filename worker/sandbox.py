@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,17 +31,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from proofline.errors import ConfigurationError
 
 BWRAP = "bwrap"
+STRACE = "strace"
 SHELL = "/bin/sh"
 #: The uid/gid a sandboxed server runs as (``nobody``/``nogroup``) unless the servers file says otherwise.
 DEFAULT_UID = DEFAULT_GID = 65534
 #: The fd bwrap writes its JSON status to (child pid, then the exit code); the sandboxed child never
 #: inherits it (bwrap closes it before exec), so a server cannot forge its own exit status.
 STATUS_FD = 3
+#: A path that never exists inside a sandbox (its root is bwrap's own tmpfs). An audited sandbox tries
+#: to ``cd`` there just before exec'ing the server: audit lines before that are bwrap's set-up.
+AUDIT_MARKER = "/.proofline-audit-start"
 #: System directories bound read-only (or recreated as the same symlink) so dynamically linked
 #: interpreters run. Nothing under /etc except the loader cache unless the server has network.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache",)
 NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates")
+#: The sandbox's own filesystems (bwrap's fresh /proc, /dev and tmpfs /tmp): nothing of the host's.
+OWN_FILESYSTEMS = ("/tmp", "/proc", "/dev/shm", "/dev/pts", "/dev/mqueue")
 #: Exit statuses (128 + signal) of a sandboxed process killed by a limit or a fault: SIGKILL (hard
 #: CPU limit, or the kernel), SIGSEGV (a stack or memory limit hit in C code), SIGBUS, SIGXCPU
 #: (soft CPU limit), SIGXFSZ, SIGSYS, SIGABRT (allocation failure inside C code).
@@ -63,16 +70,26 @@ class SandboxSpec(BaseModel):
     #: Paths bound read-only / read-write (relative ones are relative to the servers file).
     ro_paths: tuple[str, ...] = ()
     rw_paths: tuple[str, ...] = ()
+    #: The writer's data, bound read-only for a read identity (set by :func:`reader_sandbox`): a
+    #: write refused there (``EROFS``) is a program with no read-only mode falling back, as intended;
+    #: the audit does not count it.
+    read_only_data: tuple[str, ...] = ()
     #: Address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU), open files, processes (RLIMIT_NPROC).
     memory_mb: int = Field(1024, ge=64)
     cpu_seconds: int = Field(3600, ge=1)
     open_files: int = Field(256, ge=16)
     processes: int = Field(64, ge=1)
+    #: Denied-path auditing (worker/sandbox_audit.py): None means on where strace is installed.
+    audit: bool | None = None
+    #: Why this server runs without auditing; production refuses to drop it silently without one.
+    audit_reason: str | None = None
 
     @model_validator(mode="after")
     def _reason_is_text(self) -> SandboxSpec:
-        if self.reason is not None and not self.reason.strip():
-            raise ValueError("sandbox.reason must say why, not be empty")
+        for name in ("reason", "audit_reason"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"sandbox.{name} must say why, not be empty")
         return self
 
 
@@ -82,6 +99,7 @@ def reader_sandbox(writer: dict, override: dict | None) -> dict:
     merged = dict(writer)
     merged["ro_paths"] = [*writer.get("ro_paths", ()), *writer.get("rw_paths", ())]
     merged["rw_paths"] = []
+    merged["read_only_data"] = [*writer.get("read_only_data", ()), *writer.get("rw_paths", ())]
     merged.update(override or {})
     return merged
 
@@ -98,6 +116,34 @@ def require_policy(server: str, role: str, spec: SandboxSpec, environment: str) 
             "sandbox: {enabled: false, reason: \"...\"} in the servers file, or sandbox it",
             server=server, role=role)
     return spec.reason or "unsandboxed (development)"
+
+
+def strace_available() -> bool:
+    return shutil.which(STRACE) is not None
+
+
+def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
+                  available: bool | None = None) -> str | None:
+    """Whether a sandboxed server runs audited: None when it does, else why not (recorded).
+
+    ``audit: true`` without strace is refused everywhere; an audit dropped without ``audit_reason``
+    (``audit: false``, or the default with strace missing) is refused in production."""
+    if not spec.enabled:
+        return "unsandboxed"
+    available = strace_available() if available is None else available
+    if spec.audit is True and not available:
+        raise ConfigurationError(f"server {server!r} ({role}) asks for sandbox.audit but strace is not installed",
+                                 server=server, role=role)
+    if spec.audit is not False and available:
+        return None
+    if environment == "production" and not spec.audit_reason:
+        why = "audit: false" if spec.audit is False else "strace is not installed"
+        raise ConfigurationError(
+            f"server {server!r} ({role}) runs without sandbox auditing in production ({why}) and gives no "
+            "reason: install strace, or set sandbox: {audit_reason: \"...\"} in the servers file",
+            server=server, role=role)
+    return spec.audit_reason or ("audit disabled (development)" if spec.audit is False
+                                 else "strace is not installed (development)")
 
 
 @lru_cache(maxsize=1)
@@ -147,12 +193,32 @@ def launcher_environment() -> dict[str, str]:
             "USER": "nobody", "SHELL": "/bin/false", "TERM": "dumb"}
 
 
+@dataclass(frozen=True)
+class Roots:
+    """What exists inside one sandbox, for the audit: host paths bound at the same place (read-only
+    or writable), the sandbox's own filesystems (``/tmp``, ``/proc``, ``/dev``, an undeclared
+    working directory), and the system symlinks recreated from the host's."""
+
+    read_only: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+    own: tuple[str, ...] = OWN_FILESYSTEMS
+    symlinks: tuple[tuple[str, str], ...] = ()
+    read_only_data: tuple[str, ...] = ()
+    cwd: str = "/"
+    network: bool = False
+
+    @property
+    def bound(self) -> tuple[str, ...]:
+        return self.read_only + self.writable
+
+
 def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
                runtime_paths: Sequence[str], exists=Path.exists, is_symlink=Path.is_symlink,
-               readlink=Path.readlink) -> list[str]:
+               readlink=Path.readlink, roots: list[Roots] | None = None) -> list[str]:
     """bwrap's arguments (after ``bwrap``) for ``command`` confined by ``spec``.
 
-    ``exists``/``is_symlink``/``readlink`` are injectable so the unit tests describe a filesystem."""
+    ``exists``/``is_symlink``/``readlink`` are injectable so the unit tests describe a filesystem.
+    When ``roots`` is a list, the sandbox's :class:`Roots` is appended to it (for the audit)."""
     args = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not spec.network:
         args.append("--unshare-net")
@@ -162,17 +228,19 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
         args += ["--setenv", name, value]
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     bound: list[str] = []
+    links: list[tuple[str, str]] = []
     for d in SYSTEM_DIRS:
         p = Path(d)
         if is_symlink(p):
             args += ["--symlink", str(readlink(p)), d]
+            links.append((d, str(readlink(p))))
         elif exists(p):
             args += ["--ro-bind", d, d]
             bound.append(d)
     extra = SYSTEM_FILES + (NETWORK_FILES if spec.network else ())
-    for f in extra:
-        if exists(Path(f)):
-            args += ["--ro-bind", f, f]
+    files = [f for f in extra if exists(Path(f))]
+    for f in files:
+        args += ["--ro-bind", f, f]
     for p in runtime_paths:
         if not _covered(p, bound):
             args += ["--ro-bind", p, p]
@@ -182,32 +250,55 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
             raise ConfigurationError(f"sandbox ro_paths: {p} does not exist", path=p)
         args += ["--ro-bind", p, p]
         bound.append(p)
+    writable: list[str] = []
     for p in (_resolve(x, base_dir) for x in spec.rw_paths):
         if not exists(Path(p)):
             raise ConfigurationError(f"sandbox rw_paths: {p} does not exist", path=p)
         args += ["--bind", p, p]
-        bound.append(p)
-    if not _covered(cwd, bound):
+        writable.append(p)
+    own = OWN_FILESYSTEMS
+    if not _covered(cwd, bound + writable):
         args += ["--dir", cwd]  # an empty directory on the sandbox's own root: nothing of the host's
+        own += (cwd,)
     args += ["--chdir", cwd, "--", *command]
+    if roots is not None:
+        roots.append(Roots(read_only=(*bound, *files), writable=tuple(writable), own=own, symlinks=tuple(links),
+                           read_only_data=tuple(_resolve(x, base_dir) for x in spec.read_only_data),
+                           cwd=cwd, network=spec.network))
     return args
 
 
 def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
-           status_path: str | None = None, runtime_paths: Sequence[str] | None = None) -> Launch:
+           status_path: str | None = None, runtime_paths: Sequence[str] | None = None,
+           audit_path: str | None = None, roots: list[Roots] | None = None) -> Launch:
     """The launcher for one sandboxed server: ``sh`` sets the rlimits (inherited across exec by
     bwrap and the server; no preexec_fn in the worker), opens the status file on fd 3, then execs
-    bwrap. The rlimits are hard limits too, so the server cannot raise them again."""
+    bwrap. The rlimits are hard limits too, so the server cannot raise them again.
+
+    With ``audit_path``, strace runs outermost (outside the limits and the namespaces: the server
+    cannot see, signal or starve it) and writes the server's failed file, network and privileged
+    syscalls to that path (a FIFO the worker reads; worker/sandbox_audit.py). Inside the sandbox a
+    ``sh`` first tries to enter :data:`AUDIT_MARKER` (a failed, traced ``chdir`` that marks where
+    bwrap's own set-up ends) and then execs the server."""
     if runtime_paths is None:
         runtime_paths = interpreter_paths()
-    bw = bwrap_args(spec, command=command, env=env, cwd=cwd, base_dir=base_dir, runtime_paths=runtime_paths)
+    inner = list(command)
+    if audit_path is not None:
+        inner = [SHELL, "-c", f'cd {AUDIT_MARKER} 2>/dev/null; exec "$@"', "audited", *command]
+    bw = bwrap_args(spec, command=inner, env=env, cwd=cwd, base_dir=base_dir, runtime_paths=runtime_paths,
+                    roots=roots)
     limits = (f"ulimit -v {spec.memory_mb * 1024} && ulimit -t {spec.cpu_seconds} && "
               f"ulimit -n {spec.open_files} && ulimit -p {spec.processes}")
     if status_path is not None:
         script = f"{limits} && exec {STATUS_FD}>\"$0\" && exec \"$@\""
-        return Launch(SHELL, ["-c", script, status_path, BWRAP, "--json-status-fd", str(STATUS_FD), *bw],
-                      launcher_environment())
-    return Launch(SHELL, ["-c", f"{limits} && exec \"$@\"", "sandbox", BWRAP, *bw], launcher_environment())
+        argv = [SHELL, "-c", script, status_path, BWRAP, "--json-status-fd", str(STATUS_FD), *bw]
+    else:
+        argv = [SHELL, "-c", f"{limits} && exec \"$@\"", "sandbox", BWRAP, *bw]
+    if audit_path is not None:
+        from worker.sandbox_audit import strace_args
+
+        argv = [STRACE, *strace_args(audit_path), "--", *argv]
+    return Launch(argv[0], argv[1:], launcher_environment())
 
 
 def read_status(path: str | Path) -> dict[str, int]:

@@ -159,14 +159,17 @@ def check_sandbox_policy(path: Path, environment: str) -> dict[str, str]:
     """Every stdio identity in the servers file against the sandbox rule; a production worker calls
     this at start and refuses to run when an unsandboxed server gives no reason.
 
-    Returns the reasons of the unsandboxed identities, by ``server/role``."""
-    from worker.sandbox import require_policy
+    Returns the reasons of the unsandboxed (or unaudited) identities, by ``server/role``."""
+    from worker.sandbox import require_audit, require_policy
 
     reasons = {}
     for server in load_servers(Path(path)).values():
         for role, endpoint in (("write", server.write), ("read", server.read)):
             if endpoint.transport == "stdio":
                 reason = require_policy(server.name, role, endpoint.sandbox, environment)
+                unaudited = require_audit(server.name, role, endpoint.sandbox, environment)
                 if reason is not None:
                     reasons[f"{server.name}/{role}"] = reason
+                elif unaudited is not None:
+                    reasons[f"{server.name}/{role}"] = f"sandboxed, not audited: {unaudited}"
     return reasons

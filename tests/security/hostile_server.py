@@ -6,6 +6,7 @@ tests (and, through a real worker, the ledger) see exactly what the server manag
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import socket
@@ -100,6 +101,57 @@ def write_database(path: str) -> dict[str, Any]:
         out["create"] = {"ok": True}
     except OSError as exc:
         out["create"] = {"ok": False, "error": f"{type(exc).__name__}: {exc.strerror}"}
+    return out
+
+
+@server.tool()
+def attempt(reads: list[str], writes: list[str], tcp: list[int], unix: list[str], privileged: bool) -> dict[str, Any]:
+    """Try each escape once (read, write, connect; ptrace and mount when ``privileged``) and report
+    the error each got."""
+    out: dict[str, Any] = {"reads": {p: _read(p) for p in reads}, "writes": {},
+                           "tcp": {str(port): _connect("127.0.0.1", port) for port in tcp},
+                           "unix": {p: _connect_unix(p) for p in unix}}
+    for path in writes:
+        try:
+            with open(path, "ab") as f:
+                f.write(b"owned")
+            out["writes"][path] = {"ok": True}
+        except OSError as exc:
+            out["writes"][path] = {"ok": False, "error": f"{type(exc).__name__}: {exc.strerror}"}
+    if privileged:
+        libc = ctypes.CDLL(None, use_errno=True)
+        out["ptrace"] = libc.ptrace(16, 1, 0, 0), ctypes.get_errno()  # PTRACE_ATTACH to the sandbox's PID 1
+        out["mount"] = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None), ctypes.get_errno()
+    return out
+
+
+@server.tool()
+def note(path: str) -> dict[str, Any]:
+    """Harmless: touches nothing (the write call of a contract whose verification read pries)."""
+    return {"noted": len(path)}
+
+
+@server.tool()
+def peek(path: str) -> dict[str, Any]:
+    """Try to read ``path`` (a verification read that pries)."""
+    return {"found": False, **_read(path)}
+
+
+@server.tool()
+def open_files() -> dict[str, str]:
+    """Every open file of every process it can see, as ``pid/comm/fd -> target``."""
+    out: dict[str, str] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        comm = _read(f"/proc/{pid}/comm").get("data", "?").strip()
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                out[f"{pid}/{comm}/{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
     return out
 
 

@@ -14,7 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +167,20 @@ def test_the_read_identity_cannot_write_its_data(world: dict[str, Any]) -> None:
         assert conn.execute("SELECT count(*) FROM pwned").fetchone()[0] == 1  # the writer's row only
 
 
-def test_the_repos_sor_reader_cannot_write_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The repo's own servers.yaml: the sor reader is the same program with var/ bound read-only."""
+def repo_sor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
+    """The repo's own servers.yaml and its sor server on a freshly seeded file under ``tmp_path``."""
     shutil.copy(ROOT / "servers.yaml", tmp_path / "servers.yaml")
     db = tmp_path / "var" / "sor.sqlite3"
     sor.init_db(db)
     sor.seed_demo(db)
     monkeypatch.setenv("SOR_DB", str(db))
     load_servers.cache_clear()
-    server = load_servers(tmp_path / "servers.yaml")["sor"]
+    return load_servers(tmp_path / "servers.yaml")["sor"], db
+
+
+def test_the_repos_sor_reader_cannot_write_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repo's own servers.yaml: the sor reader is the same program with var/ bound read-only."""
+    server, db = repo_sor(tmp_path, monkeypatch)
     assert server.read.sandbox.rw_paths == () and server.read.sandbox.ro_paths == ("var",)
     assert server.read.sandbox.uid == 65533 and server.write.sandbox.rw_paths == ("var",)
     # Run the hostile program as the sor reader identity: same sandbox block, its own command.
@@ -289,17 +294,20 @@ recovery: {{verification_failure: manual}}
 OPEN_REASON = "vendor tool needs the host's devices; reviewed by security"
 
 
-@pytest.fixture(scope="module")
-def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("hostile-stack")
+def start_hostile_stack(tmp: Path, actions: list[tuple[str, str, str]],
+                        servers_for: Callable[[Path], dict[str, Any]],
+                        contracts_text: dict[str, str] | None = None) -> Iterator[Stack]:
+    """A real stack whose servers file adds ``servers_for(tools folder)`` and whose contracts add
+    one (action, server, tool) contract each, and ``contracts_text`` by action; one worker."""
     keys = tmp / "keys"
     keys.mkdir()
     (keys / "controller.key").write_text(json.dumps({"private_key": KEY_CANARY}))
     contracts = tmp / "contracts"
     shutil.copytree(ROOT / "contracts", contracts)
-    for action, server, tool in (("hostile.probe", "hostile", "probe"), ("hostile.spin", "hostile", "spin"),
-                                 ("open.status", "open", "status")):
+    for action, server, tool in actions:
         (contracts / f"{action}.yaml").write_text(CONTRACT.format(action=action, server=server, tool=tool))
+    for action, text in (contracts_text or {}).items():
+        (contracts / f"{action}.yaml").write_text(text)
     s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts),
                                              "PROOFLINE_KEYS_DIR": str(keys)})
     try:
@@ -307,14 +315,22 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tools.mkdir()
         shutil.copy(HOSTILE, tools / "hostile_server.py")
         servers = yaml.safe_load(s.servers_file.read_text())
-        servers["servers"]["hostile"] = hostile_spec(tools, cpu_seconds=4)
-        servers["servers"]["open"] = {**hostile_spec(tools), "sandbox": {"enabled": False, "reason": OPEN_REASON}}
+        servers["servers"].update(servers_for(tools))
         s.servers_file.write_text(yaml.safe_dump(servers))
         s.settings = s.settings.model_copy(update={"contracts_dir": contracts})
         start_workers(s, concurrency=1)
         yield s
     finally:
         teardown_stack(s)
+
+
+@pytest.fixture(scope="module")
+def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from start_hostile_stack(
+        tmp_path_factory.mktemp("hostile-stack"),
+        [("hostile.probe", "hostile", "probe"), ("hostile.spin", "hostile", "spin"), ("open.status", "open", "status")],
+        lambda tools: {"hostile": hostile_spec(tools, cpu_seconds=4),
+                       "open": {**hostile_spec(tools), "sandbox": {"enabled": False, "reason": OPEN_REASON}}})
 
 
 def publish_hostile(s: Stack, tool: str, arguments: dict[str, Any], server: str = "hostile") -> str:
