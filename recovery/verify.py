@@ -23,7 +23,7 @@ from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
 from worker import calls, faultpoints
 from worker.dispatch import Dispatch
-from worker.execute import verification_key
+from worker.record_call import verification_key
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
 

@@ -11,6 +11,7 @@ from celery import Celery, signals
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
+from recovery.settle import after_settle
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
@@ -75,7 +76,8 @@ def _check_sandboxes(**_: Any) -> None:
                                                             "reason": reason})
 
 
-dispatch = CeleryDispatch(app)
+#: Worker and recovery are wired together here, and only here: a settled action's follow-ups.
+dispatch = CeleryDispatch(app, on_settled=after_settle)
 
 
 def _delivery(task: Any) -> dict[str, Any]:
