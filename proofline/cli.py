@@ -441,5 +441,8 @@ def demo(keep: bool) -> None:
     sys.exit(run_demo(keep=keep))
 
 
+main.add_command(__import__("proofline.commands.beat", fromlist=["beat"]).beat)
+main.add_command(__import__("proofline.commands.doctor", fromlist=["doctor"]).doctor)
+
 if __name__ == "__main__":
     main()
