@@ -18,32 +18,26 @@ down_revision = "0008"
 branch_labels = None
 depends_on = None
 
+ALL_ROLES = ("proofline_runtime", "proofline_worker", "proofline_recovery", "proofline_controller",
+             "proofline_operator", "proofline_reader")
+#: (role, privileges, table): the sweeping roles write the heartbeat, every role reads it and may
+#: read which migration the database is at (proofline doctor compares it).
+PRIVILEGES = [
+    *((role, "SELECT, INSERT, UPDATE" if role in ("proofline_runtime", "proofline_recovery") else "SELECT",
+       "reconciler_heartbeats") for role in ALL_ROLES),
+    *((role, "SELECT", "alembic_version") for role in ALL_ROLES),
+]
 GRANTS = """
 DO $$
-DECLARE r text;
+DECLARE g record;
 BEGIN
-  FOREACH r IN ARRAY ARRAY['proofline_runtime', 'proofline_recovery']
-  LOOP
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
-      EXECUTE format('GRANT SELECT, INSERT, UPDATE ON reconciler_heartbeats TO %I', r);
-    END IF;
-  END LOOP;
-  FOREACH r IN ARRAY ARRAY['proofline_reader', 'proofline_operator', 'proofline_worker', 'proofline_controller']
-  LOOP
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
-      EXECUTE format('GRANT SELECT ON reconciler_heartbeats TO %I', r);
-    END IF;
-  END LOOP;
-  -- Every role may read which migration the database is at (proofline doctor compares it).
-  FOREACH r IN ARRAY ARRAY['proofline_runtime', 'proofline_worker', 'proofline_recovery', 'proofline_controller',
-                           'proofline_operator', 'proofline_reader']
-  LOOP
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
-      EXECUTE format('GRANT SELECT ON alembic_version TO %I', r);
+  FOR g IN SELECT * FROM (VALUES {rows}) AS t(role, privileges, target) LOOP
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = g.role) THEN
+      EXECUTE format('GRANT %s ON %I TO %I', g.privileges, g.target, g.role);
     END IF;
   END LOOP;
 END $$;
-"""
+""".format(rows=", ".join(f"('{r}', '{p}', '{t}')" for r, p, t in PRIVILEGES))
 
 
 def upgrade() -> None:
