@@ -110,12 +110,14 @@ def test_doctor_names_migrations_behind(stack, tmp_path: Path) -> None:
         drop_database(admin)
 
 
-def test_the_packaged_defaults_need_no_checkout() -> None:
+def test_the_packaged_defaults_need_no_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without PROOFLINE_CONTRACTS_DIR / PROOFLINE_SERVERS_FILE the settings name files inside the
     package, which the wheel ships (pyproject package data)."""
     from proofline.settings import PACKAGED_CONTRACTS_DIR, PACKAGED_SERVERS_FILE, Settings
 
-    settings = Settings(_env_file=None)
+    for name in ("PROOFLINE_CONTRACTS_DIR", "PROOFLINE_SERVERS_FILE", "PROOFLINE_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings()
     assert settings.contracts_dir == PACKAGED_CONTRACTS_DIR and settings.servers_file == PACKAGED_SERVERS_FILE
     assert PACKAGED_CONTRACTS_DIR.is_relative_to(ROOT / "proofline")
     assert sorted(p.name for p in PACKAGED_CONTRACTS_DIR.glob("*.yaml"))

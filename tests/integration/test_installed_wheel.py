@@ -110,6 +110,12 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
         log = (tmp_path / "worker.log").read_text(errors="replace")
         assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), log[-3000:]
         assert worker.poll() is None, log[-3000:]
+
+        # The installed doctor finds the migrations, contracts and servers the package ships.
+        checked = _run([proofline, "doctor", "--json"], env, empty, timeout=120)
+        report = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}
+        assert all(report[name]["ok"] for name in ("database", "migrations", "broker", "keys", "contracts",
+                                                   "servers")), report
     finally:
         if worker is not None:
             stop_process(worker)
