@@ -26,6 +26,8 @@ def default_state_dir() -> Path:
     """``$XDG_STATE_HOME/proofline``, else ``~/.local/state/proofline``: never the current directory."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "proofline"
+
+
 #: The only environments in which test-only fault points may be switched on.
 FAULT_POINT_ENVIRONMENTS = ("development", "test")
 

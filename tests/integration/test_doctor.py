@@ -19,6 +19,7 @@ from tests.conftest import (
     ROOT,
     build_stack,
     drop_database,
+    start_process,
     start_workers,
     teardown_stack,
     wait_for,
@@ -57,7 +58,11 @@ def test_doctor_fails_without_a_reconciler_then_passes_once_beat_runs(stack) -> 
     assert code == 1 and failed(checks) == ["reconciler"], checks
     assert "proofline beat" in checks["reconciler"]["fix"]
 
-    start_workers(stack, beat=True)  # a worker with the reconcile queue, and beat: sweeps start
+    # A worker that consumes the reconcile queue, and `proofline beat` (the timer): sweeps start.
+    start_workers(stack, beat=False)
+    stack.processes.append(start_process([sys.executable, "-m", "proofline", "beat", "--schedule",
+                                          str(stack.workdir / "beat-schedule")], stack.env,
+                                         stack.workdir / "beat.log"))
 
     def healthy() -> dict | None:
         code, checks = doctor(stack.env, stack.workdir)
