@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from proofline.errors import CheckpointExists, CheckpointInvalid
-from proofline.settings import ROOT, Settings
+from proofline.settings import Settings
 
 NAME = re.compile(r"^(\d{12})\.json$")
 
@@ -92,7 +92,7 @@ class DirectoryStore:
 
 
 def checkpoint_root(settings: Settings) -> Path:
-    return Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else ROOT / "var" / "checkpoints"
+    return Path(settings.checkpoint_dir) if settings.checkpoint_dir is not None else Path(settings.state_dir) / "checkpoints"
 
 
 def store_for(settings: Settings, ledger: str) -> AnchorStore:

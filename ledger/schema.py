@@ -217,3 +217,12 @@ message_deliveries = Table(
     Column("dead_lettered_at", DateTime(timezone=True), nullable=True),
 )
 Index("message_deliveries_action_idx", message_deliveries.c.action_id)
+
+# The reconciler's last sweep per sweeping process (ledger/heartbeat.py; read by proofline doctor).
+reconciler_heartbeats = Table(
+    "reconciler_heartbeats",
+    metadata,
+    Column("sweeper", Text, primary_key=True),
+    Column("swept_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("counts", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+)

@@ -38,6 +38,7 @@ from kombu import Connection  # noqa: E402
 
 from ledger import store  # noqa: E402
 from ops.fuzz_damage import damaged_message, raw_message  # noqa: E402
+from proofline.bounded import safe_repr  # noqa: E402
 from proofline.contracts import contract_for  # noqa: E402
 from proofline.controller import signed_message  # noqa: E402
 from proofline.envelope import build_envelope  # noqa: E402
@@ -46,7 +47,6 @@ from proofline.keys import generate as generate_keys  # noqa: E402
 from proofline.settings import Settings  # noqa: E402
 from worker import wire  # noqa: E402
 from worker.execute import record_refusal  # noqa: E402
-from worker.refusals import safe_repr  # noqa: E402
 from worker.validate import validate_envelope  # noqa: E402
 
 

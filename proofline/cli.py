@@ -437,10 +437,13 @@ def keys_revoke(key_id: str, keyring: Path) -> None:
 @click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards")
 def demo(keep: bool) -> None:
     """Run the demo end to end (embedded Postgres and broker unless PROOFLINE_DATABASE_URL is set)."""
-    from proofline.demo import run_demo
+    from proofline_kit.demo import run_demo  # the demo is part of the kit (its system of record)
 
     sys.exit(run_demo(keep=keep))
 
+
+main.add_command(__import__("proofline.commands.beat", fromlist=["beat"]).beat)
+main.add_command(__import__("proofline.commands.doctor", fromlist=["doctor"]).doctor)
 
 if __name__ == "__main__":
     main()

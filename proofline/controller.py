@@ -7,22 +7,19 @@ broker message is still visible as an action that was published and never starte
 from __future__ import annotations
 
 import asyncio
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from mcp import Client
 
-from ledger import seal, store
-from ledger.redact import for_envelope, leaf_names
-from ledger.states import ActionStatus
+from ledger.publication import publish_message, validate_for_publish  # noqa: F401 - the controller's API
+from ledger.redact import leaf_names
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
-from proofline.errors import EnvelopeRefused, IdempotencyConflict
 from proofline.keys import KeyRole, load_signing_key
-from proofline.settings import Settings, get_settings
+from proofline.settings import Settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
 from worker.mcp_client import endpoint_target
@@ -34,7 +31,7 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     server = server_named(Path(settings.servers_file), server_name)
 
     async def probe() -> tuple[str | None, dict[str, str]]:
-        target = endpoint_target(server.write, Path(settings.servers_file).resolve().parent, name=server.name,
+        target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                  environment=settings.environment)
         async with Client(target, mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
@@ -98,74 +95,10 @@ def send_message(app: Any, message: Any, queue: str = "actions", task_id: str | 
     return CeleryDispatch(app).execute(message, queue=queue, task_id=task_id)
 
 
-def validate_for_publish(settings: Settings, message: dict[str, Any]) -> None:
-    """Run the worker's own validation (size, signature, schema v1, argument hash, idempotency key,
-    contract match) on a message about to be published. A message every worker would refuse is
-    never recorded as ``published``: it would be refused on every delivery and re-sent forever."""
-    from worker.validate import validate_envelope
-
-    validate_envelope(message, settings, lambda action_type: contract_for(Path(settings.contracts_dir),
-                                                                           action_type))
-
-
 def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **options: Any) -> dict[str, Any]:
     """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
     return publish_message(conn, CeleryDispatch(app, settings.tenant_shards), signed_message(settings, envelope), envelope,
                            settings=settings, **options)
-
-
-def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
-                    seal_key: seal.SealKey | None = None, queue: str = "actions", kind: str = "action",
-                    parent_action_id: str | None = None, hold: bool = False, actor: str | None = None,
-                    settings: Settings | None = None) -> dict[str, Any]:
-    """Validate a signed message as the worker will, record it in the ledger, then send it (unless held).
-
-    The signed message is stored with the action, sealed with ``seal_key`` (default: the settings'
-    seal key; ``actions.envelope`` is a redacted copy) as its exact canonical bytes, so the
-    reconciler can re-drive exactly the authority the controller signed if the broker loses the
-    message. A message the worker would refuse raises that refusal here and is recorded on its
-    refusal chain (``publish_refused``), never as a published action.
-    """
-    settings = settings or get_settings()
-    try:
-        validate_for_publish(settings, message)
-    except EnvelopeRefused as exc:
-        _record_publish_refusal(conn, message, exc, actor or settings.worker_id)
-        raise
-    seal_key = seal_key or seal.sealer_for(settings)
-    task_id = str(uuid.uuid4())
-    conflict: IdempotencyConflict | None = None
-    redactor = for_envelope(message["envelope"])
-    with store.transaction(conn) as cur:
-        inserted = store.insert_action_txn(
-            cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
-            status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
-            parent_action_id=parent_action_id)
-        current = None if inserted else store.get_action(cur, envelope.action_id)
-        if current is not None and current.idempotency_key != envelope.idempotency_key:
-            conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
-                                           idempotency_key=envelope.idempotency_key)
-            store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
-                                   conflict.as_evidence())
-        else:
-            name = ("pending" if hold else "published") if inserted else "republished"
-            store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
-                                   {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
-                                    "parent_action_id": parent_action_id, "task_id": task_id},
-                                   redactor)
-    if conflict is not None:
-        raise conflict
-    if not hold:
-        dispatch.execute(message, queue=queue, task_id=task_id)
-    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}
-
-
-def _record_publish_refusal(conn: Any, message: Any, exc: EnvelopeRefused, actor: str) -> None:
-    from worker.refusals import record
-    from worker.validate import claimed_fields, refusal_chain_id
-
-    record(conn, refusal_chain_id(message), "publish_refused", actor,
-           {**exc.as_evidence(), "claimed": claimed_fields(message), "by": "controller"})
 
 
 def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelope]) -> list[dict[str, Any]]:
@@ -177,12 +110,3 @@ def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelop
                                                                            for e in envelopes):
         raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
     return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
-
-
-def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:
-    """Who authorized what: the part of the envelope an auditor reads first."""
-    doc = envelope.model_dump(mode="json")
-    keep = ("run_id", "requester", "workload_identity", "tenant", "environment", "approval", "policy_version",
-            "tool", "server", "target", "operation", "arguments", "arguments_hash", "idempotency_key",
-            "irreversible", "deadline")
-    return {**{k: doc[k] for k in keep}, "key_id": key_id}

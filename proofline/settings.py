@@ -14,7 +14,20 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+#: Where the ``proofline`` package is installed (site-packages, or the checkout in development).
 ROOT = Path(__file__).resolve().parent.parent
+#: The demo's contracts and servers file, shipped inside the package: the defaults when
+#: ``PROOFLINE_CONTRACTS_DIR`` / ``PROOFLINE_SERVERS_FILE`` are not set.
+PACKAGED_CONTRACTS_DIR = Path(__file__).resolve().parent / "defaults" / "contracts"
+PACKAGED_SERVERS_FILE = Path(__file__).resolve().parent / "defaults" / "servers.yaml"
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/proofline``, else ``~/.local/state/proofline``: never the current directory."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "proofline"
+
+
 #: The only environments in which test-only fault points may be switched on.
 FAULT_POINT_ENVIRONMENTS = ("development", "test")
 
@@ -38,8 +51,13 @@ class Settings(BaseSettings):
     #: Celery broker. ``redis://`` in production; ``sqla+postgresql+psycopg://`` needs no server.
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
 
-    servers_file: Path = ROOT / "servers.yaml"
-    contracts_dir: Path = ROOT / "contracts"
+    #: The MCP servers file. Default: the demo's, shipped in the package.
+    servers_file: Path = PACKAGED_SERVERS_FILE
+    #: The folder of action contracts (``*.yaml``). Default: the demo's, shipped in the package.
+    contracts_dir: Path = PACKAGED_CONTRACTS_DIR
+    #: Files this process writes when no other setting names a place: the demo's data, ledger
+    #: checkpoints, and the working folders of the packaged servers file.
+    state_dir: Path = Field(default_factory=default_state_dir)
     #: Policy versions this runtime still accepts.
     accepted_policy_versions: list[int] = Field(default_factory=lambda: [5])
 
@@ -140,6 +158,14 @@ class Settings(BaseSettings):
     #: Actions of one tenant executing at once (0 = unlimited). One over it waits (``tenant_quota_wait``)
     #: and is delivered again shortly; it is never dropped.
     tenant_max_executing: int = Field(default=0, ge=0)
+
+    @property
+    def servers_base_dir(self) -> Path:
+        """What relative paths in the servers file are relative to: the file's own folder, except for
+        the packaged file (inside the installed package, which nothing may write), whose paths resolve
+        under ``state_dir``."""
+        path = Path(self.servers_file).resolve()
+        return Path(self.state_dir) if path == PACKAGED_SERVERS_FILE else path.parent
 
     @property
     def visibility_timeout(self) -> int:

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger import store
+from ledger.publication import publish_message, validate_for_publish
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
 from proofline.envelope import Envelope
@@ -145,8 +146,6 @@ def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelo
 
 def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
                            decision: Decision, dispatch: Dispatch) -> dict[str, Any]:
-    from proofline.controller import publish_message, validate_for_publish
-
     kind = WORKFLOW[decision.kind]
     spec = getattr(contract.recovery, kind)
     actor = rt.settings.worker_id

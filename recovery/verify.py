@@ -24,7 +24,7 @@ from proofline.errors import ConditionError, McpUnavailable, ProoflineError, Res
 from recovery.operation_record import read_operation_record
 from worker import calls, faultpoints, sandbox_events
 from worker.dispatch import Dispatch
-from worker.execute import verification_key
+from worker.record_call import verification_key
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
 

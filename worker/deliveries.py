@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from worker.refusals import safe_str
+from proofline.bounded import safe_str
 
 DEAD_LETTER_QUEUE = "dead_letter"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery import signals
@@ -69,6 +70,8 @@ class Dispatch(Protocol):
 
     def revoke(self, task_id: str) -> None: ...
 
+    def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None: ...
+
 
 def _label(message: Any) -> str:
     """What Celery may log for an execute message: the action id it claims, never the envelope."""
@@ -81,9 +84,18 @@ class CeleryDispatch:
     """The production dispatcher: stable task names, the guarded JSON wire format (``worker/wire.py``)
     only, one queue per kind of work."""
 
-    def __init__(self, app: Any, tenant_shards: int | None = None) -> None:
+    def __init__(self, app: Any, tenant_shards: int | None = None, on_settled: Callable[..., None] | None = None) -> None:
         self.app = app
         self.tenant_shards = tenant_shards if tenant_shards is not None else get_settings().tenant_shards
+        self.on_settled = on_settled
+
+    def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None:
+        """What an action settling means for others (its run, the action it compensates): the hook
+        the Celery app module wires in (``recovery/settle.py``), so the execute stage imports no
+        recovery code. A dispatcher without one (a controller's, an operator's) settles nothing
+        here; the reconciler catches up with anything left unsettled."""
+        if self.on_settled is not None:
+            self.on_settled(conn, actor, action_id, self, **known)
 
     def verify(self, action_id: str, tenant: str | None = None) -> None:
         # The tenant's verify shard, so that a burst's verifications do not delay another tenant's.

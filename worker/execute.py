@@ -17,9 +17,10 @@ from typing import Any
 
 import psycopg
 
-from ledger import store
+from ledger import refusals, store
 from ledger.redact import POLICY, Redactor, current_redactor, for_envelope, for_message
 from ledger.states import SETTLED_STATUSES, ActionStatus, IdempotencyStatus, Outcome
+from proofline.bounded import safe_repr
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
 from proofline.errors import (
@@ -40,7 +41,7 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
-from worker import calls, faultpoints, quota, refusals, sandbox_events
+from worker import calls, faultpoints, quota, sandbox_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -63,7 +64,8 @@ from worker.preflight import (
     live_contract,
     read_target,
 )
-from worker.results import result_limit, values_reference
+from worker.record_call import result_evidence, write_result_txn
+from worker.results import result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.validate import (
@@ -89,16 +91,6 @@ SELECT clock_timestamp() AS now,
                                              published_at
                                       FROM actions WHERE action_id = %s) a) AS action,
 """ + quota.COUNT_SQL
-
-# What the idempotency record becomes once a call has been classified.
-RECORD_AFTER_CALL = {
-    Outcome.completed_unverified: IdempotencyStatus.completed,
-    Outcome.accepted: IdempotencyStatus.completed,
-    Outcome.failed_after_side_effect: IdempotencyStatus.completed,
-    Outcome.failed_before_side_effect: IdempotencyStatus.failed,
-    Outcome.unknown_outcome: IdempotencyStatus.unknown,
-}
-
 
 class RetryLater(Exception):
     """Ask Celery to deliver this message again after ``countdown`` seconds (same envelope, same key)."""
@@ -160,7 +152,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         except (EnvelopeRefused, psycopg.Error, ConfigurationError):
             raise  # a worker without its keyring must not refuse good envelopes as malformed
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
-            raise MalformedEnvelope(f"unreadable envelope: {refusals.safe_repr(exc, 500)}") from exc
+            raise MalformedEnvelope(f"unreadable envelope: {safe_repr(exc, 500)}") from exc
     except EnvelopeRefused as exc:
         record_refusal(rt, message, exc, delivery)
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})
@@ -432,11 +424,10 @@ def _not_started(rt, envelope, red, events, event, evidence, reason, dispatch) -
 
 def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: Outcome | None,
                 dispatch: Dispatch) -> None:
-    """What a settled action means for others: its run, or the action it compensates."""
-    from recovery.settle import after_settle
-
-    after_settle(rt.conn, rt.settings.worker_id, envelope.action_id, dispatch, envelope=envelope, status=status,
-                 outcome=outcome)
+    """What a settled action means for others: its run, or the action it compensates (the
+    dispatcher's settle hook, wired in by the Celery app module)."""
+    dispatch.settled(rt.conn, rt.settings.worker_id, envelope.action_id, envelope=envelope, status=status,
+                     outcome=outcome)
 
 
 def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: list, exc: ProoflineError,
@@ -607,37 +598,21 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
                       progress_total=progress.total, unsandboxed=unsandboxed)
 
 
-def _result_evidence(envelope: Envelope, verdict: Classification, report: CallReport) -> dict[str, Any]:
-    evidence: dict[str, Any] = {
-        "outcome": verdict.outcome.value, "reason_code": verdict.reason_code,
-        "elapsed_ms": round(report.elapsed_seconds * 1000, 1), "progress_total": report.progress_total,
-        "progress": list(report.progress), **verdict.evidence,
-    }
-    if verdict.operation_id:
-        evidence["downstream_operation_id"] = verdict.operation_id
-    if envelope.evidence.record_tool_result and verdict.values is not None:
-        # The values are stored once, on the action row; the ledger binds them by digest.
-        evidence.update(values_reference(verdict.values) or {})
-    if report.unsandboxed is not None:
-        evidence["unsandboxed"] = report.unsandboxed
-    return evidence
-
-
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,
                    token: int, locks: Locks, dispatch) -> dict[str, Any]:
     aid = envelope.action_id
-    evidence = _result_evidence(envelope, verdict, report)
+    evidence = result_evidence(envelope, verdict, report)
     audit = sandbox_events.pending(rt, aid)  # taken once: a retried write records the same findings
     try:
         try:
-            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
-                                      audit)
+            retry = write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
+                                     audit)
         except psycopg.OperationalError:
             # The session died while we called (and its locks with it). Write again on a new
             # session: the fencing token still decides whether this worker may record the result.
             rt.reset_connection()
-            retry = _write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
-                                      audit)
+            retry = write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
+                                     audit)
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
@@ -655,58 +630,3 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
     faultpoints.hit("after_ledger")
     dispatch.verify(aid, envelope.tenant)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()
-
-
-def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
-                      evidence: dict[str, Any], token: int, locks: Locks,
-                      violation: dict[str, Any] | None = None, audit: sandbox_events.Pending = None) -> bool:
-    """Record the classified call, settle the idempotency record, release the lease: one commit.
-
-    Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
-    """
-    aid, actor = envelope.action_id, rt.settings.worker_id
-    retry = False
-    if verdict.outcome == Outcome.failed_before_side_effect:
-        remaining = envelope.deadline.timestamp() - time.time()
-        retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
-    with store.transaction(rt.conn) as cur:
-        attempts = store.update_idempotency_txn(
-            cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
-            status=RECORD_AFTER_CALL[verdict.outcome],
-            result={**(values_reference(verdict.values) or {}), "operation_id": verdict.operation_id,
-                    "outcome": verdict.outcome.value},
-            redactor=red)
-        retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
-        events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
-        if violation is not None:
-            events.append((sandbox_events.EVENT, violation))
-        events += sandbox_events.write_pending_txn(cur, rt, aid, audit)
-        if verdict.outcome == Outcome.failed_before_side_effect:
-            status = ActionStatus.published if retry else ActionStatus.closed
-            events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
-        else:
-            status = ActionStatus.verifying
-            events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
-        store.transition_txn(
-            cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
-            result=_action_result(verdict),
-            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
-            redactor=red, events=events, actor=actor)
-        release_lease_txn(cur, aid, token)
-        cur.execute(*unlock_sql(locks))
-    return retry
-
-
-def _action_result(verdict: Classification) -> dict[str, Any] | None:
-    """The one stored copy of the result's values (or, past the size limit, only what it weighed)."""
-    if verdict.values is not None:
-        return {"values": verdict.values, **(values_reference(verdict.values) or {})}
-    if "result_digest" in verdict.evidence:
-        return {"oversize": True, "result_size": verdict.evidence["result_size"],
-                "result_digest": verdict.evidence["result_digest"]}
-    return None
-
-
-def verification_key(envelope: Envelope) -> str:
-    """Verification has its own key, derived from the action's, so it is deduplicated separately."""
-    return "verify-" + envelope.idempotency_key

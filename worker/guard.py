@@ -22,9 +22,10 @@ from kombu import Queue
 from kombu.exceptions import ContentDisallowed
 
 from ledger import store
+from ledger.refusals import record
+from proofline.bounded import safe_repr, safe_str
 from proofline.settings import get_settings, reveal
 from worker import deliveries, wire
-from worker.refusals import record, safe_repr, safe_str
 
 log = logging.getLogger(__name__)
 

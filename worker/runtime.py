@@ -29,8 +29,8 @@ class Runtime:
 
     @cached_property
     def mcp(self) -> McpSessions:
-        # Relative working directories in the servers file are relative to that file.
-        return sessions(Path(self.settings.servers_file).resolve().parent, self.settings.environment)
+        # Relative paths in the servers file: see Settings.servers_base_dir.
+        return sessions(self.settings.servers_base_dir, self.settings.environment)
 
     @property
     def seal_key(self) -> seal.SealKey:

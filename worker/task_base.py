@@ -19,9 +19,10 @@ import psycopg
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from ledger.refusals import record
+from proofline.bounded import safe_repr
 from worker import deliveries, wire
 from worker.dispatch import task_repr
-from worker.refusals import record, safe_repr
 from worker.validate import claimed_fields
 
 log = logging.getLogger(__name__)

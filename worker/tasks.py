@@ -8,9 +8,11 @@ from typing import Any
 import psycopg
 from celery import Celery, signals
 
+from ledger import heartbeat
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
+from recovery.settle import after_settle
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
@@ -75,7 +77,8 @@ def _check_sandboxes(**_: Any) -> None:
                                                             "reason": reason})
 
 
-dispatch = CeleryDispatch(app)
+#: Worker and recovery are wired together here, and only here: a settled action's follow-ups.
+dispatch = CeleryDispatch(app, on_settled=after_settle)
 
 
 def _delivery(task: Any) -> dict[str, Any]:
@@ -162,10 +165,12 @@ def reconcile_task() -> dict[str, int]:
     rt = runtime()
     s = rt.settings
     try:
-        return sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
-                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
-                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
-                     delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
+        counts = sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
+                       verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
+                       # Longer than any deadline plus its grace: older counts can explain nothing still open.
+                       delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
+        heartbeat.beat(rt.conn, s.worker_id, counts)  # what `proofline doctor` reads
+        return counts
     except psycopg.OperationalError:
         rt.reset_connection()
         raise

@@ -1,23 +1,17 @@
-"""Recording refusals must itself be total: any input, however hostile, leaves a writable record.
+"""Bounded, printable copies of untrusted values, for refusal evidence and error messages.
 
-Evidence about input the worker did not verify goes through :func:`safe` first: bounded in depth,
-breadth and length, no lone surrogates, no NUL, no integers too long to print, no ``repr`` of
-arbitrary objects. Postgres ``jsonb`` refuses lone surrogates and U+0000, Python refuses to print
-huge integers and ``repr`` recurses: each of those used to turn a refusal into an exception.
+Bounded in depth, breadth and length, with no lone surrogates, no NUL, no integers too long to
+print and no ``repr`` of arbitrary objects: Postgres ``jsonb`` refuses lone surrogates and U+0000,
+Python refuses to print huge integers and ``repr`` recurses; each of those once turned a refusal
+into an exception. Pure functions: no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 from typing import Any
-
-from ledger import store
-from ledger.redact import Redactor
-
-log = logging.getLogger(__name__)
 
 MAX_DEPTH = 6
 MAX_ITEMS = 40
@@ -80,23 +74,3 @@ def safe_repr(value: Any, limit: int = MAX_STR) -> str:
 def stable_digest(value: Any) -> str:
     """A digest of any value: of its safe copy when nothing better exists."""
     return hashlib.sha256(json.dumps(safe(value), sort_keys=True).encode()).hexdigest()
-
-
-def record(conn: Any, chain: str, event: str, actor: str, evidence: dict[str, Any],
-           redactor: Redactor | None = None) -> None:
-    """Append one event about untrusted input. The evidence is made safe first, then redacted (the
-    policy, plus ``redactor``'s declarations); should it still not be writable, a minimal record
-    that names the failure is written instead of none."""
-    clean = safe(evidence)
-    try:
-        with store.transaction(conn) as cur:
-            store.append_event_txn(cur, safe_str(chain, 200), event, safe_str(actor, 200), clean, redactor or ())
-    except Exception as exc:  # noqa: BLE001 - second chance with evidence that is certainly writable
-        if conn.closed or conn.broken:
-            raise
-        log.error("refusal evidence not writable; recording a minimal one",
-                  extra={"event": "refusal_minimal", "error": type(exc).__name__})
-        minimal = {"reason_code": safe_str(str(evidence.get("reason_code", "unknown")), 80),
-                   "evidence_unwritable": type(exc).__name__}
-        with store.transaction(conn) as cur:
-            store.append_event_txn(cur, safe_str(chain, 200), event, safe_str(actor, 200), minimal)

@@ -33,7 +33,11 @@ from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline_kit.sor import store as sor
 
-WORKDIR = ROOT / "var" / "demo"
+SETTINGS = Settings()
+#: The demo's files (embedded Postgres, keys, logs, the system of record's SQLite file) live under
+#: the servers file's ``var`` folder (where its sandboxed writer may write): by default in
+#: ``PROOFLINE_STATE_DIR``, never in the current directory or the installed package.
+WORKDIR = SETTINGS.servers_base_dir / "var" / "demo"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
 
 
@@ -82,7 +86,7 @@ def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q", "actions,verify,compensate,recovery,reconcile", "-c", "2",
             "-P", "prefork", "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
-    return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(argv, env=env, cwd=WORKDIR, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -95,14 +99,14 @@ def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0) -> None:
             if cur.fetchone()["n"] == len(action_ids):
                 return
         time.sleep(0.2)
-    raise TimeoutError("the demo's actions did not settle in time; see var/demo/worker.log")
+    raise TimeoutError(f"the demo's actions did not settle in time; see {WORKDIR / 'worker.log'}")
 
 
 def _servers_file() -> Path:
     """The servers file the demo runs with: the project's own, whose stdio servers run sandboxed by
     bubblewrap. Where bubblewrap is not installed (a fresh development machine) the demo runs them
     unsandboxed, saying so, with the reason recorded on every call; a production worker would refuse."""
-    default = Settings().servers_file
+    default = SETTINGS.servers_file
     if shutil.which("bwrap") is not None:
         return default
     print("note: bubblewrap (bwrap) is not installed: the demo's tool servers run UNSANDBOXED "
@@ -111,7 +115,7 @@ def _servers_file() -> Path:
     for server in spec.get("servers", {}).values():
         if server.get("transport") == "stdio":
             server["sandbox"] = {"enabled": False, "reason": "demo on a machine without bubblewrap"}
-            server["cwd"] = str(Path(default).parent / server.get("cwd", "."))
+            server["cwd"] = str(SETTINGS.servers_base_dir / server.get("cwd", "."))
             server.setdefault("read_identity", {}).pop("sandbox", None)
     path = WORKDIR / "servers.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,12 +137,14 @@ def run_demo(keep: bool = False) -> int:
         keys_dir = WORKDIR / "keys"
         generate_keys(keys_dir, force=True, development=True)
         servers_file = _servers_file()
-        settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir, servers_file=servers_file)
+        settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir, servers_file=servers_file,
+                            state_dir=SETTINGS.state_dir)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
         # The worker runs in the controller's environment: it refuses envelopes for any other.
         env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
                     "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir),
-                    "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file)})
+                    "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file),
+                    "PROOFLINE_STATE_DIR": str(settings.state_dir)})
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(_stop, worker)
         app = Celery("proofline-demo-controller", broker=broker)

@@ -1,0 +1,98 @@
+"""Recording a classified tool call: the ``tool_called`` evidence, the idempotency record, the
+action's new status and the lease's release, in one commit fenced by the lease token."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ledger import store
+from ledger.redact import Redactor
+from ledger.states import ActionStatus, IdempotencyStatus, Outcome
+from proofline.envelope import Envelope
+from worker import sandbox_events
+from worker.classify import CallReport, Classification
+from worker.lease import Locks, release_lease_txn, unlock_sql
+from worker.results import values_reference
+from worker.runtime import Runtime
+
+# What the idempotency record becomes once a call has been classified.
+RECORD_AFTER_CALL = {
+    Outcome.completed_unverified: IdempotencyStatus.completed,
+    Outcome.accepted: IdempotencyStatus.completed,
+    Outcome.failed_after_side_effect: IdempotencyStatus.completed,
+    Outcome.failed_before_side_effect: IdempotencyStatus.failed,
+    Outcome.unknown_outcome: IdempotencyStatus.unknown,
+}
+
+
+
+def result_evidence(envelope: Envelope, verdict: Classification, report: CallReport) -> dict[str, Any]:
+    evidence: dict[str, Any] = {
+        "outcome": verdict.outcome.value, "reason_code": verdict.reason_code,
+        "elapsed_ms": round(report.elapsed_seconds * 1000, 1), "progress_total": report.progress_total,
+        "progress": list(report.progress), **verdict.evidence,
+    }
+    if verdict.operation_id:
+        evidence["downstream_operation_id"] = verdict.operation_id
+    if envelope.evidence.record_tool_result and verdict.values is not None:
+        # The values are stored once, on the action row; the ledger binds them by digest.
+        evidence.update(values_reference(verdict.values) or {})
+    if report.unsandboxed is not None:
+        evidence["unsandboxed"] = report.unsandboxed
+    return evidence
+
+
+def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
+                      evidence: dict[str, Any], token: int, locks: Locks,
+                      violation: dict[str, Any] | None = None, audit: sandbox_events.Pending = None) -> bool:
+    """Record the classified call, settle the idempotency record, release the lease: one commit.
+
+    Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
+    """
+    aid, actor = envelope.action_id, rt.settings.worker_id
+    retry = False
+    if verdict.outcome == Outcome.failed_before_side_effect:
+        remaining = envelope.deadline.timestamp() - time.time()
+        retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
+    with store.transaction(rt.conn) as cur:
+        attempts = store.update_idempotency_txn(
+            cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
+            status=RECORD_AFTER_CALL[verdict.outcome],
+            result={**(values_reference(verdict.values) or {}), "operation_id": verdict.operation_id,
+                    "outcome": verdict.outcome.value},
+            redactor=red)
+        retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
+        events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
+        if violation is not None:
+            events.append((sandbox_events.EVENT, violation))
+        events += sandbox_events.write_pending_txn(cur, rt, envelope.action_id, audit)
+        if verdict.outcome == Outcome.failed_before_side_effect:
+            status = ActionStatus.published if retry else ActionStatus.closed
+            events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
+        else:
+            status = ActionStatus.verifying
+            events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
+        store.transition_txn(
+            cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
+            result=_action_result(verdict),
+            recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
+            redactor=red, events=events, actor=actor)
+        release_lease_txn(cur, aid, token)
+        cur.execute(*unlock_sql(locks))
+    return retry
+
+
+def _action_result(verdict: Classification) -> dict[str, Any] | None:
+    """The one stored copy of the result's values (or, past the size limit, only what it weighed)."""
+    if verdict.values is not None:
+        return {"values": verdict.values, **(values_reference(verdict.values) or {})}
+    if "result_digest" in verdict.evidence:
+        return {"oversize": True, "result_size": verdict.evidence["result_size"],
+                "result_digest": verdict.evidence["result_digest"]}
+    return None
+
+
+def verification_key(envelope: Envelope) -> str:
+    """Verification has its own key, derived from the action's, so it is deduplicated separately."""
+    return "verify-" + envelope.idempotency_key
