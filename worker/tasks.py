@@ -17,6 +17,7 @@ from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
+from worker.summary import with_outcome
 from worker.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     current_redactor.set(for_message(message))
     rt = runtime()
     try:
-        return execute(rt, message, _delivery(self), dispatch)
+        return with_outcome(rt.conn, execute(rt, message, _delivery(self), dispatch))
     except RetryLater as later:
         # Recorded already (target busy, read unavailable): deliver the same envelope again later.
         raise self.retry(countdown=later.countdown, exc=later) from None
@@ -130,7 +131,7 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
-        return fn(rt, action_id, dispatch)
+        return with_outcome(rt.conn, fn(rt, action_id, dispatch))
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
@@ -154,7 +155,10 @@ def recover_task(self, action_id: str) -> dict[str, Any]:
     return _follow_up(self, "recover", action_id, recover)
 
 
-@app.task(name="proofline.reconcile", ignore_result=True)
+# Routine sweeps send no task events (``send_events=False``): beat runs them every few seconds and
+# they would bury the actions' own tasks in Flower. What a sweep re-drove is in the ledger
+# (``redriven`` events) and in the worker's log (``reconcile_sweep``).
+@app.task(name="proofline.reconcile", ignore_result=True, send_events=False)
 def reconcile_task() -> dict[str, int]:
     from recovery.reconciler import sweep
 
@@ -171,7 +175,7 @@ def reconcile_task() -> dict[str, int]:
         raise
 
 
-@app.task(name="proofline.checkpoint", ignore_result=True)
+@app.task(name="proofline.checkpoint", ignore_result=True, send_events=False)
 def checkpoint_task() -> dict[str, Any]:
     """Sign and store a ledger checkpoint. Only processes holding the ledger key should consume the
     ``checkpoint`` queue; one that does not refuses the task with a clear code and keeps running."""
