@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import emit, settings
+from proofline.commands.base import MODE, emit, settings
 from proofline.commands.exit_codes import CHECK_FAILED
 
 
@@ -36,8 +36,10 @@ def contracts_check(directory: Path | None) -> None:
         emit({"directory": directory, "ok": [], "refused": []}, f"no contract files (*.yaml) in {directory}")
         sys.exit(CHECK_FAILED)
     emit({"directory": directory, "ok": ok, "refused": refused}, lambda: "\n".join(
-        [f"ok       {c['action_type']:<20} v{c['version']} tool {c['tool']:<20} {c['digest'][:12]}" for c in ok]
-        + [f"refused  {r['file']} ({r['action_type']}): {r['reason']}" for r in refused]))
+        f"ok       {c['action_type']:<20} v{c['version']} tool {c['tool']:<20} {c['digest'][:12]}" for c in ok))
+    if not MODE.json:
+        for r in refused:  # the problems, one line per refused file, on stderr
+            click.echo(f"refused  {r['file']} ({r['action_type']}): {r['reason']}", err=True)
     if refused:
         sys.exit(CHECK_FAILED)
 

@@ -80,6 +80,24 @@ def soak(ctx: click.Context) -> None:
     sys.exit(soak_main(list(ctx.args)))
 
 
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--port", default=5555, show_default=True)
+@click.pass_context
+def flower(ctx: click.Context, address: str, port: int) -> None:
+    """Run Flower with Proofline's configuration: the task list shows each task's outcome and
+    reason (extra options go to Flower)."""
+    import os
+
+    import worker
+
+    _foreground("flower")
+    conf = Path(worker.__file__).resolve().parent / "flower_config.py"
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--conf={conf}", f"--address={address}",
+            f"--port={port}", *ctx.args]
+    os.execv(sys.executable, argv)
+
+
 @click.group()
 def keys() -> None:
     """Key files: generate, rotate, revoke."""
@@ -122,4 +140,4 @@ def keys_revoke(key_id: str, keyring: Path) -> None:
     emit({"revoked": key_id}, f"revoked {key_id}")
 
 
-COMMANDS = (worker, demo, soak, keys)
+COMMANDS = (worker, demo, soak, flower, keys)

@@ -24,12 +24,12 @@ def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_publish_status_and_ledger_check_from_the_command_line(stack: Stack) -> None:
     action_id = f"cli-{time.monotonic_ns()}"
-    out = cli(stack, "publish", "--action-type", "ticket.create", "--tenant", "acme",
+    out = cli(stack, "--json", "publish", "--action-type", "ticket.create", "--tenant", "acme",
               "--target", json.dumps({"type": "ticket_queue", "id": "acme-ops"}),
               "--args", json.dumps({"tenant": "acme", "title": "from the cli", "owner": "ops"}),
               "--run-id", f"run-{action_id}", "--action-id", action_id)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["action_id"] == action_id
+    assert json.loads(out.stdout)["action_id"] == action_id
     row = stack.wait_settled(action_id)
     assert row.outcome == Outcome.completed_verified
     assert stack.effects(row.idempotency_key) == 1
@@ -44,14 +44,14 @@ def test_publish_status_and_ledger_check_from_the_command_line(stack: Stack) -> 
 
 def test_kill_switch_and_reconcile_from_the_command_line(stack: Stack) -> None:
     value = f"tenant-{time.monotonic_ns()}"
-    assert "set" in cli(stack, "kill", "set", "--scope", "tenant", "--value", value, "--by", "ops",
+    assert "set" in cli(stack, "kill", "set", "--scope", "tenant", "--value", value, "--any-tenant", "--by", "ops",
                         "--why", "drill").stdout
     listed = cli(stack, "kill", "list").stdout
     assert value in listed and "drill" in listed
     assert "cleared" in cli(stack, "kill", "clear", "--scope", "tenant", "--value", value, "--by", "ops",
                             "--why", "drill over").stdout
     assert value not in cli(stack, "kill", "list").stdout
-    sweep = cli(stack, "reconcile")
+    sweep = cli(stack, "--json", "reconcile")
     assert sweep.returncode == 0, sweep.stderr
     assert set(json.loads(sweep.stdout)) >= {"not_started", "lease_expired", "verification_stalled"}
     assert cli(stack, "manual", "list", "--json").returncode == 0

@@ -97,7 +97,8 @@ def test_contracts_check_names_the_broken_file_and_field_and_the_others_still_wo
         'expr: "!before.found"', 'expr: "!before.found &&"'))
     out = proofline(stack, "contracts", "check", "--dir", str(folder))
     assert out.returncode == exit_codes.CHECK_FAILED
-    refused = [line for line in out.stdout.splitlines() if line.startswith("refused")]
+    refused = out.stderr.splitlines()  # one line per refused file
+    assert all(line.startswith("refused  ") for line in refused), out.stderr
     assert len(refused) == 2, out.stdout
     assert any("ticket.close.yaml" in line and "tool: Field required" in line for line in refused)
     assert any("ticket.create.yaml" in line and "preconditions.0.expr (no_ticket_for_this_key)" in line
