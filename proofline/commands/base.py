@@ -134,6 +134,11 @@ def emit(data: Any, text: str | Callable[[], str]) -> None:
         click.echo(rendered)
 
 
+def emit_rows(key: str, rows: list[dict[str, Any]], line: Callable[[dict[str, Any]], str], empty: str) -> None:
+    """A listing: ``{key: rows}`` as JSON, else one ``line`` per row, or ``empty`` (a sentence) if none."""
+    emit({key: rows}, lambda: "\n".join(line(r) for r in rows) or empty)
+
+
 # --- inputs ------------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from proofline.commands.base import connect, dash, emit, json_value, settings, ts
+from proofline.commands.base import connect, dash, emit, emit_rows, json_value, settings, ts
 
 
 def _dispatch():
@@ -95,9 +95,8 @@ def kill_list() -> None:
 
     with connect("reader") as conn:
         rows = list_switches(conn)
-    emit({"kill_switches": rows}, lambda: "\n".join(
-        [f"{r['scope']:<12} {r['value'] or '*':<30} {r['set_by']:<24} {ts(r['set_at'])}  {r['reason']}"
-         for r in rows]) or "no kill switch is engaged")
+    emit_rows("kill_switches", rows, lambda r: f"{r['scope']:<12} {r['value'] or '*':<30} {r['set_by']:<24} "
+              f"{ts(r['set_at'])}  {r['reason']}", "no kill switch is engaged")
 
 
 # --- revocations -----------------------------------------------------------------------------------
@@ -128,9 +127,8 @@ def revocations_list() -> None:
 
     with connect("reader") as conn:
         rows = list_revocations(conn)
-    emit({"revocations": rows}, lambda: "\n".join(
-        [f"{r['identity']:<32} {r['revoked_by']:<24} {ts(r['revoked_at'])}  {r['reason']}" for r in rows])
-         or "no identity is revoked")
+    emit_rows("revocations", rows, lambda r: f"{r['identity']:<32} {r['revoked_by']:<24} {ts(r['revoked_at'])}  "
+              f"{r['reason']}", "no identity is revoked")
 
 
 @revocations.command("lift")
@@ -184,10 +182,9 @@ def manual_list() -> None:
 
     with connect("reader") as conn:
         rows = manual_queue(conn)
-    emit({"actions": rows}, lambda: "\n".join(
-        [f"{ts(r['updated_at']):<27} {r['action_id']:<32} {r['action_type']:<16} {r['tenant']:<10} "
-         f"{dash(r['outcome']):<26} {dash(r['reason_code']):<28} {dash(r['recovery_kind'])}" for r in rows])
-         or "the manual-intervention queue is empty")
+    emit_rows("actions", rows, lambda r: f"{ts(r['updated_at']):<27} {r['action_id']:<32} {r['action_type']:<16} "
+              f"{r['tenant']:<10} {dash(r['outcome']):<26} {dash(r['reason_code']):<28} {dash(r['recovery_kind'])}",
+              "the manual-intervention queue is empty")
 
 
 @manual.command("resolve")
