@@ -39,6 +39,25 @@ TABLE: tuple[tuple[int, str, tuple[type[BaseException], ...]], ...] = (
     (16, "proofline_error", (e.ProoflineError, click.ClickException)),
 )
 
+#: What each class of error means, for the README's table.
+MEANING = {
+    "usage": "a missing or unknown option, a bad value (`--target` that is not a JSON object, a bad `--since`)",
+    "configuration_error": "settings that do not load, missing keys, a schema never migrated (`schema_missing`)",
+    "database_unavailable": "the ledger database cannot be reached (or the database does not exist)",
+    "broker_unavailable": "the broker cannot be reached; what was recorded stays recorded and the reconciler sends it",
+    "not_found": "no such action, run or revocation",
+    "unknown_action_type": "no contract for the action type, or its contract file is refused (`contract_invalid`, the file named)",
+    "envelope_refused": "the envelope is one every worker would refuse (signature, schema, contract mismatch)",
+    "idempotency_conflict": "the action id was already published with other arguments",
+    "transition_refused": "the action's state does not allow it (`manual resolve` on an action that is not escalated)",
+    "retry_refused": "`retry` refused, with the reason as the code (`retry_not_escalated`, `effect_not_proven_absent`, ...)",
+    "kill_switch_invalid": "a kill switch that would block nothing (no value, unknown name, `tool_tenant` without `@tenant`)",
+    "privilege_refused": "the database role may not make this change",
+    "revalidation_failed": "the envelope is no longer authorised (approval expired, deadline, limits)",
+    "follow_timed_out": "`status --follow --timeout` ran out before the action settled",
+    "proofline_error": "any other Proofline error; the line names its stable code",
+}
+
 #: Rows the table cannot express as a class: for the README.
 OTHER_ROWS = (
     (OK, "ok", "the command did what it says"),
@@ -84,7 +103,7 @@ def message(exc: BaseException) -> str:
 def markdown_table() -> str:
     """The exit code table as README markdown."""
     rows = [(c, n, w) for c, n, w in OTHER_ROWS[:2]]
-    rows += [(c, n, ", ".join(cls.__name__ for cls in classes)) for c, n, classes in TABLE]
+    rows += [(c, n, MEANING[n]) for c, n, _ in TABLE]
     rows += list(OTHER_ROWS[2:])
     lines = ["| exit | class | raised for |", "|---:|---|---|"]
     lines += [f"| {c} | `{n}` | {w} |" for c, n, w in sorted(rows, key=lambda r: r[0])]
