@@ -123,3 +123,16 @@ def test_every_exit_code_is_distinct_and_documented() -> None:
     readme = (ROOT / "README.md").read_text()
     for line in exit_codes.markdown_table().splitlines()[2:]:
         assert line in readme, line
+
+
+def test_a_broker_that_is_away_after_recording_says_what_happens_next(stack: Stack) -> None:
+    """The action is recorded before it is sent: the CLI says so (exit 5) instead of reporting a
+    failure for an action that will run, and the reconciler sends it from the ledger."""
+    action_id = f"cli-broker-{uuid.uuid4().hex[:8]}"
+    away = {"PROOFLINE_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    out = proofline(stack, *_ticket_args(action_id), env=away, timeout=180)
+    assert_error(out, 5, "broker_unavailable", action_id, "recorded", "reconciler")
+    assert stack.action(action_id) is not None
+    row = stack.wait_settled(action_id, timeout=90)
+    assert row.outcome == Outcome.completed_verified and stack.effects(row.idempotency_key) == 1
+    assert "redriven" in stack.events(action_id)
