@@ -79,6 +79,9 @@ class ProoflineGroup(click.Group):
             fail_line("interrupted", "interrupted", exit_codes.INTERRUPTED)
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
+        except click.exceptions.NoArgsIsHelpError as bare:
+            click.echo(bare.ctx.get_help())  # a group named without a command: its help, not an error
+            sys.exit(0)
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - every error becomes one line and a class exit code
