@@ -88,6 +88,13 @@ def test_status_never_prints_none_and_follow_streams_until_the_action_settles(st
     assert "None" not in report and "finding expected" in report and STAMP.search(report)
     done = as_json(proofline(stack, "--json", "status", action_id, "--follow"))
     assert done["status"] == "closed" and done["timeline"][-1]["event"] == "final_state"
+    # Following one that does not settle in time ends with its own exit code.
+    sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=4)
+    slow = _publish(stack, tenant)
+    late = proofline(stack, "--json", "status", slow, "--follow", "--timeout", "0.5")
+    assert late.returncode == 15 and late.stdout == ""
+    assert json.loads(late.stderr)["error"] == "follow_timed_out"
+    assert stack.wait_settled(slow).outcome == Outcome.completed_verified
 
 
 def test_kill_switch_values_are_validated_and_a_valid_one_blocks(stack: Stack) -> None:
