@@ -50,12 +50,19 @@ def json_option() -> click.Option:
                         help="print one JSON document on stdout (errors: one JSON line on stderr)")
 
 
+def raw_options(cmd: click.Command) -> click.Command:
+    """Mark a command that hands every option to another program (``soak`` to ``ops.soak``, whose
+    own ``--json PATH`` must reach it): the group adds no ``--json`` flag to it."""
+    cmd.raw_options = True  # type: ignore[attr-defined]
+    return cmd
+
+
 class ProoflineGroup(click.Group):
     """A group whose every command (and sub-group) takes ``--json``, and whose ``main`` reports any
     error as one line with the exit code of its class."""
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
-        if not any(p.name == "json" or "--json" in getattr(p, "opts", ()) for p in cmd.params):
+        if not getattr(cmd, "raw_options", False) and not any("--json" in getattr(p, "opts", ()) for p in cmd.params):
             cmd.params.append(json_option())
         if isinstance(cmd, click.Group) and not isinstance(cmd, ProoflineGroup):
             cmd.__class__ = ProoflineGroup  # its own sub-commands get --json too

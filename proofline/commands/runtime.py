@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import MODE, emit, settings
+from proofline.commands.base import MODE, emit, raw_options, settings
 
 #: What each kind of worker process consumes. Execution never holds the recovery key; recovery
 #: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
@@ -61,19 +61,27 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) 
 @click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards")
 def demo(keep: bool) -> None:
     """Run the demo end to end (embedded Postgres and broker unless PROOFLINE_DATABASE_URL is set)."""
+    from contextlib import redirect_stdout
+
     from proofline.demo import run_demo
 
-    _foreground("demo")
-    sys.exit(run_demo(keep=keep))
+    if not MODE.json:
+        sys.exit(run_demo(keep=keep))
+    rows: list[dict] = []
+    with redirect_stdout(sys.stderr):  # the progress and the table go to stderr; stdout is the document
+        code = run_demo(keep=keep, report=rows)
+    emit({"actions": rows}, "")
+    sys.exit(code)
 
 
+@raw_options
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def soak(ctx: click.Context) -> None:
-    """The chaos soak with its history checker (options: see `python -m ops.soak --help`)."""
+    """The chaos soak with its history checker (options: see `python -m ops.soak --help`; its own
+    `--json PATH` writes the full result)."""
     from proofline.settings import ROOT
 
-    _foreground("soak")
     sys.path.insert(0, str(ROOT))  # ops/ and tests/ live in the checkout, not in the package
     from ops.soak import main as soak_main
 
