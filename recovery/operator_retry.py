@@ -76,8 +76,8 @@ def retry_escalated(settings: Settings, conn: Any, dispatch: Dispatch, action_id
             raise RetryExpired(f"{action_id}: its idempotency record is past the replay window", action_id=action_id)
         calls = record.attempts if record is not None else 0
         if calls >= envelope.authority_budget.max_calls:
-            raise RetryBudgetExhausted(f"{action_id}: {calls} calls made; the approval allows "
-                                       f"{envelope.authority_budget.max_calls}", action_id=action_id)
+            raise RetryBudgetExhausted(f"{action_id}: every call the approval allows is made "
+                                       f"({calls} of {envelope.authority_budget.max_calls})", action_id=action_id)
         evidence = {"by": by, "reason": why, "proof": proof, "calls_made": calls,
                     "calls_allowed": envelope.authority_budget.max_calls, "escalated_as": action.reason_code}
         store.transition_txn(cur, action_id, [ActionStatus.escalated], ActionStatus.published,

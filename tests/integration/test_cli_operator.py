@@ -199,3 +199,23 @@ def test_retry_is_refused_when_the_effect_is_not_proven_absent(stack: Stack) -> 
     queue = as_json(proofline(stack, "--json", "manual", "list"))["actions"]
     assert action_id in [a["action_id"] for a in queue]
     assert json.dumps(queue)  # one JSON document, every value serialisable
+
+
+def test_retry_is_refused_past_the_call_budget_or_the_approval(stack: Stack) -> None:
+    """Both effects are proven absent, but one approval allowed a single call, and the other has
+    expired since: neither is sent again."""
+    sor.set_fault(stack.sor_db, "create_ticket", "lie", remaining=2)
+    once = {"max_attempts": 1, "backoff_seconds": 0.1}
+    spent = _publish(stack, _tenant(), retry_policy=once, authority_budget={"max_calls": 1})
+    expiring = _publish(stack, _tenant(), retry_policy=once, approval_ttl=timedelta(seconds=8))
+    for action_id in (spent, expiring):
+        row = stack.wait_settled(action_id)
+        assert (row.status, row.finding) == (ActionStatus.escalated, "absent"), row
+    who = ["--by", "ops@example.com", "--why", "try again"]
+    assert_error(proofline(stack, "retry", spent, *who), 11, "retry_budget_exhausted", "(1 of 1)")
+    approval = stack.action(expiring).envelope["approval"]["expires_at"]
+    wait_for(lambda: datetime.now(UTC) > datetime.fromisoformat(approval), 15, what="the approval to expire")
+    assert_error(proofline(stack, "retry", expiring, *who), 11, "retry_expired", "approval expired")
+    for action_id in (spent, expiring):
+        assert stack.action(action_id).status == ActionStatus.escalated
+        assert "manual_retry" not in stack.events(action_id)
