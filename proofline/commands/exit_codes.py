@@ -2,7 +2,7 @@
 
 Each row is (exit code, what it means, the error classes or stable codes it covers). The first
 row whose class matches (``isinstance``, most specific first) decides. The README's "Command line"
-section prints this table; ``tests/unit/test_cli_exit_codes.py`` checks that the two agree.
+section prints this table; ``tests/integration/test_cli_errors.py`` checks that the two agree.
 """
 
 from __future__ import annotations
