@@ -75,6 +75,9 @@ ACTION_TRANSITIONS: tuple[Transition, ...] = (
     Transition("pending", "cancelled", OP, False, ("not_started",)),
     Transition("escalated", "closed", OP, False, ("completed_verified", "failed_after_side_effect",
                                                  "failed_before_side_effect", "compensated")),
+    # operator retry (recovery/operator_retry.py, migration 0010): an escalated action whose effect
+    # is proven absent is sent again, as recovery's own retry does (recovery -> published)
+    Transition("escalated", "published", OP, True, (), ("failed_before_side_effect",)),
 )
 
 #: Legal moves of an idempotency record (worker/execute.py claim/dispatch/result, verify's settle).
@@ -97,6 +100,9 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cancel_requested", OP),
     ("kill_switch_set", OP),
     ("kill_switch_cleared", OP),
+    # revocations (recovery/operator.py, migration 0010), on the chain ``revocation:<identity>``
+    ("identity_revoked", OP),
+    ("revocation_lifted", OP),
     # follow-ups an operator's cancellation runs (recovery/settle.py, recovery/runs.py)
     ("final_state", WO),
     ("run_aborted", WO),

@@ -20,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from proofline.canonical import sha256_hex
 from proofline.conditions import compile_expression
-from proofline.errors import ContractInvalid, ExtractionFailed, UnknownActionType
+from proofline.errors import (
+    ConditionError,
+    ContractInvalid,
+    ExtractionFailed,
+    ProoflineError,
+    UnknownActionType,
+)
 
 SENSITIVE_PATH = re.compile(r"(args|result|before|after)(\.[A-Za-z0-9_\-]+)+")
 
@@ -179,23 +185,33 @@ class Contract(_Model):
 
     @model_validator(mode="after")
     def _compile_conditions(self) -> Contract:
-        for cond in self.preconditions:
-            compile_expression(cond.expr)
-        v = self.verification
-        for expr in (*v.expected, *v.tolerated, *v.prohibited, *([v.absent] if v.absent else [])):
-            compile_expression(expr)
-        for read in (self.precondition_read, v.read, v.operation_record):
-            for expr in (read.arguments.values() if read else ()):
+        for where, expr in self._expressions():
+            try:
                 compile_expression(expr)
-        if v.operation_record is not None:
-            compile_expression(v.operation_record.gone)
-        for expr in (self.operation_id, self.amount_cents):
-            if expr:
-                compile_expression(expr)
-        for derived in (self.recovery.compensation, self.recovery.rollback, self.recovery.forward):
-            for expr in ((*derived.target.values(), *derived.arguments.values()) if derived else ()):
-                compile_expression(expr)
+            except ConditionError as exc:
+                # Name the field: a contract has dozens of expressions.
+                raise type(exc)(f"{where}: {exc.detail}", **exc.context) from None
         return self
+
+    def _expressions(self) -> list[tuple[str, str]]:
+        """Every CEL expression of the contract, with the field it sits in."""
+        v = self.verification
+        found = [(f"preconditions.{i}.expr ({c.name})", c.expr) for i, c in enumerate(self.preconditions)]
+        for name in ("expected", "tolerated", "prohibited"):
+            found += [(f"verification.{name}.{i}", e) for i, e in enumerate(getattr(v, name))]
+        found += [("verification.absent", v.absent)] if v.absent else []
+        for field, read in (("precondition_read", self.precondition_read), ("verification.read", v.read),
+                            ("verification.operation_record", v.operation_record)):
+            found += [(f"{field}.arguments.{k}", e) for k, e in (read.arguments.items() if read else ())]
+        found += [("verification.operation_record.gone", v.operation_record.gone)] if v.operation_record else []
+        found += [(name, e) for name, e in (("operation_id", self.operation_id), ("amount_cents", self.amount_cents))
+                  if e]
+        for kind in ("compensation", "rollback", "forward"):
+            derived = getattr(self.recovery, kind)
+            for part in ("target", "arguments"):
+                found += [(f"recovery.{kind}.{part}.{k}", e) for k, e in (getattr(derived, part).items()
+                                                                          if derived else ())]
+        return found
 
     @property
     def verification_read(self) -> ReadPath:
@@ -221,10 +237,15 @@ class ContractSet:
 
 
 def _reason(exc: BaseException) -> str:
+    """Why a file is refused, on one line, naming the field (or the YAML line) at fault."""
     if isinstance(exc, ValidationError):
         first = exc.errors(include_url=False)[:3]
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in first)
-    return f"{type(exc).__name__}: {exc}"[:500]
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'contract'}: {e['msg']}" for e in first)
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    text = str(exc) if isinstance(exc, ProoflineError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:500]
 
 
 def scan_contracts(directory: Path) -> ContractSet:

@@ -459,3 +459,82 @@ class TenantQuotaExceeded(ProoflineError):
     delivered again shortly), it is never dropped."""
 
     code = "tenant_quota_wait"
+
+
+# --- operator commands (the CLI) --------------------------------------------------------------
+
+
+class NotFound(ProoflineError):
+    """No action, run or record has this id."""
+
+    code = "not_found"
+
+
+class DatabaseUnavailable(ProoflineError):
+    """The ledger database could not be reached (or refused the connection)."""
+
+    code = "database_unavailable"
+    retryable = True
+
+
+class SchemaMissing(ConfigurationError):
+    """The ledger database has no Proofline schema yet (run ``proofline migrate``)."""
+
+    code = "schema_missing"
+
+
+class BrokerUnavailable(ProoflineError):
+    """The broker could not be reached; what was recorded in the ledger stays recorded."""
+
+    code = "broker_unavailable"
+    retryable = True
+
+
+class KillSwitchInvalid(ProoflineError):
+    """A kill switch's scope and value would block nothing (no value, an unknown name, a
+    ``tool_tenant`` value without ``@tenant``): it is refused instead of being shown as engaged."""
+
+    code = "kill_switch_invalid"
+
+
+class FollowTimedOut(ProoflineError):
+    """The action did not reach a settled state within the time given to follow it."""
+
+    code = "follow_timed_out"
+
+
+class RetryRefused(ProoflineError):
+    """An operator retry is refused: only an escalated action whose effect is proven absent, still
+    wanted, inside its deadline and its call budget, is sent again (same envelope, same key)."""
+
+    code = "retry_refused"
+
+
+class RetryNotEscalated(RetryRefused):
+    """The action is not escalated: the runtime (or an operator) still owns or already settled it."""
+
+    code = "retry_not_escalated"
+
+
+class EffectNotProvenAbsent(RetryRefused):
+    """Nothing proves the action's effect absent: sending it again could apply it twice."""
+
+    code = "effect_not_proven_absent"
+
+
+class RetryNotWanted(RetryRefused):
+    """A cancellation was requested, or the action's run failed: it must not run again."""
+
+    code = "retry_not_wanted"
+
+
+class RetryExpired(RetryRefused):
+    """The action's deadline or approval has passed (or leaves no time for one more call)."""
+
+    code = "retry_expired"
+
+
+class RetryBudgetExhausted(RetryRefused):
+    """Every tool call the approval allows has been made."""
+
+    code = "retry_budget_exhausted"

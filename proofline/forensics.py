@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from proofline.ledger_check import check_chain
+from proofline.report import ts
 
 FINAL_EVENTS = ("final_state", "compensated", "compensation_failed", "operator_intervention", "escalated",
                 "handed_to_recovery", "escalated_state")
@@ -102,7 +103,7 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
     if published:
         p = published["evidence"]
         approval = p.get("approval", {})
-        line(f"   at {published['at']:%Y-%m-%d %H:%M:%S.%f} by {p.get('requester')} for workload "
+        line(f"   at {ts(published['at'])} by {p.get('requester')} for workload "
              f"{p.get('workload_identity')} (tenant {p.get('tenant')}, {p.get('environment')})")
         line(f"   approval {approval.get('id')} v{approval.get('version')} until {approval.get('expires_at')}, "
              f"irreversible covered: {approval.get('covers_irreversible')}; policy v{p.get('policy_version')}; "
@@ -119,7 +120,7 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
     line("2. Checked before execution")
     for name in CHECK_EVENTS:
         for ev in by_name.get(name, []):
-            line(f"   {ev['at']:%H:%M:%S.%f} {name:<22} {ev['actor']:<22} {_j(ev['evidence'], 110)}")
+            line(f"   {ts(ev['at'])} {name:<22} {ev['actor']:<22} {_j(ev['evidence'], 110)}")
 
     line("3. Executed")
     calls = by_name.get("tool_called", [])
@@ -127,7 +128,7 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
         line("   the tool was never called")
     for ev in calls:
         e = ev["evidence"]
-        line(f"   {ev['at']:%H:%M:%S.%f} by {ev['actor']}: classified {e.get('outcome')} ({e.get('reason_code')}) "
+        line(f"   {ts(ev['at'])} by {ev['actor']}: classified {e.get('outcome')} ({e.get('reason_code')}) "
              f"in {e.get('elapsed_ms')} ms, {e.get('progress_total')} progress notifications")
         if "result" in e:
             line(f"   result {_j(e['result'], 120)}")
@@ -146,11 +147,11 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
         line("   not verified")
     for ev in verifications:
         e = ev["evidence"]
-        line(f"   {ev['at']:%H:%M:%S.%f} read {e.get('read_tool')} as the {e.get('identity')} identity, "
+        line(f"   {ts(ev['at'])} read {e.get('read_tool')} as the {e.get('identity')} identity, "
              f"{e.get('reads')} reads ({e.get('failed_reads')} failed): finding {e.get('finding')}")
         line(f"   system of record showed {_j(e.get('after'), 130)}")
     for ev in by_name.get("operation_record_expired", []):
-        line(f"   {ev['at']:%H:%M:%S.%f} the downstream operation record had expired before it was retrieved: "
+        line(f"   {ts(ev['at'])} the downstream operation record had expired before it was retrieved: "
              f"{_j(ev['evidence'], 100)}")
 
     recovery = [ev for ev in events if ev["event"] in RECOVERY_EVENTS]
@@ -159,10 +160,10 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
         for ev in recovery:
             e = ev["evidence"]
             if ev["event"] == "recovery_decided":
-                line(f"   {ev['at']:%H:%M:%S.%f} decided {e['decision']} ({e['reason']}) from facts "
+                line(f"   {ts(ev['at'])} decided {e['decision']} ({e['reason']}) from facts "
                      f"{_j(e['facts'], 120)}")
             else:
-                line(f"   {ev['at']:%H:%M:%S.%f} {ev['event']} {_j(e, 120)}")
+                line(f"   {ts(ev['at'])} {ev['event']} {_j(e, 120)}")
             if ev["event"] == "recovery_action_published":
                 sub = reconstruct(cur, e["recovery_action"], depth + 1)
                 if sub:
@@ -173,5 +174,5 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
     if not finals:
         line("   not settled yet")
     for ev in finals:
-        line(f"   {ev['at']:%H:%M:%S.%f} {ev['event']} by {ev['actor']}: {_j(ev['evidence'], 130)}")
+        line(f"   {ts(ev['at'])} {ev['event']} by {ev['actor']}: {_j(ev['evidence'], 130)}")
     return "\n".join(out)

@@ -123,7 +123,8 @@ def _servers_file() -> Path:
     return path
 
 
-def run_demo(keep: bool = False) -> int:
+def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> int:
+    """Run the demo; ``report`` (when given) receives one dict per action of the final table."""
     WORKDIR.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         print("starting services (embedded Postgres unless PROOFLINE_DATABASE_URL is set) ...", flush=True)
@@ -157,6 +158,8 @@ def run_demo(keep: bool = False) -> int:
         rows = _scenarios(settings, conn, app, sor_db)
         _wait(conn, [r["action_id"] for r in rows])
         _print_table(conn, rows, sor_db)
+        if report is not None:
+            report.extend(rows)
         lost = rows[2]["action_id"]
         if keep or os.environ.get("PROOFLINE_DATABASE_URL"):
             print(f"read the ledger:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
@@ -235,6 +238,9 @@ def _print_table(conn: Any, rows: list[dict[str, Any]], sor_db: Path) -> None:
             dups = sum(events.count(e) for e in ("duplicate_suppressed", "redelivery_ignored",
                                                   "redelivery_reenqueued_verification", "reconcile_required"))
             called = next((e["evidence"].get("outcome") for e in timeline if e["event"] == "tool_called"), "-")
+            r.update(action_type=a.action_type, classified=called, status=a.status.value, reason_code=a.reason_code,
+                     outcome=a.outcome.value if a.outcome else None, effects=sor.count_effects(sor_db, r["key"]),
+                     duplicates=dups)
             print(f"{a.action_id:<16} {a.action_type:<16} {called:<22} {a.status.value:<7} "
                   f"{(a.outcome.value if a.outcome else '-'):<20} {(a.reason_code or '-'):<16} "
                   f"{sor.count_effects(sor_db, r['key']):>7} {dups:>4}  {r['note']}")

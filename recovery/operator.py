@@ -1,16 +1,20 @@
-"""What operators do by hand: kill switches, and the manual-intervention queue.
+"""What operators do by hand: kill switches, revocations, and the manual-intervention queue.
 
 Every operator act is a ledger event naming who and why. Kill switches are recorded in their own
-chain (``killswitch:<scope>:<value>``); resolutions in the action's own chain, as an
-``operator_intervention``.
+chain (``killswitch:<scope>:<value>``), revocations in ``revocation:<identity>``; resolutions in the
+action's own chain, as an ``operator_intervention``. A kill switch that would block nothing (no
+value, a name no contract or ledger knows) is refused before it is recorded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ledger import store
+from ledger.redact import scrub_text
 from ledger.states import ActionStatus, KillSwitchScope, Outcome
+from proofline.errors import KillSwitchInvalid, NotFound, TransitionRefused
 from recovery.settle import set_kill_switch_txn
 
 RESOLUTIONS = {
@@ -19,6 +23,51 @@ RESOLUTIONS = {
     "no_effect": Outcome.failed_before_side_effect,
     "compensated": Outcome.compensated,
 }
+
+
+def known_tenants(conn: Any) -> set[str]:
+    """Tenants the ledger has seen an action for."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT DISTINCT tenant FROM actions")
+        return {r["tenant"] for r in cur.fetchall()}
+
+
+def check_switch(scope: KillSwitchScope, value: str, *, action_types: Iterable[str], tools: Iterable[str],
+                 tenants: Iterable[str] | None) -> str:
+    """The switch's value as it will be matched, or :class:`KillSwitchInvalid` naming why it would
+    block nothing. ``tenants=None`` accepts any tenant name (one the ledger has not seen yet)."""
+    value = value.strip()
+    if scope == KillSwitchScope.global_:
+        if value:
+            raise KillSwitchInvalid(f"--scope global takes no value (got {value!r})")
+        return ""
+    if not value:
+        example = {"tool_tenant": "create_ticket@acme", "action_type": "ticket.create", "tool": "create_ticket",
+                   "tenant": "acme"}[scope.value]
+        raise KillSwitchInvalid(f"--scope {scope.value} needs a value, e.g. --value {example}")
+    if scope == KillSwitchScope.tool_tenant:
+        tool, at, tenant = value.partition("@")
+        if not at or not tool or not tenant or "@" in tenant:
+            raise KillSwitchInvalid(f"--scope tool_tenant needs TOOL@TENANT, got {value!r}")
+        _known("tool", tool, tools)
+        if tenants is not None:
+            _known("tenant", tenant, tenants)
+        return value
+    if scope == KillSwitchScope.action_type:
+        _known("action type", value, action_types)
+    elif scope == KillSwitchScope.tool:
+        _known("tool", value, tools)
+    elif tenants is not None:
+        _known("tenant", value, tenants)
+    return value
+
+
+def _known(kind: str, value: str, known: Iterable[str]) -> None:
+    names = sorted(set(known))
+    if value not in names:
+        shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+        hint = " (--any-tenant to block a tenant before its first action)" if kind == "tenant" else ""
+        raise KillSwitchInvalid(f"no {kind} {value!r} is known; known: {shown or 'none'}{hint}", value=value)
 
 
 def set_switch(conn: Any, scope: KillSwitchScope, value: str, by: str, why: str) -> bool:
@@ -36,6 +85,40 @@ def clear_switch(conn: Any, scope: KillSwitchScope, value: str, by: str, why: st
             store.append_event_txn(cur, f"killswitch:{scope.value}:{value}", "kill_switch_cleared", by,
                                    {"scope": scope.value, "value": value, "reason": why})
         return cleared
+
+
+def revoke(conn: Any, identity: str, by: str, why: str) -> bool:
+    """Revoke a requester or workload identity; False when it was already revoked."""
+    why = scrub_text(why)
+    with store.transaction(conn) as cur:
+        cur.execute("SELECT 1 FROM revoked_identities WHERE identity = %s", (identity,))
+        if cur.fetchone() is not None:
+            return False
+        store.revoke_identity_txn(cur, identity, by, why)
+        store.append_event_txn(cur, f"revocation:{identity}", "identity_revoked", by,
+                               {"identity": identity, "reason": why})
+        return True
+
+
+def lift_revocation(conn: Any, identity: str, by: str, why: str) -> bool:
+    """Lift a revocation (its actions may start again); False when the identity was not revoked."""
+    why = scrub_text(why)
+    with store.transaction(conn) as cur:
+        cur.execute("DELETE FROM revoked_identities WHERE identity = %s RETURNING revoked_by, reason, revoked_at",
+                    (identity,))
+        row = cur.fetchone()
+        if row is None:
+            return False
+        store.append_event_txn(cur, f"revocation:{identity}", "revocation_lifted", by,
+                               {"identity": identity, "reason": why, "revoked_by": row["revoked_by"],
+                                "revoked_for": row["reason"], "revoked_at": row["revoked_at"].isoformat()})
+        return True
+
+
+def list_revocations(conn: Any) -> list[dict[str, Any]]:
+    with conn.cursor() as cur:
+        cur.execute("SELECT identity, revoked_by, reason, revoked_at FROM revoked_identities ORDER BY revoked_at")
+        return list(cur.fetchall())
 
 
 def list_switches(conn: Any) -> list[dict[str, Any]]:
@@ -64,6 +147,12 @@ def resolve(conn: Any, action_id: str, resolution: str, by: str, reason: str, ev
     if resolution not in RESOLUTIONS:
         raise ValueError(f"resolution must be one of {sorted(RESOLUTIONS)}")
     with store.transaction(conn) as cur:
+        current = store.get_action(cur, action_id)
+        if current is None:
+            raise NotFound(f"no action {action_id}", action_id=action_id)
+        if current.status != ActionStatus.escalated:
+            raise TransitionRefused(f"{action_id} is {current.status.value}, not escalated: only an escalated "
+                                    "action is resolved by hand", action_id=action_id)
         store.append_event_txn(cur, action_id, "operator_intervention", by,
                                {"resolution": resolution, "reason": reason, "evidence": evidence})
         store.transition_txn(cur, action_id, [ActionStatus.escalated], ActionStatus.closed,

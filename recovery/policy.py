@@ -45,10 +45,7 @@ class Decision:
 
 
 def decide(facts: Facts, policy: Recovery) -> Decision:
-    # A read beats a recorded classification: "absent" is what the system of record showed, or,
-    # with no read at all, a call that provably failed before any side effect.
-    absent = facts.finding == VerificationFinding.absent or (
-        facts.finding is None and facts.outcome == Outcome.failed_before_side_effect)
+    absent = proven_absent(facts.outcome, facts.finding)
     if facts.is_compensation:
         # A compensation that did not reach a safe state is never improvised around.
         if absent and _can_retry(facts):
@@ -90,6 +87,13 @@ def decide(facts: Facts, policy: Recovery) -> Decision:
     if choice == "manual":
         return Decision(RecoveryKind.manual_intervention, "policy_manual")
     return Decision(RecoveryKind.manual_intervention, "no_recovery_workflow", contain=True)
+
+
+def proven_absent(outcome: Outcome | None, finding: VerificationFinding | None) -> bool:
+    """Whether the recorded facts prove the action made no side effect. A read beats a recorded
+    classification: "absent" is what the system of record showed, or, with no read at all, a call
+    that provably failed before any side effect. (An operator retry asks the same question.)"""
+    return finding == VerificationFinding.absent or (finding is None and outcome == Outcome.failed_before_side_effect)
 
 
 def _can_retry(facts: Facts) -> bool:

@@ -240,4 +240,6 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
 
     after_settle(rt.conn, rt.settings.worker_id, action_id, dispatch, envelope=envelope, status=status,
                  outcome=outcome or action.outcome)
-    return {"status": status.value, "action_id": action_id, "finding": obs.finding.value}
+    final = outcome or action.outcome
+    return {"outcome": final.value if final else None, "reason_code": reason, "status": status.value,
+            "action_id": action_id, "finding": obs.finding.value}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -68,6 +67,7 @@ from worker.record_call import result_evidence, write_result_txn
 from worker.results import result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
+from worker.summary import TaskSummary
 from worker.validate import (
     check_parent_link,
     claimed_fields,
@@ -98,19 +98,6 @@ class RetryLater(Exception):
     def __init__(self, countdown: float, reason: str) -> None:
         super().__init__(countdown, reason)
         self.countdown, self.reason = countdown, reason
-
-
-@dataclass
-class TaskSummary:
-    """The task's return value: small, JSON-serialisable, useful in Flower."""
-
-    status: str
-    reason_code: str | None = None
-    action_id: str | None = None
-    outcome: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 def record_refusal(rt: Runtime, message: Any, exc: ProoflineError, delivery: dict[str, Any]) -> None:

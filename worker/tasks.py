@@ -19,6 +19,8 @@ from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
+from worker.summary import with_outcome
+from worker.task_base import GuardedTask
 from worker.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     current_redactor.set(for_message(message))
     rt = runtime()
     try:
-        return execute(rt, message, _delivery(self), dispatch)
+        return with_outcome(rt.conn, execute(rt, message, _delivery(self), dispatch))
     except RetryLater as later:
         # Recorded already (target busy, read unavailable): deliver the same envelope again later.
         raise self.retry(countdown=later.countdown, exc=later) from None
@@ -133,7 +135,7 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
-        return fn(rt, action_id, dispatch)
+        return with_outcome(rt.conn, fn(rt, action_id, dispatch))
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
@@ -157,7 +159,28 @@ def recover_task(self, action_id: str) -> dict[str, Any]:
     return _follow_up(self, "recover", action_id, recover)
 
 
-@app.task(name="proofline.reconcile", ignore_result=True)
+class _NoEvents:
+    """An event dispatcher that publishes nothing (for a sweep's ``task-sent`` event)."""
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class SweepTask(GuardedTask):
+    """A routine sweep: beat sends one every few seconds, and its events would bury the actions'
+    own tasks in Flower. It sends none: not when it is published (``task-sent``), nor while it
+    runs (``send_events``). What a sweep re-drove is in the ledger (``redriven`` events) and in the
+    worker's log (``reconcile_sweep``)."""
+
+    abstract = True
+    send_events = False
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        options.setdefault("event_dispatcher", _NoEvents())
+        return super().apply_async(args, kwargs, **options)
+
+
+@app.task(name="proofline.reconcile", base=SweepTask, ignore_result=True)
 def reconcile_task() -> dict[str, int]:
     from recovery.reconciler import sweep
 
@@ -176,7 +199,7 @@ def reconcile_task() -> dict[str, int]:
         raise
 
 
-@app.task(name="proofline.checkpoint", ignore_result=True)
+@app.task(name="proofline.checkpoint", base=SweepTask, ignore_result=True)
 def checkpoint_task() -> dict[str, Any]:
     """Sign and store a ledger checkpoint. Only processes holding the ledger key should consume the
     ``checkpoint`` queue; one that does not refuses the task with a clear code and keeps running."""

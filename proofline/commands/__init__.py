@@ -1,1 +1,2 @@
-"""CLI commands that live in their own module; each is registered with one line in ``proofline/cli.py``."""
+"""The ``proofline`` command line, one module per group of commands; ``proofline/cli.py`` wires
+them into one group. ``base.py`` holds what every command shares (output, connections, errors)."""

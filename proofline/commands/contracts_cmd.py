@@ -1,0 +1,47 @@
+"""``proofline contracts``: check a contracts folder file by file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from proofline.commands.base import MODE, emit, settings
+from proofline.commands.exit_codes import CHECK_FAILED
+
+
+@click.group()
+def contracts() -> None:
+    """Action contracts."""
+
+
+@contracts.command("check")
+@click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="contracts directory (default: PROOFLINE_CONTRACTS_DIR)")
+def contracts_check(directory: Path | None) -> None:
+    """Load every contract file on its own, with the condition limits; exit 1 naming each refused
+    file, the field and why. A broken file refuses only its own action type."""
+    from proofline.contracts import scan_contracts
+    from proofline.errors import ConfigurationError
+
+    directory = Path(directory or settings().contracts_dir)
+    if not directory.is_dir():
+        raise ConfigurationError(f"contracts directory {directory} does not exist")
+    loaded = scan_contracts(directory)
+    ok = [{"action_type": a, "version": c.version, "tool": c.tool, "digest": c.digest}
+          for a, c in sorted(loaded.contracts.items())]
+    refused = [{"action_type": a, "file": name, "reason": reason} for a, (name, reason) in sorted(loaded.broken.items())]
+    if not ok and not refused:
+        emit({"directory": directory, "ok": [], "refused": []}, f"no contract files (*.yaml) in {directory}")
+        sys.exit(CHECK_FAILED)
+    emit({"directory": directory, "ok": ok, "refused": refused}, lambda: "\n".join(
+        f"ok       {c['action_type']:<20} v{c['version']} tool {c['tool']:<20} {c['digest'][:12]}" for c in ok))
+    if not MODE.json:
+        for r in refused:  # the problems, one line per refused file, on stderr
+            click.echo(f"refused  {r['file']} ({r['action_type']}): {r['reason']}", err=True)
+    if refused:
+        sys.exit(CHECK_FAILED)
+
+
+COMMANDS = (contracts,)

@@ -1,0 +1,50 @@
+"""``proofline publish``: build, sign, record and send one envelope, as the controller role."""
+
+from __future__ import annotations
+
+import click
+
+from proofline.commands.base import connect, emit, json_value, settings
+
+
+@click.command()
+@click.option("--action-type", required=True)
+@click.option("--tenant", required=True)
+@click.option("--target", "target_json", required=True, help='JSON, e.g. {"type":"ticket","id":"T-1","expected_version":2}')
+@click.option("--args", "args_json", required=True, help="tool arguments as JSON")
+@click.option("--run-id", required=True)
+@click.option("--action-id", required=True)
+@click.option("--requester", default="operator@example.com")
+@click.option("--workload-identity", default="agent:ops-assistant")
+def publish(action_type, tenant, target_json, args_json, run_id, action_id, requester, workload_identity) -> None:
+    """Build, sign and publish one envelope onto the actions queue."""
+    from kombu.exceptions import OperationalError
+    from pydantic import ValidationError
+
+    from proofline.controller import prepare
+    from proofline.controller import publish as do_publish
+    from proofline.errors import BrokerUnavailable, MalformedEnvelope
+    from proofline.keys import check_process_keys
+    from worker.tasks import app
+
+    target, arguments = json_value("--target", target_json), json_value("--args", args_json)
+    s = settings()
+    check_process_keys(s, "controller")  # before anything is recorded
+    try:
+        envelope = prepare(s, action_type=action_type, arguments=arguments, target=target, tenant=tenant,
+                           run_id=run_id, action_id=action_id, requester=requester, workload_identity=workload_identity)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise MalformedEnvelope(f"the envelope is not valid: {where}: {first['msg']}") from None
+    with connect("controller") as conn:
+        try:
+            result = do_publish(s, conn, app, envelope)
+        except OperationalError as exc:
+            raise BrokerUnavailable(f"{action_id} is recorded as published but the broker is unreachable ({exc}); "
+                                    "the reconciler sends it once the broker is back", action_id=action_id) from None
+    emit(result, f"published {result['action_id']} (task {result['task_id']})" if not result["republished"]
+         else f"{result['action_id']} was already published with these arguments: sent again (task {result['task_id']})")
+
+
+COMMANDS = (publish,)

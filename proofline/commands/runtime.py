@@ -1,0 +1,151 @@
+"""Running Proofline: ``worker``, ``demo``, ``soak`` (foreground processes) and ``keys``."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import click
+
+from proofline.commands.base import MODE, emit, raw_options, settings
+
+#: What each kind of worker process consumes. Execution never holds the recovery key; recovery
+#: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
+#: ``actions`` stands for every tenant shard of the execute queue (``proofline/shards.py``).
+ROLE_QUEUES = {"execute": "actions,verify,compensate", "recovery": "recovery,reconcile",
+               "all": "actions,verify,compensate,recovery,reconcile"}
+
+
+def role_queues(role: str, tenant_shards: int) -> str:
+    """The queues a role consumes, with ``actions`` and ``verify`` expanded to all their shards."""
+    from proofline.shards import SHARDED, sharded_queues
+
+    names: list[str] = []
+    for name in ROLE_QUEUES[role].split(","):
+        names.extend(sharded_queues(name, tenant_shards) if name in SHARDED else [name])
+    return ",".join(names)
+
+
+def _foreground(name: str) -> None:
+    """Long-running commands log as they go; they have no single result to print as JSON."""
+    if MODE.json:
+        raise click.UsageError(f"{name} runs in the foreground and logs as it goes; --json is not available")
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--role", type=click.Choice(sorted(ROLE_QUEUES)), default="all", show_default=True,
+              help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
+@click.option("--queues", default=None, help="override the role's queues")
+@click.option("--concurrency", default=2)
+@click.pass_context
+def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) -> None:
+    """Run a supervised Celery worker (prefork) for a role; extra options go to Celery.
+
+    Its keys are checked before it starts (a production process refuses development keys, an
+    execute worker that can read a private key, and the combined role). The worker is restarted if
+    it dies (for example when the broker crashes under it)."""
+    from proofline.keys import check_process_keys
+    from proofline.supervise import supervise
+
+    _foreground("worker")
+    for warning in check_process_keys(settings(), role):
+        click.echo(f"proofline worker: warning: {warning}", err=True)
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q",
+            queues or role_queues(role, settings().tenant_shards),
+            "-c", str(concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
+    sys.exit(supervise(argv))
+
+
+@click.command()
+@click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards")
+def demo(keep: bool) -> None:
+    """Run the demo end to end (embedded Postgres and broker unless PROOFLINE_DATABASE_URL is set)."""
+    from contextlib import redirect_stdout
+
+    from proofline_kit.demo import run_demo  # the demo is part of the kit
+
+    if not MODE.json:
+        sys.exit(run_demo(keep=keep))
+    rows: list[dict] = []
+    with redirect_stdout(sys.stderr):  # the progress and the table go to stderr; stdout is the document
+        code = run_demo(keep=keep, report=rows)
+    emit({"actions": rows}, "")
+    sys.exit(code)
+
+
+@raw_options
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def soak(ctx: click.Context) -> None:
+    """The chaos soak with its history checker (options: see `python -m ops.soak --help`; its own
+    `--json PATH` writes the full result)."""
+    from proofline.settings import ROOT
+
+    sys.path.insert(0, str(ROOT))  # ops/ and tests/ live in the checkout, not in the package
+    from ops.soak import main as soak_main
+
+    sys.exit(soak_main(list(ctx.args)))
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--port", default=5555, show_default=True)
+@click.pass_context
+def flower(ctx: click.Context, address: str, port: int) -> None:
+    """Run Flower with Proofline's configuration: the task list shows each task's outcome and
+    reason (extra options go to Flower)."""
+    import os
+
+    import worker
+
+    _foreground("flower")
+    conf = Path(worker.__file__).resolve().parent / "flower_config.py"
+    argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--conf={conf}", f"--address={address}",
+            f"--port={port}", *ctx.args]
+    os.execv(sys.executable, argv)
+
+
+@click.group()
+def keys() -> None:
+    """Key files: generate, rotate, revoke."""
+
+
+@keys.command("generate")
+@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="replace existing key files")
+@click.option("--development", is_flag=True, help="mark the keys as development keys (refused in production)")
+def keys_generate(directory: Path, force: bool, development: bool) -> None:
+    """Write controller.key, recovery.key, ledger.key, seal.key (0600) and keyring.json."""
+    from proofline.keys import generate
+
+    written = [str(p) for p in generate(directory, force=force, development=development)]
+    emit({"wrote": written}, "\n".join(f"wrote {p}" for p in written))
+
+
+@keys.command("rotate")
+@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
+@click.option("--role", type=click.Choice(["controller", "recovery", "ledger"]), default="controller")
+@click.option("--overlap-seconds", default=7200.0, show_default=True,
+              help="the old key still verifies for this long (longer than the longest deadline)")
+def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
+    """A new key signs from now on; the old one verifies until its not_after."""
+    from proofline.keys import KeyRole, rotate
+
+    old, new = rotate(directory, KeyRole(role), timedelta(seconds=overlap_seconds))
+    emit({"role": role, "new_key": new, "old_key": old, "overlap_seconds": overlap_seconds},
+         f"{role} key {new} signs now; {old} verifies for {overlap_seconds:g} s more")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+def keys_revoke(key_id: str, keyring: Path) -> None:
+    """Mark a key revoked: every message it signed is refused from now on."""
+    from proofline.keys import revoke
+
+    revoke(keyring, key_id)
+    emit({"revoked": key_id}, f"revoked {key_id}")
+
+
+COMMANDS = (worker, demo, soak, flower, keys)

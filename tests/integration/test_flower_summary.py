@@ -1,0 +1,131 @@
+"""Flower, run as ``proofline flower`` against real workers that send task events, shows each task's
+Proofline outcome and reason, and the reconciler's routine sweeps do not appear in its task list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger.states import KillSwitchScope, Outcome
+from proofline.settings import ROOT
+from proofline_kit.sor import store as sor
+from recovery.operator import clear_switch, set_switch
+from tests.conftest import (
+    Stack,
+    build_stack,
+    free_port,
+    start_process,
+    start_workers,
+    stop_process,
+    teardown_stack,
+    wait_for,
+    wait_port,
+)
+from tests.integration.cli_run import environment
+
+
+@pytest.fixture(scope="module")
+def flower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+    tmp = tmp_path_factory.mktemp("flower")
+    stack = build_stack("stdio", tmp, extra_env={"PROOFLINE_TASK_EVENTS": "true"})
+    proc = None
+    try:
+        start_workers(stack)
+        port = free_port()
+        env = {**environment(stack), "FLOWER_UNAUTHENTICATED_API": "true"}
+        proc = start_process([sys.executable, "-m", "proofline", "flower", "--port", str(port)], env,
+                             tmp / "flower.log")
+        wait_port(port, 30)
+        yield stack, f"http://127.0.0.1:{port}"
+    finally:
+        if proc is not None:
+            stop_process(proc)
+        teardown_stack(stack)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:  # loopback only
+        return json.loads(response.read())
+
+
+def _tasks(base: str) -> dict[str, dict[str, Any]]:
+    return _get(f"{base}/api/tasks")
+
+
+def _rows(base: str) -> list[dict[str, Any]]:
+    """The task list as Flower's page loads it (with ``format_task`` applied)."""
+    query = urllib.parse.urlencode({"draw": 1, "start": 0, "length": 500, "search[value]": "",
+                                    "order[0][column]": 0, "columns[0][data]": "received", "order[0][dir]": "asc"})
+    return _get(f"{base}/tasks/datatable?{query}")["data"]
+
+
+def _of(tasks: dict[str, dict[str, Any]], action_id: str) -> list[dict[str, Any]]:
+    return [t for t in tasks.values() if action_id in (t.get("args") or "")]
+
+
+def _beat_sends(stack: Stack) -> int:
+    log = Path(stack.workdir) / "worker-w0.log"
+    return log.read_text(errors="replace").count("Sending due task proofline-reconcile") if log.exists() else 0
+
+
+def _publish(stack: Stack, tenant: str, **kw: Any) -> str:
+    envelope = stack.envelope("ticket.create", tenant=tenant, target={"type": "ticket_queue", "id": f"{tenant}-ops"},
+                              arguments={"tenant": tenant, "title": "flower", "owner": "ops"}, **kw)
+    stack.publish(envelope)
+    return envelope.action_id
+
+
+def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) -> None:
+    stack, base = flower
+    tenant = f"t{uuid.uuid4().hex[:8]}"
+    switch = f"create_ticket@{tenant}"
+    set_switch(stack.operator, KillSwitchScope.tool_tenant, switch, "ops@example.com", "flower drill")
+    try:
+        killed = _publish(stack, tenant)
+        assert stack.wait_settled(killed).reason_code == "kill_switch_engaged"
+    finally:
+        clear_switch(stack.operator, KillSwitchScope.tool_tenant, switch, "ops@example.com", "drill over")
+    # The response is lost after the ticket is created: unknown at first, then verified.
+    sor.set_fault(stack.sor_db, "create_ticket", "drop_response", remaining=1, delay_seconds=4)
+    try:
+        late = _publish(stack, tenant, timeout_seconds=1.0, deadline_in=timedelta(minutes=5))
+        row = stack.wait_settled(late, timeout=60)
+    finally:
+        sor.clear_faults(stack.sor_db)
+    assert row.outcome == Outcome.completed_verified
+
+    sends = _beat_sends(stack)
+    wait_for(lambda: _beat_sends(stack) >= sends + 3, 30, what="three more reconcile sweeps")
+
+    def shown() -> dict[str, dict[str, Any]] | None:
+        tasks = _tasks(base)
+        done = [t for a in (killed, late) for t in _of(tasks, a)]
+        return tasks if done and all(t.get("state") == "SUCCESS" for t in done) and len(_of(tasks, late)) >= 2 \
+            else None
+
+    tasks = wait_for(shown, 30, what="Flower to see every task of both actions succeed")
+    (kill_task,) = _of(tasks, killed)
+    assert "'outcome': 'not_started'" in kill_task["result"] and "'reason_code': 'kill_switch_engaged'" in \
+        kill_task["result"]
+    late_tasks = _of(tasks, late)
+    assert all(t["state"] != "FAILURE" for t in late_tasks)
+    verify = [t for t in late_tasks if t["name"] == "proofline.verify"]
+    assert verify and "'outcome': 'completed_verified'" in verify[-1]["result"]
+    # Routine sweeps ran (beat sent them) and none is in Flower's list.
+    assert not [t for t in tasks.values() if t.get("name") in ("proofline.reconcile", "proofline.checkpoint")]
+    # The page itself renders the summary as outcome / reason (status).
+    rendered = {r["uuid"]: r["result"] for r in _rows(base)}
+    assert rendered[kill_task["uuid"]] == "not_started / kill_switch_engaged (closed)"
+    assert rendered[verify[-1]["uuid"]] == "completed_verified / verified (closed)"
+    assert subprocess.run([sys.executable, "-m", "proofline", "--json", "flower"], cwd=ROOT, capture_output=True,
+                          text=True, env=environment(stack), timeout=60).returncode == 2
