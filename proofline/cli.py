@@ -318,7 +318,13 @@ def contracts_check(directory: Path | None) -> None:
         click.echo(f"ok       {action_type} v{contract.version} {contract.digest[:12]}")
     for action_type, (name, reason) in sorted(loaded.broken.items()):
         click.echo(f"refused  {name} ({action_type}): {reason}", err=True)
-    if loaded.broken:
+    from proofline.pins import problems, read_pins
+
+    pins = get_settings().pins_file or Path(directory) / "pins.json"
+    unpinnable = problems(read_pins(pins), loaded.contracts, pins)
+    for action_type, (code, detail) in sorted(unpinnable.items()):
+        click.echo(f"{code}  {action_type}: {detail}", err=True)
+    if loaded.broken or any(code == "unknown_tool" for code, _ in unpinnable.values()):
         sys.exit(1)
 
 
@@ -440,6 +446,8 @@ def demo(keep: bool) -> None:
 
     sys.exit(run_demo(keep=keep))
 
+
+import proofline.commands.pin  # noqa: E402,F401  (contracts pin)
 
 if __name__ == "__main__":
     main()

@@ -18,10 +18,11 @@ from ledger import seal, store
 from ledger.redact import for_envelope, leaf_names
 from ledger.states import ActionStatus
 from proofline.canonical import tool_contract_hash
-from proofline.contracts import contract_for
+from proofline.contracts import Contract, contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
-from proofline.errors import EnvelopeRefused, IdempotencyConflict
+from proofline.errors import EnvelopeRefused, IdempotencyConflict, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
+from proofline.pins import pinned_tool, pins_path, read_pins, unknown_tool_detail
 from proofline.settings import Settings, get_settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
@@ -44,6 +45,20 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     return asyncio.run(probe())
 
 
+def pinned_or_live(settings: Settings, contract: Contract,
+                   live: tuple[str | None, dict[str, str]] | None) -> tuple[str | None, str]:
+    """The server version and tool contract hash an envelope is bound to: from ``live`` (a
+    description the caller read itself) when given, else from the pinned contract registry. No
+    server is started here; a tool the server does not list is refused as ``unknown_tool``."""
+    if live is None:
+        path = pins_path(settings)
+        return pinned_tool(read_pins(path), contract, path)
+    version, hashes = live
+    if contract.tool not in hashes:
+        raise UnknownTool(unknown_tool_detail(contract, hashes), action_type=contract.action_type)
+    return version, hashes[contract.tool]
+
+
 def prepare(
     settings: Settings,
     *,
@@ -63,13 +78,14 @@ def prepare(
     live: tuple[str | None, dict[str, str]] | None = None,
     **extra: Any,
 ) -> Envelope:
-    """Build an envelope bound to the live tool contract named by the action contract.
+    """Build an envelope bound to the reviewed tool contract named by the action contract: the
+    pinned one (``proofline contracts pin``), or ``live`` when the caller passes a description.
 
     ``environment`` defaults to this deployment's (``settings.environment``): a worker refuses an
     envelope approved for another one. The contract's ``sensitive_fields`` are added to the
     envelope's ``evidence.redact_fields``, so the signed envelope itself declares them."""
     contract = contract_for(Path(settings.contracts_dir), action_type)
-    version, hashes = live or describe_server(settings, contract.server)
+    version, contract_hash = pinned_or_live(settings, contract, live)
     now = datetime.now(UTC)
     evidence = EvidenceRequirements.model_validate(extra.pop("evidence", None) or {})
     declared = tuple(dict.fromkeys((*evidence.redact_fields, *leaf_names(contract.sensitive_fields))))
@@ -79,7 +95,7 @@ def prepare(
         action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
         environment=environment or settings.environment, target=target, operation=contract.operation, arguments=arguments,
         server={"name": contract.server, "version": version or "unknown"},
-        tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
+        tool={"name": contract.tool, "contract_hash": contract_hash},
         policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
         approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
                   "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
@@ -127,37 +143,77 @@ def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope:
     refusal chain (``publish_refused``), never as a published action.
     """
     settings = settings or get_settings()
+    checked_for_publish(settings, conn, message, actor)
+    seal_key = seal_key or seal.sealer_for(settings)
+    with store.transaction(conn) as cur:
+        recorded = record_publication_txn(cur, message, envelope, seal_key=seal_key, kind=kind,
+                                          parent_action_id=parent_action_id, hold=hold, actor=actor)
+    if isinstance(recorded, IdempotencyConflict):
+        raise recorded
+    if not hold:
+        dispatch.execute(message, queue=queue, task_id=recorded["task_id"])
+    return recorded
+
+
+def checked_for_publish(settings: Settings, conn: Any, message: dict[str, Any], actor: str | None) -> None:
+    """Validate a message as the worker will; a refusal is recorded on its refusal chain and raised."""
     try:
         validate_for_publish(settings, message)
     except EnvelopeRefused as exc:
         _record_publish_refusal(conn, message, exc, actor or settings.worker_id)
         raise
-    seal_key = seal_key or seal.sealer_for(settings)
+
+
+def record_publication_txn(cur: Any, message: dict[str, Any], envelope: Envelope, *, seal_key: seal.SealKey,
+                           kind: str = "action", parent_action_id: str | None = None, hold: bool = False,
+                           actor: str | None = None) -> dict[str, Any] | IdempotencyConflict:
+    """Record one validated message inside the caller's transaction: the action row and its
+    ``published`` (``pending``, ``republished``) event, or, for the same action id with other
+    arguments, a ``publish_refused`` event, returned (not raised) so that a batch can still commit
+    the rest."""
     task_id = str(uuid.uuid4())
-    conflict: IdempotencyConflict | None = None
     redactor = for_envelope(message["envelope"])
-    with store.transaction(conn) as cur:
-        inserted = store.insert_action_txn(
-            cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
-            status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
-            parent_action_id=parent_action_id)
-        current = None if inserted else store.get_action(cur, envelope.action_id)
-        if current is not None and current.idempotency_key != envelope.idempotency_key:
-            conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
-                                           idempotency_key=envelope.idempotency_key)
-            store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
-                                   conflict.as_evidence())
-        else:
-            name = ("pending" if hold else "published") if inserted else "republished"
-            store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
-                                   {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
-                                    "parent_action_id": parent_action_id, "task_id": task_id},
-                                   redactor)
-    if conflict is not None:
-        raise conflict
-    if not hold:
-        dispatch.execute(message, queue=queue, task_id=task_id)
+    inserted = store.insert_action_txn(
+        cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
+        status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
+        parent_action_id=parent_action_id)
+    current = None if inserted else store.get_action(cur, envelope.action_id)
+    if current is not None and current.idempotency_key != envelope.idempotency_key:
+        conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
+                                       idempotency_key=envelope.idempotency_key)
+        store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
+                               conflict.as_evidence())
+        return conflict
+    name = ("pending" if hold else "published") if inserted else "republished"
+    store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
+                           {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
+                            "parent_action_id": parent_action_id, "task_id": task_id},
+                           redactor)
     return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}
+
+
+def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[Envelope],
+                 actor: str | None = None) -> list[dict[str, Any] | IdempotencyConflict]:
+    """Sign and publish N envelopes with one ledger transaction (one commit), then send their
+    messages after it has committed.
+
+    Every message is validated first: one the worker would refuse is recorded on its refusal chain
+    and raised before anything of the batch is recorded. An action id already published with
+    other arguments is recorded as ``publish_refused`` and returned as its conflict in its place;
+    the rest of the batch is published."""
+    if len({e.action_id for e in envelopes}) != len(envelopes):
+        raise ValueError("a batch names each action id once")
+    messages = [signed_message(settings, e) for e in envelopes]
+    for message in messages:
+        checked_for_publish(settings, conn, message, actor)
+    seal_key = seal.sealer_for(settings)
+    with store.transaction(conn) as cur:
+        recorded = [record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor)
+                    for m, e in zip(messages, envelopes, strict=True)]
+    for message, outcome in zip(messages, recorded, strict=True):
+        if isinstance(outcome, dict):
+            dispatch.execute(message, task_id=outcome["task_id"])
+    return recorded
 
 
 def _record_publish_refusal(conn: Any, message: Any, exc: EnvelopeRefused, actor: str) -> None:

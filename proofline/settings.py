@@ -40,6 +40,8 @@ class Settings(BaseSettings):
 
     servers_file: Path = ROOT / "servers.yaml"
     contracts_dir: Path = ROOT / "contracts"
+    #: The pinned contract registry (``proofline contracts pin``); default ``pins.json`` in contracts_dir.
+    pins_file: Path | None = None
     #: Policy versions this runtime still accepts.
     accepted_policy_versions: list[int] = Field(default_factory=lambda: [5])
 
