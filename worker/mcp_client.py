@@ -27,10 +27,12 @@ from typing import Any, Literal, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
 
 from proofline.errors import McpUnavailable
 from worker import sandbox
 from worker.bounded_stdio import bounded_stdio_client
+from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
@@ -81,17 +83,20 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
                                                             "role": role, "reason": unsandboxed})
         return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
-                                              cwd=cwd), max_message_bytes)
+                                              cwd=cwd), max_message_bytes, errlog_for(name, role))
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
                             base_dir=base_dir, status_path=status_path)
     # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
     # environment pins every one of them, so what bwrap starts with is exactly launch.env.
     return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
-                    max_message_bytes)
+                    max_message_bytes, errlog_for(name, role))
 
 
-def _bounded(params: StdioServerParameters, max_message_bytes: int | None) -> Any:
-    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes)
+def _bounded(params: StdioServerParameters, max_message_bytes: int | None, errlog: Any) -> Any:
+    # The server's stderr goes through worker/server_stderr.py (one warning for a known flood).
+    if max_message_bytes is None:
+        return stdio_client(params, errlog=errlog)
+    return bounded_stdio_client(params, max_message_bytes, errlog=errlog)
 
 
 def _read_secret(path: str) -> str:
