@@ -26,7 +26,7 @@ from proofline.pins import pinned_tool, pins_path, read_pins, unknown_tool_detai
 from proofline.settings import Settings, get_settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
-from worker.mcp_client import endpoint_target
+from worker.mcp_client import connectable, endpoint_target
 from worker.servers import server_named
 
 
@@ -37,7 +37,7 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     async def probe() -> tuple[str | None, dict[str, str]]:
         target = endpoint_target(server.write, Path(settings.servers_file).resolve().parent, name=server.name,
                                  environment=settings.environment)
-        async with Client(target, mode=server.write.protocol) as client:
+        async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = client.server_info.version if client.server_info else None
             return version, {t.name: tool_contract_hash(t) for t in tools.tools}

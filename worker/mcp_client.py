@@ -94,9 +94,15 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
 
 def _bounded(params: StdioServerParameters, max_message_bytes: int | None, errlog: Any) -> Any:
     # The server's stderr goes through worker/server_stderr.py (one warning for a known flood).
-    if max_message_bytes is None:
-        return stdio_client(params, errlog=errlog)
-    return bounded_stdio_client(params, max_message_bytes, errlog=errlog)
+    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes, errlog=errlog)
+
+
+def connectable(target: Any, name: str, role: str) -> Any:
+    """What ``mcp.Client`` is given for ``target``: stdio parameters become a stdio transport whose
+    stderr goes through worker/server_stderr.py; anything else is used as it is."""
+    if isinstance(target, StdioServerParameters):
+        return stdio_client(target, errlog=errlog_for(name, role))
+    return target
 
 
 def _read_secret(path: str) -> str:
@@ -177,7 +183,7 @@ class _Session:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes)
-            async with Client(target, mode=self.endpoint.protocol) as client:
+            async with Client(connectable(target, self.name, self.role), mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()
