@@ -209,3 +209,22 @@ def test_the_ledger_notifies_when_an_action_settles(stack: Stack, client: Client
             heard += [n.payload for n in listener.notifies(timeout=1.0)]
     assert handle.action_id in heard
     assert handle.status().settled  # notified only once the settled state could be read
+
+
+def test_wait_falls_back_to_polling_when_nothing_is_notified(stack: Stack, client: Client) -> None:
+    import psycopg
+
+    from ledger.settled import CHANNEL
+
+    with psycopg.connect(stack.admin_url, autocommit=True) as admin, \
+            psycopg.connect(stack.urls["reader"], autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")
+        admin.execute("ALTER TABLE actions DISABLE TRIGGER actions_notify_settled")
+        try:
+            handle = ticket(client)
+            result = handle.wait(timeout=60)
+            heard = [n.payload for n in listener.notifies(timeout=0.5)]
+        finally:
+            admin.execute("ALTER TABLE actions ENABLE TRIGGER actions_notify_settled")
+    assert result.verified
+    assert handle.action_id not in heard  # no notification came: the outcome was read by polling
