@@ -228,3 +228,37 @@ def test_wait_falls_back_to_polling_when_nothing_is_notified(stack: Stack, clien
             admin.execute("ALTER TABLE actions ENABLE TRIGGER actions_notify_settled")
     assert result.verified
     assert handle.action_id not in heard  # no notification came: the outcome was read by polling
+
+
+def test_a_refused_message_stops_its_batch_and_is_recorded(stack: Stack, client: Client) -> None:
+    from proofline.errors import ContractMismatch
+
+    def refusals() -> int:
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT count(*) AS n FROM ledger_events WHERE event = 'publish_refused'")
+            return cur.fetchone()["n"]
+
+    good = client.prepare("ticket.create", tenant="acme", target={"type": "ticket_queue", "id": "acme-ops"},
+                          arguments={"tenant": "acme", "title": "fine", "owner": "ops"})
+    bad = client.prepare("ticket.create", tenant="acme", target={"type": "account", "id": "acme-ops"},
+                         arguments={"tenant": "acme", "title": "wrong target type", "owner": "ops"})
+    before = refusals()
+    with pytest.raises(ContractMismatch):
+        client.publish_many([good, bad])
+    assert stack.action(good.action_id) is None and stack.action(bad.action_id) is None
+    assert refusals() == before + 1
+
+
+def test_a_conflicting_action_id_in_a_batch_is_refused_and_the_rest_published(stack: Stack, client: Client) -> None:
+    from proofline.errors import IdempotencyConflict
+
+    first = ticket(client)
+    again = {"action_type": "ticket.create", "tenant": "acme", "action_id": first.action_id,
+             "target": {"type": "ticket_queue", "id": "acme-ops"},
+             "arguments": {"tenant": "acme", "title": "other arguments", "owner": "ops"}}
+    other = {**again, "action_id": f"act-{uuid.uuid4().hex}", "arguments": {**again["arguments"], "title": "new"}}
+    conflicting, published = client.publish_many([again, other])
+    with pytest.raises(IdempotencyConflict):
+        conflicting.wait(timeout=5)
+    assert "publish_refused" in stack.events(first.action_id)
+    assert first.wait(timeout=60).verified and published.wait(timeout=60).verified
