@@ -262,3 +262,9 @@ def test_a_conflicting_action_id_in_a_batch_is_refused_and_the_rest_published(st
         conflicting.wait(timeout=5)
     assert "publish_refused" in stack.events(first.action_id)
     assert first.wait(timeout=60).verified and published.wait(timeout=60).verified
+
+
+def test_the_checked_in_pins_match_the_demo_server(stack: Stack) -> None:
+    checked = pin(stack, ROOT / "contracts" / "pins.json", "pin", "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert "ok  sor 1.0.0" in checked.stdout
