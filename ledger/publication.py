@@ -45,37 +45,25 @@ def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope:
     refusal chain (``publish_refused``), never as a published action.
     """
     settings = settings or get_settings()
+    checked_for_publish(settings, conn, message, actor)
+    seal_key = seal_key or seal.sealer_for(settings)
+    with store.transaction(conn) as cur:
+        recorded = record_publication_txn(cur, message, envelope, seal_key=seal_key, kind=kind,
+                                          parent_action_id=parent_action_id, hold=hold, actor=actor)
+    if isinstance(recorded, IdempotencyConflict):
+        raise recorded
+    if not hold:
+        dispatch.execute(message, queue=queue, task_id=recorded["task_id"])
+    return recorded
+
+
+def checked_for_publish(settings: Settings, conn: Any, message: dict[str, Any], actor: str | None) -> None:
+    """Validate a message as the worker will; a refusal is recorded on its refusal chain and raised."""
     try:
         validate_for_publish(settings, message)
     except EnvelopeRefused as exc:
         _record_publish_refusal(conn, message, exc, actor or settings.worker_id)
         raise
-    seal_key = seal_key or seal.sealer_for(settings)
-    task_id = str(uuid.uuid4())
-    conflict: IdempotencyConflict | None = None
-    redactor = for_envelope(message["envelope"])
-    with store.transaction(conn) as cur:
-        inserted = store.insert_action_txn(
-            cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
-            status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
-            parent_action_id=parent_action_id)
-        current = None if inserted else store.get_action(cur, envelope.action_id)
-        if current is not None and current.idempotency_key != envelope.idempotency_key:
-            conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
-                                           idempotency_key=envelope.idempotency_key)
-            store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
-                                   conflict.as_evidence())
-        else:
-            name = ("pending" if hold else "published") if inserted else "republished"
-            store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
-                                   {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
-                                    "parent_action_id": parent_action_id, "task_id": task_id},
-                                   redactor)
-    if conflict is not None:
-        raise conflict
-    if not hold:
-        dispatch.execute(message, queue=queue, task_id=task_id)
-    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}
 
 
 def _record_publish_refusal(conn: Any, message: Any, exc: EnvelopeRefused, actor: str) -> None:
@@ -90,3 +78,31 @@ def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:
             "tool", "server", "target", "operation", "arguments", "arguments_hash", "idempotency_key",
             "irreversible", "deadline")
     return {**{k: doc[k] for k in keep}, "key_id": key_id}
+
+
+def record_publication_txn(cur: Any, message: dict[str, Any], envelope: Envelope, *, seal_key: seal.SealKey,
+                           kind: str = "action", parent_action_id: str | None = None, hold: bool = False,
+                           actor: str | None = None) -> dict[str, Any] | IdempotencyConflict:
+    """Record one validated message inside the caller's transaction: the action row and its
+    ``published`` (``pending``, ``republished``) event, or, for the same action id with other
+    arguments, a ``publish_refused`` event, returned (not raised) so that a batch can still commit
+    the rest."""
+    task_id = str(uuid.uuid4())
+    redactor = for_envelope(message["envelope"])
+    inserted = store.insert_action_txn(
+        cur, message["envelope"], message=message, seal_key=seal_key, redactor=redactor, task_id=task_id,
+        status=ActionStatus.pending if hold else ActionStatus.published, kind=kind,
+        parent_action_id=parent_action_id)
+    current = None if inserted else store.get_action(cur, envelope.action_id)
+    if current is not None and current.idempotency_key != envelope.idempotency_key:
+        conflict = IdempotencyConflict(f"action {envelope.action_id} already published with other arguments",
+                                       idempotency_key=envelope.idempotency_key)
+        store.append_event_txn(cur, envelope.action_id, "publish_refused", actor or envelope.requester,
+                               conflict.as_evidence())
+        return conflict
+    name = ("pending" if hold else "published") if inserted else "republished"
+    store.append_event_txn(cur, envelope.action_id, name, actor or envelope.requester,
+                           {**_publication_evidence(envelope, message["key_id"]), "kind": kind,
+                            "parent_action_id": parent_action_id, "task_id": task_id},
+                           redactor)
+    return {"action_id": envelope.action_id, "task_id": task_id, "republished": not inserted, "held": hold}

@@ -45,6 +45,7 @@ for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime):
 
 main.add_command(__import__("proofline.commands.beat", fromlist=["beat"]).beat)
 main.add_command(__import__("proofline.commands.doctor", fromlist=["doctor"]).doctor)
+import proofline.commands.pin  # noqa: E402,F401  (adds `contracts pin`)
 
 if __name__ == "__main__":
     main()

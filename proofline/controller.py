@@ -13,16 +13,24 @@ from typing import Any
 
 from mcp import Client
 
-from ledger.publication import publish_message, validate_for_publish  # noqa: F401 - the controller's API
+from ledger import seal, store
+from ledger.publication import (  # noqa: F401 - the controller's API
+    checked_for_publish,
+    publish_message,
+    record_publication_txn,
+    validate_for_publish,
+)
 from ledger.redact import leaf_names
 from proofline.canonical import tool_contract_hash
-from proofline.contracts import contract_for
+from proofline.contracts import Contract, contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
+from proofline.errors import IdempotencyConflict, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
+from proofline.pins import pinned_tool, pins_path, read_pins, unknown_tool_detail
 from proofline.settings import Settings
 from proofline.signing import sign
 from worker.dispatch import CeleryDispatch
-from worker.mcp_client import endpoint_target
+from worker.mcp_client import connectable, endpoint_target
 from worker.servers import server_named
 
 
@@ -33,12 +41,26 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
     async def probe() -> tuple[str | None, dict[str, str]]:
         target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                  environment=settings.environment)
-        async with Client(target, mode=server.write.protocol) as client:
+        async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = client.server_info.version if client.server_info else None
             return version, {t.name: tool_contract_hash(t) for t in tools.tools}
 
     return asyncio.run(probe())
+
+
+def pinned_or_live(settings: Settings, contract: Contract,
+                   live: tuple[str | None, dict[str, str]] | None) -> tuple[str | None, str]:
+    """The server version and tool contract hash an envelope is bound to: from ``live`` (a
+    description the caller read itself) when given, else from the pinned contract registry. No
+    server is started here; a tool the server does not list is refused as ``unknown_tool``."""
+    if live is None:
+        path = pins_path(settings)
+        return pinned_tool(read_pins(path), contract, path)
+    version, hashes = live
+    if contract.tool not in hashes:
+        raise UnknownTool(unknown_tool_detail(contract, hashes), action_type=contract.action_type)
+    return version, hashes[contract.tool]
 
 
 def prepare(
@@ -60,13 +82,14 @@ def prepare(
     live: tuple[str | None, dict[str, str]] | None = None,
     **extra: Any,
 ) -> Envelope:
-    """Build an envelope bound to the live tool contract named by the action contract.
+    """Build an envelope bound to the reviewed tool contract named by the action contract: the
+    pinned one (``proofline contracts pin``), or ``live`` when the caller passes a description.
 
     ``environment`` defaults to this deployment's (``settings.environment``): a worker refuses an
     envelope approved for another one. The contract's ``sensitive_fields`` are added to the
     envelope's ``evidence.redact_fields``, so the signed envelope itself declares them."""
     contract = contract_for(Path(settings.contracts_dir), action_type)
-    version, hashes = live or describe_server(settings, contract.server)
+    version, contract_hash = pinned_or_live(settings, contract, live)
     now = datetime.now(UTC)
     evidence = EvidenceRequirements.model_validate(extra.pop("evidence", None) or {})
     declared = tuple(dict.fromkeys((*evidence.redact_fields, *leaf_names(contract.sensitive_fields))))
@@ -76,7 +99,7 @@ def prepare(
         action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
         environment=environment or settings.environment, target=target, operation=contract.operation, arguments=arguments,
         server={"name": contract.server, "version": version or "unknown"},
-        tool={"name": contract.tool, "contract_hash": hashes.get(contract.tool, "0" * 64)},
+        tool={"name": contract.tool, "contract_hash": contract_hash},
         policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
         approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
                   "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
@@ -99,6 +122,30 @@ def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **optio
     """Sign an envelope, record ``published`` (or ``pending`` with ``hold=True``) and send it."""
     return publish_message(conn, CeleryDispatch(app, settings.tenant_shards), signed_message(settings, envelope), envelope,
                            settings=settings, **options)
+
+
+def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[Envelope],
+                 actor: str | None = None) -> list[dict[str, Any] | IdempotencyConflict]:
+    """Sign and publish N envelopes with one ledger transaction (one commit), then send their
+    messages after it has committed.
+
+    Every message is validated first: one the worker would refuse is recorded on its refusal chain
+    and raised before anything of the batch is recorded. An action id already published with
+    other arguments is recorded as ``publish_refused`` and returned as its conflict in its place;
+    the rest of the batch is published."""
+    if len({e.action_id for e in envelopes}) != len(envelopes):
+        raise ValueError("a batch names each action id once")
+    messages = [signed_message(settings, e) for e in envelopes]
+    for message in messages:
+        checked_for_publish(settings, conn, message, actor)
+    seal_key = seal.sealer_for(settings)
+    with store.transaction(conn) as cur:
+        recorded = [record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor)
+                    for m, e in zip(messages, envelopes, strict=True)]
+    for message, outcome in zip(messages, recorded, strict=True):
+        if isinstance(outcome, dict):
+            dispatch.execute(message, task_id=outcome["task_id"])
+    return recorded
 
 
 def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelope]) -> list[dict[str, Any]]:

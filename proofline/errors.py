@@ -141,6 +141,12 @@ class ToolContractChanged(RevalidationFailed):
     code = "tool_contract_changed"
 
 
+class UnknownTool(RevalidationFailed):
+    """The server has no tool by the name the action contract gives."""
+
+    code = "unknown_tool"
+
+
 class PointOfNoReturnRefused(RevalidationFailed):
     """An irreversible action is not cleared to pass its point of no return."""
 
@@ -538,3 +544,25 @@ class RetryBudgetExhausted(RetryRefused):
     """Every tool call the approval allows has been made."""
 
     code = "retry_budget_exhausted"
+
+
+# --- the controller SDK and its pinned tool contracts ----------------------------------------------
+
+
+class ContractNotPinned(ConfigurationError):
+    """No reviewed tool contract hash is pinned for this action type (``proofline contracts pin``)."""
+
+    code = "contract_not_pinned"
+
+
+class WaitTimedOut(ProoflineError):
+    """The action had not reached a settled state when the wait ran out (it keeps running)."""
+
+    code = "wait_timed_out"
+    retryable = True
+
+
+class ServersVariableUnset(ConfigurationError):
+    """The servers file names an environment variable (``${NAME}``) that is not set."""
+
+    code = "servers_variable_unset"

@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     #: Files this process writes when no other setting names a place: the demo's data, ledger
     #: checkpoints, and the working folders of the packaged servers file.
     state_dir: Path = Field(default_factory=default_state_dir)
+    #: The pinned contract registry (``proofline contracts pin``); default ``pins.json`` in contracts_dir.
+    pins_file: Path | None = None
     #: Policy versions this runtime still accepts.
     accepted_policy_versions: list[int] = Field(default_factory=lambda: [5])
 

@@ -30,11 +30,13 @@ from typing import Any, Literal, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
 
 from proofline.errors import McpUnavailable
 from worker import sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_audit import Auditor
+from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
 
 T = TypeVar("T")
@@ -91,7 +93,7 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
                                                             "role": role, "reason": unsandboxed})
         return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
-                                              cwd=cwd), max_message_bytes)
+                                              cwd=cwd), max_message_bytes, errlog_for(name, role))
     roots: list[sandbox.Roots] = []
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
                             base_dir=base_dir, status_path=status_path, roots=roots,
@@ -101,11 +103,20 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
     # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
     # environment pins every one of them, so what bwrap starts with is exactly launch.env.
     return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
-                    max_message_bytes)
+                    max_message_bytes, errlog_for(name, role))
 
 
-def _bounded(params: StdioServerParameters, max_message_bytes: int | None) -> Any:
-    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes)
+def _bounded(params: StdioServerParameters, max_message_bytes: int | None, errlog: Any) -> Any:
+    # The server's stderr goes through worker/server_stderr.py (one warning for a known flood).
+    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes, errlog=errlog)
+
+
+def connectable(target: Any, name: str, role: str) -> Any:
+    """What ``mcp.Client`` is given for ``target``: stdio parameters become a stdio transport whose
+    stderr goes through worker/server_stderr.py; anything else is used as it is."""
+    if isinstance(target, StdioServerParameters):
+        return stdio_client(target, errlog=errlog_for(name, role))
+    return target
 
 
 def _read_secret(path: str) -> str:
@@ -193,7 +204,7 @@ class _Session:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes, audit=self.auditor)
-            async with Client(target, mode=self.endpoint.protocol) as client:
+            async with Client(connectable(target, self.name, self.role), mode=self.endpoint.protocol) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()

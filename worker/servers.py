@@ -24,11 +24,17 @@ An HTTP endpoint may read per-identity credentials from secret files::
         ca_file: /run/secrets/sor-ca.pem                # optional: verify the server against this CA
 
 The read identity inherits none of the writer's credentials and none of its writable paths.
+
+Every string value may name environment variables of the process that reads the file as
+``${NAME}`` (``$$`` is a literal ``$``); an unset one is refused (``servers_variable_unset``), never
+left as text. A relative command (one with a ``/``, e.g. ``venv/bin/server``), relative sandbox
+paths, ``cwd`` and relative credential files are relative to the servers file's own folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -37,7 +43,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from proofline.errors import ConfigurationError
+from proofline.errors import ConfigurationError, ServersVariableUnset
 from worker.sandbox import SandboxSpec, reader_sandbox
 
 #: A stdio server gets this PATH and nothing else unless the servers file allows a variable.
@@ -124,15 +130,62 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
+_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: Endpoint fields holding a file path, taken relative to the servers file's folder.
+FILE_FIELDS = ("client_cert_file", "client_key_file", "ca_file")
+
+
+def expand(value: object, where: str, path: Path) -> object:
+    """``value`` with every ``${NAME}`` replaced by the environment's value (recursively)."""
+    if isinstance(value, dict):
+        return {k: expand(v, f"{where}.{k}", path) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [expand(v, f"{where}[{i}]", path) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "$"
+        if name not in os.environ:
+            raise ServersVariableUnset(f"servers file {path}: {where} names ${{{name}}}, which is not set in this "
+                                       f"process's environment", file=str(path), variable=name)
+        return os.environ[name]
+
+    return _VARIABLE.sub(substitute, value)
+
+
+def anchored(spec: dict, base: Path) -> dict:
+    """An endpoint block with its relative command and file paths made relative to ``base``."""
+    spec = dict(spec)
+    command = list(spec.get("command") or ())
+    if command and isinstance(command[0], str) and "/" in command[0] and not os.path.isabs(command[0]):
+        spec["command"] = [os.path.normpath(base / command[0]), *command[1:]]
+    for name in FILE_FIELDS:
+        if isinstance(spec.get(name), str) and not os.path.isabs(spec[name]):
+            spec[name] = os.path.normpath(base / spec[name])
+    headers = spec.get("headers_from_files")
+    if isinstance(headers, dict):
+        spec["headers_from_files"] = {k: v if os.path.isabs(str(v)) else os.path.normpath(base / str(v))
+                                      for k, v in headers.items()}
+    return spec
+
+
 @lru_cache(maxsize=8)
 def load_servers(path: Path) -> dict[str, Server]:
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError as exc:
         raise ConfigurationError(f"servers file {path} does not exist") from exc
+    base = Path(path).resolve().parent
     servers: dict[str, Server] = {}
     for name, spec in (raw.get("servers") or {}).items():
-        spec = dict(spec)
+        if not isinstance(spec, dict):
+            raise ConfigurationError(f"server {name}: expected a mapping", server=name)
+        spec = anchored(expand(spec, f"servers.{name}", Path(path)), base)
+        if isinstance(spec.get("read_identity"), dict):
+            spec["read_identity"] = anchored(spec["read_identity"], base)
         read_override = spec.pop("read_identity", None)
         expected = spec.pop("expected_version", None)
         max_result = spec.pop("max_result_bytes", None)

@@ -30,6 +30,7 @@ from proofline.errors import (
     PolicyVersionRejected,
     ServerVersionChanged,
     ToolContractChanged,
+    UnknownTool,
     WrongKeyRole,
 )
 from proofline.keys import Keyring, KeyRole
@@ -161,6 +162,9 @@ def revalidate_live(envelope: Envelope, live_version: str | None, expected_versi
         raise ServerVersionChanged(f"server {envelope.server.name} is {live_version!r}, approved "
                                    f"{envelope.server.version!r}")
     live_hash = live_hashes.get(envelope.tool.name)
+    if live_hash is None:
+        raise UnknownTool(f"server {envelope.server.name} has no tool {envelope.tool.name!r} (it lists: "
+                          f"{', '.join(sorted(live_hashes)) or 'none'})")
     if live_hash != envelope.tool.contract_hash:
         raise ToolContractChanged(f"tool {envelope.tool.name} hashes to {live_hash}, approved "
                                   f"{envelope.tool.contract_hash}")

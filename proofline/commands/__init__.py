@@ -1,2 +1,1 @@
-"""The ``proofline`` command line, one module per group of commands; ``proofline/cli.py`` wires
-them into one group. ``base.py`` holds what every command shares (output, connections, errors)."""
+"""CLI commands kept in their own modules, each registered with one line at the end of ``proofline/cli.py``."""

@@ -35,12 +35,19 @@ def contracts_check(directory: Path | None) -> None:
     if not ok and not refused:
         emit({"directory": directory, "ok": [], "refused": []}, f"no contract files (*.yaml) in {directory}")
         sys.exit(CHECK_FAILED)
-    emit({"directory": directory, "ok": ok, "refused": refused}, lambda: "\n".join(
+    from proofline.pins import problems, read_pins
+
+    pins = settings().pins_file or directory / "pins.json"
+    unpinnable = problems(read_pins(pins), loaded.contracts, pins)
+    pin_problems = [{"action_type": a, "code": code, "detail": detail} for a, (code, detail) in sorted(unpinnable.items())]
+    emit({"directory": directory, "ok": ok, "refused": refused, "pins": pin_problems}, lambda: "\n".join(
         f"ok       {c['action_type']:<20} v{c['version']} tool {c['tool']:<20} {c['digest'][:12]}" for c in ok))
     if not MODE.json:
         for r in refused:  # the problems, one line per refused file, on stderr
             click.echo(f"refused  {r['file']} ({r['action_type']}): {r['reason']}", err=True)
-    if refused:
+        for q in pin_problems:  # unknown_tool fails the check; a missing pin is a warning
+            click.echo(f"{q['code']}  {q['action_type']}: {q['detail']}", err=True)
+    if refused or any(q["code"] == "unknown_tool" for q in pin_problems):
         sys.exit(CHECK_FAILED)
 
 

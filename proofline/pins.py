@@ -1,0 +1,136 @@
+"""The pinned contract registry: the reviewed tool contract hash of every tool a contract names.
+
+An approval covers a tool as it was reviewed: its name, schemas, description and annotations,
+hashed (``proofline/canonical.py``). ``proofline contracts pin`` connects to each server once and
+records those hashes here; the controller builds envelopes from this file and never starts a
+server to publish. The worker still reads the live server and refuses an envelope whose pinned
+hash no longer matches (``tool_contract_changed``), so a pin cannot hide a changed tool.
+
+The file (``PROOFLINE_PINS_FILE``, default ``pins.json`` in the contracts directory) is JSON::
+
+    {"format": 1,
+     "servers": {"sor": {"version": "1.0.0", "pinned_at": "...", "pinned_by": "...",
+                         "tools": {"issue_refund": "<sha256>", ...},
+                         "available": ["get_account", "issue_refund", ...]}}}
+
+``tools`` holds the hashes of the tools the contracts name; ``available`` every tool the server
+listed, so a contract naming a tool the server does not have is reported as ``unknown_tool``
+without connecting again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from proofline.contracts import Contract
+from proofline.errors import ConfigurationError, ContractNotPinned, UnknownTool
+
+FORMAT = 1
+
+
+def pins_path(settings: Any) -> Path:
+    """Where this deployment's pins live: ``settings.pins_file``, else next to the contracts."""
+    return Path(settings.pins_file) if settings.pins_file else Path(settings.contracts_dir) / "pins.json"
+
+
+@dataclass(frozen=True)
+class ServerPin:
+    """What was reviewed on one server: its version and the hash of each tool the contracts use."""
+
+    version: str | None
+    tools: dict[str, str]
+    available: tuple[str, ...]
+    pinned_at: str = ""
+    pinned_by: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"version": self.version, "pinned_at": self.pinned_at, "pinned_by": self.pinned_by,
+                "tools": dict(sorted(self.tools.items())), "available": sorted(self.available)}
+
+
+def read_pins(path: Path) -> dict[str, ServerPin]:
+    """Every server pin in ``path`` (empty when the file does not exist yet)."""
+    path = Path(path)
+    try:
+        stamp = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return {}
+    return _read(path, stamp)
+
+
+@lru_cache(maxsize=8)
+def _read(path: Path, stamp: int) -> dict[str, ServerPin]:
+    # Keyed on the modification time: a long-lived controller sees a new pin without restarting.
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT}")
+        return {name: ServerPin(version=spec.get("version"), tools=dict(spec["tools"]),
+                                available=tuple(spec.get("available", spec["tools"])),
+                                pinned_at=spec.get("pinned_at", ""), pinned_by=spec.get("pinned_by", ""))
+                for name, spec in raw["servers"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigurationError(f"pins file {path} is unreadable: {exc}", file=str(path)) from None
+
+
+def write_pins(path: Path, pins: dict[str, ServerPin]) -> None:
+    """Replace the pins file atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": FORMAT, "servers": {name: pins[name].as_json() for name in sorted(pins)}}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
+               by: str) -> tuple[ServerPin, dict[str, str]]:
+    """The pin for one server from what it listed now, and the contracts it cannot serve.
+
+    Returns the pin (the named tools that exist) and ``{action_type: detail}`` for each contract
+    whose tool the server does not have."""
+    unknown = {c.action_type: unknown_tool_detail(c, live_hashes) for c in contracts if c.tool not in live_hashes}
+    tools = {c.tool: live_hashes[c.tool] for c in contracts if c.tool in live_hashes}
+    return ServerPin(version=live_version, tools=tools, available=tuple(sorted(live_hashes)),
+                     pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by), unknown
+
+
+def unknown_tool_detail(contract: Contract, available: Any) -> str:
+    names = ", ".join(sorted(available)) or "none"
+    return f"server {contract.server!r} has no tool {contract.tool!r} (it lists: {names})"
+
+
+def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str | None, str]:
+    """The reviewed server version and tool contract hash for ``contract``.
+
+    Raises ``unknown_tool`` when the pinned server does not list the tool, and
+    ``contract_not_pinned`` when the server or this tool was never pinned."""
+    pin = pins.get(contract.server)
+    if pin is None:
+        raise ContractNotPinned(f"server {contract.server!r} is not pinned in {path}: run `proofline contracts "
+                                f"pin` and review what it records", action_type=contract.action_type)
+    if contract.tool not in pin.available:
+        raise UnknownTool(unknown_tool_detail(contract, pin.available), action_type=contract.action_type)
+    if contract.tool not in pin.tools:
+        raise ContractNotPinned(f"tool {contract.tool!r} of server {contract.server!r} is not pinned in {path}: "
+                                f"run `proofline contracts pin`", action_type=contract.action_type)
+    return pin.version, pin.tools[contract.tool]
+
+
+def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: Path) -> dict[str, tuple[str, str]]:
+    """``{action_type: (reason_code, detail)}`` for each contract the pins cannot serve."""
+    found: dict[str, tuple[str, str]] = {}
+    for action_type, contract in contracts.items():
+        try:
+            pinned_tool(pins, contract, path)
+        except (UnknownTool, ContractNotPinned) as exc:
+            found[action_type] = (exc.code, exc.detail)
+    return found

@@ -1,0 +1,124 @@
+"""Runs the README chapter "Configuring a server you did not write" as written, against the
+reference SQLite MCP server installed from PyPI into its own virtual environment, and checks that
+the action it publishes was verified through that server's read-only identity."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ledger.states import ActionStatus, Outcome
+from proofline.settings import ROOT
+from tests.conftest import build_stack, teardown_stack
+
+CHAPTER = "## Configuring a server you did not write"
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
+
+
+def chapter_blocks() -> list[tuple[str, str]]:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(CHAPTER + "\n")
+    end = readme.find("\n## ", start + len(CHAPTER))
+    return FENCE.findall(readme[start:end if end != -1 else None])
+
+
+def as_script(blocks: list[tuple[str, str]]) -> str:
+    """One bash script doing what the reader does: run the shell blocks, save the files the YAML
+    blocks name on their first line, run the Python blocks."""
+    lines = ["set -euo pipefail"]
+    for lang, body in blocks:
+        if lang == "bash":
+            lines.append(body)
+        elif lang == "yaml":
+            target = re.match(r"# file: (\S+)\n", body)
+            assert target, f"a YAML block of the chapter names no file: {body[:80]!r}"
+            lines += [f"mkdir -p \"$(dirname {target.group(1)})\"",
+                      f"cat > {target.group(1)} <<'GUIDE_EOF'\n{body}GUIDE_EOF"]
+        elif lang == "python":
+            lines.append(f"python - <<'GUIDE_EOF'\n{body}GUIDE_EOF")
+    return "\n".join(lines) + "\n"
+
+
+def registry_reachable(tmp: Path) -> str | None:
+    """None when PyPI answers for the package, else why not."""
+    probe = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(tmp),
+                            "mcp-server-sqlite"], capture_output=True, text=True, timeout=180)
+    return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def stop_group(pgid: int) -> None:
+    """Stop what the guide started in the background (the worker), by the process group it ran in."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def test_the_third_party_chapter_runs_as_written(tmp_path: Path) -> None:
+    blocks = chapter_blocks()
+    assert {lang for lang, _ in blocks} >= {"bash", "yaml", "python"}
+    unreachable = registry_reachable(tmp_path / "probe")
+    if unreachable:
+        pytest.skip(f"the package registry is unreachable, so mcp-server-sqlite cannot be installed: {unreachable}")
+    stack = build_stack("stdio", tmp_path / "stack")
+    guide = tmp_path / "guide"
+    guide.mkdir()
+    env = {k: v for k, v in stack.env.items() if k not in ("PROOFLINE_SERVERS_FILE", "PROOFLINE_CONTRACTS_DIR")}
+    env["PATH"] = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
+    proc = subprocess.Popen(["bash", "-c", as_script(blocks)], cwd=guide, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+        log = (guide / "worker.log").read_text() if (guide / "worker.log").exists() else ""
+        assert proc.returncode == 0, f"{err[-3000:]}\n--- worker.log ---\n{log[-3000:]}"
+        action_id, status, outcome, reason = out.strip().splitlines()[-1].split()
+        assert (status, outcome, reason) == ("closed", "completed_verified", "verified")
+        row = stack.action(action_id)
+        assert (row.status, row.outcome, row.tool, row.envelope["server"]["name"]) == (
+            ActionStatus.closed, Outcome.completed_verified, "write_query", "shop")
+        events = {e["event"]: e["evidence"] for e in stack.timeline(action_id)}
+        assert events["preconditions_passed"]["before"] == {"tenant": "acme", "status": "paid"}
+        # The effect, read from the server's own database file, happened once.
+        with sqlite3.connect(guide / "data" / "shop.db") as db:
+            assert db.execute("SELECT status FROM orders WHERE id = 42").fetchone() == ("shipped",)
+        assert "validation errors for ClientRequest" not in log  # protocol: legacy, as the chapter says
+    finally:
+        stop_group(proc.pid)
+        teardown_stack(stack)
+    # Without `protocol: legacy`, the flood the chapter describes is one warning per server identity.
+    auto = guide / "servers-auto.yaml"
+    auto.write_text((guide / "servers.yaml").read_text().replace("protocol: legacy", "protocol: auto"))
+    probe = textwrap.dedent("""
+        import time
+        from proofline.controller import describe_server
+        from proofline.settings import get_settings
+        from worker.server_stderr import suppressed
+        for _ in range(3):
+            describe_server(get_settings(), "shop")
+        time.sleep(0.5)
+        print(*suppressed("shop", "write"))
+    """)
+    ran = subprocess.run([sys.executable, "-c", probe], cwd=guide, capture_output=True, text=True, timeout=120,
+                         env={**env, "SHOP_DATA": str(guide / "data"), "PROOFLINE_SERVERS_FILE": str(auto)})
+    assert ran.returncode == 0, ran.stderr
+    connections, lines = map(int, ran.stdout.split())
+    assert connections == 3 and lines >= 3 * 30  # each connection's block of validation errors was counted
+    assert ran.stderr.count("is on an older MCP SDK") == 1 and "protocol: legacy" in ran.stderr
+    assert "validation error" not in ran.stderr.replace("validation errors for the current", "")

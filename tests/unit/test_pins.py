@@ -1,0 +1,61 @@
+"""The pinned contract registry and the worker's live comparison (pure logic; the stack tests run
+them against real servers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proofline.contracts import contract_for
+from proofline.errors import ConfigurationError, ContractNotPinned, ToolContractChanged, UnknownTool
+from proofline.pins import pin_server, pinned_tool, problems, read_pins, write_pins
+from proofline.settings import ROOT
+from worker.validate import revalidate_live
+
+CONTRACTS = ROOT / "contracts"
+
+
+def test_pins_round_trip_and_serve_the_contracts_tool(tmp_path: Path) -> None:
+    contract = contract_for(CONTRACTS, "ticket.create")
+    pin, unknown = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "get_ticket": "b" * 64}, "rev")
+    assert unknown == {} and pin.tools == {"create_ticket": "a" * 64}  # only what a contract names
+    path = tmp_path / "pins.json"
+    write_pins(path, {"sor": pin})
+    assert pinned_tool(read_pins(path), contract, path) == ("1.0.0", "a" * 64)
+
+
+def test_a_missing_tool_and_a_missing_pin_have_their_own_codes(tmp_path: Path) -> None:
+    contract = contract_for(CONTRACTS, "ticket.create").model_copy(update={"tool": "create_tiket"})
+    pin, unknown = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64}, "rev")
+    assert "no tool 'create_tiket'" in unknown["ticket.create"] and "create_ticket" in unknown["ticket.create"]
+    path = tmp_path / "pins.json"
+    with pytest.raises(ContractNotPinned):
+        pinned_tool({}, contract, path)
+    with pytest.raises(UnknownTool) as raised:
+        pinned_tool({"sor": pin}, contract, path)
+    assert raised.value.code == "unknown_tool"
+    assert problems({"sor": pin}, {"ticket.create": contract}, path)["ticket.create"][0] == "unknown_tool"
+
+
+def test_a_pins_file_of_another_format_is_a_configuration_error(tmp_path: Path) -> None:
+    path = tmp_path / "pins.json"
+    path.write_text('{"format": 99, "servers": {}}')
+    with pytest.raises(ConfigurationError) as raised:
+        read_pins(path)
+    assert "format 99" in raised.value.detail
+
+
+def test_the_worker_names_a_tool_the_live_server_does_not_have() -> None:
+    class Named:  # the comparison reads only these fields of an envelope
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    envelope = Named(server=Named(name="sor", version="1.0.0"), tool=Named(name="create_tiket", contract_hash="a" * 64))
+    with pytest.raises(UnknownTool) as raised:
+        revalidate_live(envelope, "1.0.0", None, {"create_ticket": "a" * 64})
+    assert "create_tiket" in raised.value.detail and "create_ticket" in raised.value.detail
+    envelope.tool.name = "create_ticket"
+    envelope.tool.contract_hash = "c" * 64
+    with pytest.raises(ToolContractChanged):
+        revalidate_live(envelope, "1.0.0", None, {"create_ticket": "a" * 64})
