@@ -23,6 +23,7 @@ from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
 from proofline.envelope import Envelope
 from proofline.errors import ParentRowMismatch, ParentSignatureInvalid, ProoflineError
 from proofline.keys import KeyRole, load_keyring
+from proofline.telemetry import context as telemetry_context
 from recovery.derive import derive_envelope, recovery_signed_message
 from recovery.policy import Decision, Facts, decide
 from recovery.settle import SECURITY_ALERTS, after_settle
@@ -67,6 +68,8 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             return _refuse_txn(cur, action, exc, actor)
         contract = rt.contract(envelope.action_type)
         current_redactor.set(for_envelope(action.signed_envelope, contract.sensitive_fields))
+        telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
+                               irreversible=envelope.irreversible, stage="recover")
         if action.recovery_kind in {k.value for k in WORKFLOW}:
             # Decided already. Publish the recovery action if a crash lost it; otherwise wait for it.
             cur.execute("SELECT 1 FROM actions WHERE parent_action_id = %s", (action_id,))

@@ -21,6 +21,8 @@ from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
+from proofline.telemetry import context as telemetry_context
+from proofline.telemetry import metrics
 from worker import calls, faultpoints
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
@@ -159,9 +161,13 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     doc = envelope.model_dump(mode="json")
     red = for_envelope(doc, contract.sensitive_fields)
     current_redactor.set(red)
+    telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
+                           irreversible=envelope.irreversible, stage="verify")
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
+    began = time.monotonic()
     obs = observe(rt, envelope, contract, base)
+    read_seconds = time.monotonic() - began
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
     if blocked and obs.finding == VerificationFinding.absent:
@@ -213,6 +219,11 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         with store.transaction(conn) as cur:
             store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence, red)
         return {"status": "superseded", "action_id": action_id}
+    # Only a verification whose finding was recorded is measured (a superseded one read in vain).
+    metrics.VERIFICATION_SECONDS.labels(action.action_type, obs.finding.value).observe(read_seconds)
+    if obs.finding == VerificationFinding.expected:
+        metrics.PUBLISH_TO_VERIFIED_SECONDS.labels(action.action_type).observe(
+            max(time.time() - action.published_at.timestamp(), 0.0))
     log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
     from recovery.settle import after_settle
 

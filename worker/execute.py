@@ -40,6 +40,8 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
+from proofline.telemetry import context as telemetry_context
+from proofline.telemetry import metrics
 from worker import calls, faultpoints, quota, refusals
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
@@ -166,6 +168,8 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     red = for_envelope(message["envelope"], contract.sensitive_fields)
     current_redactor.set(red)  # logs and Sentry events of this task are scrubbed with it too
     aid = envelope.action_id
+    telemetry_context.bind(aid, run_id=envelope.run_id, tenant=envelope.tenant, action_type=envelope.action_type,
+                           irreversible=envelope.irreversible, stage="execute")
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
@@ -273,6 +277,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
 
         report = _call(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract, result_limit(settings, server, contract))
+        metrics.TOOL_CALL_SECONDS.labels(envelope.action_type, verdict.outcome.value).observe(report.elapsed_seconds)
         locked = False  # the result transaction releases both locks as its last statement
         return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch)
     except BaseException:
@@ -646,7 +651,8 @@ def _write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: C
             events.append(("sandbox_violation", violation))
         if verdict.outcome == Outcome.failed_before_side_effect:
             status = ActionStatus.published if retry else ActionStatus.closed
-            events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
+            events.append(("retry_scheduled" if retry else "retries_exhausted",
+                           {"attempts": attempts, "cause": verdict.reason_code}))
         else:
             status = ActionStatus.verifying
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))

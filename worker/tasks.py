@@ -11,12 +11,14 @@ from celery import Celery, signals
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
+from proofline.telemetry.metrics import sweep_finished
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
+from worker.telemetry import install as install_telemetry
 from worker.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -162,13 +164,15 @@ def reconcile_task() -> dict[str, int]:
     rt = runtime()
     s = rt.settings
     try:
-        return sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
-                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
-                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
-                     delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
+        counts = sweep(rt.conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
+                       verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
+                       # Longer than any deadline plus its grace: older counts can explain nothing still open.
+                       delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
+    sweep_finished()
+    return counts
 
 
 @app.task(name="proofline.checkpoint", ignore_result=True)
@@ -198,3 +202,4 @@ def checkpoint_task() -> dict[str, Any]:
 
 init_sentry(get_settings())
 install_log_scrubbing()
+install_telemetry()
