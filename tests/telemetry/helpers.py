@@ -34,6 +34,16 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return samples
 
 
+def families(port: int) -> set[str]:
+    """The metric names an endpoint exposes (with or without samples), as series names."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names |= {family.name, f"{family.name}_total"} if family.type == "counter" else {family.name}
+    return names
+
+
 def start_exporter(stack: Stack) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = start_process([sys.executable, "-m", "proofline", "exporter", "--port", str(port)], stack.env,

@@ -12,7 +12,8 @@ import pytest
 
 from proofline.telemetry.events import COUNTERS
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for
-from tests.telemetry.helpers import mixed_batch, scrape, start_exporter
+from tests.telemetry.helpers import families, mixed_batch, scrape, start_exporter
+from tests.telemetry.test_alerts import alert_series
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -77,6 +78,9 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(metered: tuple[Sta
     assert total("verifications", finding="expected") >= 3
     assert total("recovery_actions", kind="compensation") == 1
     assert total("compensations", result="compensated") == 1
+    # Every series the alert rules read is exported by a worker or the exporter.
+    exported = families(exporter_port).union(*(families(p) for p in ports))
+    assert alert_series() <= exported, alert_series() - exported
     # And the exporter's counts are the ledger's: a plain count of the events, per counter.
     with stack.conn.cursor() as cur:
         cur.execute("SELECT event, count(*) AS n FROM ledger_events GROUP BY event")
