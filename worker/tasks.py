@@ -11,6 +11,7 @@ from celery import Celery, signals
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
+from proofline.telemetry.logs import install as install_log_format
 from proofline.telemetry.metrics import sweep_finished
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
@@ -54,6 +55,8 @@ TASK_OPTIONS: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_work
 @signals.after_setup_task_logger.connect
 def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_scrubbing(*([logger] if logger is not None else []))
+    # After the scrubbing filter: the action's fields and the extras are written as it left them.
+    install_log_format(get_settings().log_format, *([logger] if logger is not None else []))
 
 
 @signals.worker_process_shutdown.connect

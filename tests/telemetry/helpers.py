@@ -75,9 +75,11 @@ def mixed_batch(stack: Stack) -> dict[str, str]:
     other = refund_env(stack, account, amount=9000, action_id=lost.action_id, run_id=lost.run_id)
     stack.wait_event(lost.action_id, "tool_called")
     stack.deliver(stack.message(lost))  # the broker's retry of the lost-response action
-    stack.deliver(stack.message(other))  # same action id, other arguments: a conflict
     for action in (happy, stale, lost):
         stack.wait_settled(action.action_id, timeout=60)
+    # Same action id, other arguments: a conflict (once settled: while a delivery holds the
+    # action's lease, another is ignored without being read).
+    stack.deliver(stack.message(other))
     assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
     stack.wait_event(lost.action_id, "idempotency_conflict")
     wait_for(lambda: {"duplicate_suppressed", "redelivery_ignored"} & set(stack.events(happy.action_id)), 30,

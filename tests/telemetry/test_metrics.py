@@ -6,30 +6,14 @@ and as a plain count of the ledger's events."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
-
-import pytest
 
 from proofline.telemetry.events import COUNTERS
-from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for
+from tests.conftest import wait_for
+from tests.telemetry.conftest import Observed
 from tests.telemetry.helpers import families, mixed_batch, scrape, start_exporter
 from tests.telemetry.test_alerts import alert_series
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
-
-
-@pytest.fixture(scope="module")
-def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[int]]]:
-    stack = build_stack("stdio", tmp_path_factory.mktemp("metered"))
-    ports = [free_port(), free_port()]
-    try:
-        for i, port in enumerate(ports):
-            env = {**stack.env, "PROOFLINE_METRICS_PORT": str(port),
-                   "PROMETHEUS_MULTIPROC_DIR": str(stack.workdir / f"metrics-{i}")}
-            start_workers(stack, name=f"m{i}", beat=i == 0, env=env)
-        yield stack, ports
-    finally:
-        teardown_stack(stack)
 
 
 def counters(samples: Samples, prefix: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -48,8 +32,8 @@ def summed(per_worker: list[Samples]) -> dict[str, dict[tuple[tuple[str, str], .
     return {name: dict(total[name]) for name in (c.name for c in COUNTERS)}
 
 
-def test_worker_counters_equal_the_ledger_after_a_mixed_batch(metered: tuple[Stack, list[int]]) -> None:
-    stack, ports = metered
+def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed) -> None:
+    stack, ports = observed.stack, observed.ports
     _, exporter_port = start_exporter(stack)
     mixed_batch(stack)
 
@@ -90,8 +74,8 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(metered: tuple[Sta
             assert total(counter.name) == sum(by_event.get(e, 0) for e in counter.events), counter.name
 
 
-def test_worker_endpoint_reports_latency_cpu_and_reconciler(metered: tuple[Stack, list[int]]) -> None:
-    stack, ports = metered
+def test_worker_endpoint_reports_latency_cpu_and_reconciler(observed: Observed) -> None:
+    ports = observed.ports
     samples = [scrape(port) for port in ports]
     verified = sum(v for s in samples for v in s.get("proofline_verifications_total", {}).values())
     observed = sum(v for s in samples for v in s.get("proofline_verification_seconds_count", {}).values())
