@@ -63,3 +63,20 @@ def begin() -> tuple[list[Appended], Any]:
 def end(token: Any) -> None:
     """Stop collecting (the outermost transaction is over, committed or not)."""
     _pending.reset(token)
+
+
+_annotator: Any = None
+
+
+def install_annotator(annotator: Any) -> None:
+    """A callable returning fields every appended event's evidence gets (the trace id), or None."""
+    global _annotator
+    _annotator = annotator
+
+
+def annotate(evidence: dict[str, Any]) -> dict[str, Any]:
+    """``evidence`` with the annotator's fields added (the same object when there are none)."""
+    if _annotator is None:
+        return evidence
+    extra = _annotator()
+    return {**evidence, **extra} if extra else evidence

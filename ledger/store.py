@@ -86,7 +86,7 @@ def append_event_txn(
 ) -> None:
     """Append one event to an action's chain (the trigger assigns seq and hashes). Evidence is
     redacted by the policy plus ``redact_fields`` (a redactor, or declared field names)."""
-    clean = as_redactor(redact_fields)(evidence or {})
+    clean = observe.annotate(as_redactor(redact_fields)(evidence or {}))
     observe.appended(action_id, event, clean)
     cur.execute(
         "INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
@@ -98,7 +98,7 @@ def append_events_txn(cur: Cursor, action_id: str, actor: str, events: list[tupl
                       redact_fields: Redactor | Iterable[str] = ()) -> None:
     """Append several events in order with one statement per event (same transaction)."""
     clean = as_redactor(redact_fields)
-    rows = [(action_id, name, actor, clean(ev)) for name, ev in events]
+    rows = [(action_id, name, actor, observe.annotate(clean(ev))) for name, ev in events]
     for row in rows:
         observe.appended(action_id, row[1], row[3])
     cur.executemany("INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
@@ -239,7 +239,7 @@ def transition_txn(
     result = redactor(result) if result is not None else None
     recovery_data = redactor(recovery_data) if recovery_data else None
     clean = redactor.merged(as_redactor(redact_fields)) if redact_fields else redactor
-    batch = [[name, clean(ev)] for name, ev in (events or [])]
+    batch = [[name, observe.annotate(clean(ev))] for name, ev in (events or [])]
     if batch and actor is None:
         raise ValueError("events need an actor")
     cur.execute(

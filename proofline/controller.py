@@ -24,6 +24,7 @@ from proofline.errors import EnvelopeRefused, IdempotencyConflict
 from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import Settings, get_settings
 from proofline.signing import sign
+from proofline.telemetry import tracing
 from worker.dispatch import CeleryDispatch
 from worker.mcp_client import endpoint_target
 from worker.servers import server_named
@@ -114,10 +115,20 @@ def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **optio
                            settings=settings, **options)
 
 
-def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
-                    seal_key: seal.SealKey | None = None, queue: str = "actions", kind: str = "action",
-                    parent_action_id: str | None = None, hold: bool = False, actor: str | None = None,
-                    settings: Settings | None = None) -> dict[str, Any]:
+def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, **options: Any
+                    ) -> dict[str, Any]:
+    """See :func:`_publish_message`; a span of the action's trace when tracing is on."""
+    with tracing.span("proofline.authorize_and_publish", **{
+            "proofline.action_type": envelope.action_type, "proofline.tool": envelope.tool.name,
+            "proofline.workflow": envelope.workflow_type, "proofline.agent": envelope.workload_identity,
+            "deployment.environment": envelope.environment, "proofline.stage": "publish"}):
+        return _publish_message(conn, dispatch, message, envelope, **options)
+
+
+def _publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, *,
+                     seal_key: seal.SealKey | None = None, queue: str = "actions", kind: str = "action",
+                     parent_action_id: str | None = None, hold: bool = False, actor: str | None = None,
+                     settings: Settings | None = None) -> dict[str, Any]:
     """Validate a signed message as the worker will, record it in the ledger, then send it (unless held).
 
     The signed message is stored with the action, sealed with ``seal_key`` (default: the settings'
@@ -176,7 +187,9 @@ def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelop
     if len(run_ids) != 1 or steps != list(range(len(envelopes))) or any(e.run_steps != len(envelopes)
                                                                            for e in envelopes):
         raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
-    return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
+    # One trace for the run: its later steps are released from the trace of the step before them.
+    with tracing.span("proofline.publish_run", **{"proofline.workflow": envelopes[0].workflow_type}):
+        return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
 
 
 def _publication_evidence(envelope: Envelope, key_id: str) -> dict[str, Any]:

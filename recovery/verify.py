@@ -22,7 +22,7 @@ from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
 from proofline.telemetry import context as telemetry_context
-from proofline.telemetry import metrics
+from proofline.telemetry import metrics, tracing
 from worker import calls, faultpoints
 from worker.dispatch import Dispatch
 from worker.execute import verification_key
@@ -89,8 +89,10 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
         settled = time.monotonic() - started >= v.consistency_delay_seconds
         try:
             arguments = build_arguments(read.arguments, base)
-            result = rt.mcp.run(server, "read", lambda c, a=arguments: calls.read_tool(  # type: ignore[arg-type]
-                c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds))
+            with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
+                trace_meta = tracing.carrier()
+                result = rt.mcp.run(server, "read", lambda c, a=arguments, m=trace_meta: calls.read_tool(  # type: ignore[arg-type]
+                    c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds, trace_meta=m))
             size = measure(result).size
             if size > limit:
                 raise ResultTooLarge(f"read tool {read.tool} answered {size} bytes; the limit is {limit}")
@@ -151,6 +153,15 @@ def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, curren
 
 
 def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
+    """Verify one action (its stages are spans of the action's trace when tracing is on)."""
+    stages = tracing.Stages()
+    try:
+        return _verify(rt, action_id, dispatch, stages)
+    finally:
+        stages.close()
+
+
+def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Stages) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
         action = store.get_action(cur, action_id)
     if action is None or action.status != ActionStatus.verifying:
@@ -163,11 +174,16 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     current_redactor.set(red)
     telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
                            irreversible=envelope.irreversible, stage="verify")
+    stages.describe(**{"proofline.action_type": envelope.action_type, "proofline.tool": contract.verification_read.tool,
+                       "proofline.server": envelope.server.name, "proofline.workflow": envelope.workflow_type,
+                       "proofline.agent": envelope.workload_identity, "deployment.environment": envelope.environment})
+    stages.enter("proofline.verification")
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     began = time.monotonic()
     obs = observe(rt, envelope, contract, base)
     read_seconds = time.monotonic() - began
+    stages.note(**{"proofline.verification_finding": obs.finding.value})
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
     if blocked and obs.finding == VerificationFinding.absent:
@@ -196,6 +212,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     # Polling may have outlasted the session's idle timeout: take the connection afresh.
     conn = rt.conn
     faultpoints.hit("before_verify_commit")
+    stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
+                                                  if (outcome or action.outcome) else None})
     try:
         with store.transaction(conn) as cur:
             events = [("verification_finished", evidence)]

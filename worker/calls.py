@@ -48,22 +48,26 @@ class ProgressLog:
 async def call_tool(
     client: Client, *, tool: str, arguments: dict[str, Any], idempotency_key: str, action_id: str,
     timeout_seconds: float, deadline_monotonic: float, progress: ProgressLog, fencing_token: int = 0,
+    trace_meta: dict[str, str] | None = None,
 ) -> tuple[Any, float]:
     """Call a tool with the key in ``_meta``, a request timeout and the absolute deadline.
 
     Progress never extends the deadline: the whole call is bounded by ``fail_after``, whatever
-    the SDK does with its per-request timeout on progress.
+    the SDK does with its per-request timeout on progress. ``trace_meta`` (W3C ``traceparent``)
+    goes in ``_meta`` too, so a traced tool server continues the action's trace.
     """
     started = time.monotonic()
     remaining = max(0.001, deadline_monotonic - started)
     with anyio.fail_after(min(timeout_seconds, remaining) + 0.5):
         result = await client.call_tool(
             tool, arguments, read_timeout_seconds=min(timeout_seconds, remaining), progress_callback=progress,
-            meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id, FENCING_META_KEY: fencing_token},
+            meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id, FENCING_META_KEY: fencing_token,
+                  **(trace_meta or {})},
         )
     return result, time.monotonic() - started
 
 
-async def read_tool(client: Client, *, tool: str, arguments: dict[str, Any], timeout_seconds: float) -> Any:
+async def read_tool(client: Client, *, tool: str, arguments: dict[str, Any], timeout_seconds: float,
+                    trace_meta: dict[str, str] | None = None) -> Any:
     with anyio.fail_after(timeout_seconds + 0.5):
-        return await client.call_tool(tool, arguments, read_timeout_seconds=timeout_seconds)
+        return await client.call_tool(tool, arguments, read_timeout_seconds=timeout_seconds, meta=trace_meta or None)

@@ -9,7 +9,8 @@ from typing import Any
 from celery import signals
 
 from ledger import observe
-from proofline.telemetry import context, metrics
+from proofline.settings import get_settings
+from proofline.telemetry import context, metrics, tracing
 
 _started: dict[str, float] = {}
 
@@ -17,6 +18,18 @@ _started: dict[str, float] = {}
 def install() -> None:
     """Count committed ledger events in this process (worker/tasks.py calls it at import)."""
     observe.install(metrics.LedgerEventMetrics())
+
+
+@signals.worker_process_init.connect
+def _start_tracing(**_: Any) -> None:
+    """Each pool process starts its own tracer after the fork (exporter threads do not survive one)."""
+    settings = get_settings()
+    tracing.setup("proofline-worker", settings.environment, settings.release)
+
+
+@signals.worker_process_shutdown.connect
+def _stop_tracing(**_: Any) -> None:
+    tracing.shutdown()  # flushes batched spans
 
 
 @signals.task_prerun.connect

@@ -1,5 +1,6 @@
 """One deployment for the telemetry tests: two supervised workers (two prefork processes each),
-each serving its own metrics endpoint, logging JSON to its log file."""
+each serving its own metrics endpoint, logging JSON to its log file and writing its spans to
+files (OTEL_TRACES_EXPORTER=jsonl)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ class Observed:
     ports: list[int]
     #: Each worker's log file.
     logs: list[Path]
+    #: Where every process writes its finished spans (one JSON-lines file per process).
+    traces: Path
 
 
 @pytest.fixture(scope="package")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     stack = build_stack("stdio", tmp_path_factory.mktemp("observed"))
     ports = [free_port(), free_port()]
+    traces = stack.workdir / "traces"
     try:
         for i, port in enumerate(ports):
             env = {**stack.env, "PROOFLINE_METRICS_PORT": str(port), "PROOFLINE_LOG_FORMAT": "json",
-                   "PROMETHEUS_MULTIPROC_DIR": str(stack.workdir / f"metrics-{i}")}
+                   "PROMETHEUS_MULTIPROC_DIR": str(stack.workdir / f"metrics-{i}"),
+                   "OTEL_TRACES_EXPORTER": "jsonl", "PROOFLINE_TRACES_DIR": str(traces)}
             start_workers(stack, name=f"o{i}", beat=i == 0, env=env)
-        yield Observed(stack, ports, [stack.workdir / f"worker-o{i}0.log" for i in range(len(ports))])
+        yield Observed(stack, ports, [stack.workdir / f"worker-o{i}0.log" for i in range(len(ports))], traces)
     finally:
         teardown_stack(stack)
