@@ -4,6 +4,7 @@ manage revocations, run migrations, workers and the demo."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,10 @@ def _conn(role: str | None = None):
 @click.group()
 def main() -> None:
     """Proofline: prove what an agent action changed before calling it done."""
+    if os.environ.get("PROOFLINE_SENTRY_DSN"):  # errors of every command reach Sentry too
+        from worker.observability import init_sentry
+
+        init_sentry(get_settings())
 
 
 @main.command()

@@ -52,7 +52,7 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
     from opentelemetry.sdk.trace import TracerProvider
 
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service_name,
-                                "service.version": release or _version(), "deployment.environment": environment})
+                                "service.version": release_name(release), "deployment.environment": environment})
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
     for name in names:
         provider.add_span_processor(_processor(name))
@@ -98,13 +98,16 @@ def shutdown() -> None:
     _state.update(enabled=False, provider=None, celery=None)
 
 
-def _version() -> str:
+def release_name(configured: str | None) -> str:
+    """The release telemetry reports: the configured one, else ``proofline@<package version>``."""
+    if configured:
+        return configured
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("proofline")
+        return f"proofline@{version('proofline')}"
     except PackageNotFoundError:
-        return "unknown"
+        return "proofline@unknown"
 
 
 def span(name: str, **attributes: Any) -> Any:

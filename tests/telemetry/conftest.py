@@ -1,9 +1,10 @@
 """One deployment for the telemetry tests: two supervised workers (two prefork processes each),
 each serving its own metrics endpoint, logging JSON to its log file and writing its spans to
-files (OTEL_TRACES_EXPORTER=jsonl)."""
+files (OTEL_TRACES_EXPORTER=jsonl), reporting to a loopback Sentry receiver with tracing on."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack
+from tests.security.test_secrets import SentryReceiver
+
+#: The release the workers report to Sentry.
+RELEASE = f"proofline@telemetry-{os.getpid()}"
 
 
 @dataclass
@@ -25,7 +30,14 @@ class Observed:
 
 
 @pytest.fixture(scope="package")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+def sentry_receiver() -> Iterator[SentryReceiver]:
+    receiver = SentryReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="package")
+def observed(tmp_path_factory: pytest.TempPathFactory, sentry_receiver: SentryReceiver) -> Iterator[Observed]:
     stack = build_stack("stdio", tmp_path_factory.mktemp("observed"))
     ports = [free_port(), free_port()]
     traces = stack.workdir / "traces"
@@ -33,7 +45,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         for i, port in enumerate(ports):
             env = {**stack.env, "PROOFLINE_METRICS_PORT": str(port), "PROOFLINE_LOG_FORMAT": "json",
                    "PROMETHEUS_MULTIPROC_DIR": str(stack.workdir / f"metrics-{i}"),
-                   "OTEL_TRACES_EXPORTER": "jsonl", "PROOFLINE_TRACES_DIR": str(traces)}
+                   "OTEL_TRACES_EXPORTER": "jsonl", "PROOFLINE_TRACES_DIR": str(traces),
+                   "PROOFLINE_SENTRY_DSN": sentry_receiver.dsn, "PROOFLINE_RELEASE": RELEASE,
+                   "PROOFLINE_SENTRY_TRACES_SAMPLE_RATE": "1.0"}
             start_workers(stack, name=f"o{i}", beat=i == 0, env=env)
         yield Observed(stack, ports, [stack.workdir / f"worker-o{i}0.log" for i in range(len(ports))], traces)
     finally:
