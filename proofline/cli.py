@@ -360,8 +360,10 @@ def role_queues(role: str, tenant_shards: int) -> str:
               help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
 @click.option("--queues", default=None, help="override the role's queues")
 @click.option("--concurrency", default=2)
-@click.option("--metrics-port", type=int, default=None, envvar="PROOFLINE_METRICS_PORT", help="serve this worker's Prometheus metrics on this port")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address of the metrics endpoint")
+@click.option("--metrics-port", type=int, default=None, envvar="PROOFLINE_METRICS_PORT",
+              help="serve this worker's Prometheus metrics on this port")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="PROOFLINE_METRICS_HOST",
+              help="address of the metrics endpoint")
 @click.pass_context
 def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int, metrics_port: int | None,
            metrics_host: str) -> None:
@@ -454,9 +456,7 @@ def demo(keep: bool) -> None:
     sys.exit(run_demo(keep=keep))
 
 
-from proofline.telemetry.commands import exporter as _exporter  # noqa: E402 - registered after main exists
-
-main.add_command(_exporter)
+main.add_command(__import__("proofline.telemetry.commands", fromlist=["exporter"]).exporter)
 
 if __name__ == "__main__":
     main()

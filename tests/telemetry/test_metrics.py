@@ -5,6 +5,7 @@ and as a plain count of the ledger's events."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from proofline.telemetry.events import COUNTERS
@@ -12,6 +13,7 @@ from tests.conftest import wait_for
 from tests.telemetry.conftest import Observed
 from tests.telemetry.helpers import families, mixed_batch, scrape, start_exporter
 from tests.telemetry.test_alerts import alert_series
+from tests.telemetry.test_dashboard import dashboard_series
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -65,6 +67,9 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed
     # Every series the alert rules read is exported by a worker or the exporter.
     exported = families(exporter_port).union(*(families(p) for p in ports))
     assert alert_series() <= exported, alert_series() - exported
+    # And every series the dashboard reads (histograms by their _bucket series).
+    wanted = {re.sub(r"_bucket$", "", n) for n in dashboard_series()}
+    assert wanted <= exported, wanted - exported
     # And the exporter's counts are the ledger's: a plain count of the events, per counter.
     with stack.conn.cursor() as cur:
         cur.execute("SELECT event, count(*) AS n FROM ledger_events GROUP BY event")
