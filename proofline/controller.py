@@ -118,10 +118,8 @@ def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **optio
 def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, **options: Any
                     ) -> dict[str, Any]:
     """See :func:`_publish_message`; a span of the action's trace when tracing is on."""
-    with tracing.span("proofline.authorize_and_publish", **{
-            "proofline.action_type": envelope.action_type, "proofline.tool": envelope.tool.name,
-            "proofline.workflow": envelope.workflow_type, "proofline.agent": envelope.workload_identity,
-            "deployment.environment": envelope.environment, "proofline.stage": "publish"}):
+    attributes = {**tracing.about(envelope), "proofline.stage": "publish"}
+    with tracing.span("proofline.authorize_and_publish", **attributes):
         return _publish_message(conn, dispatch, message, envelope, **options)
 
 

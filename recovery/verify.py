@@ -174,9 +174,7 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
     current_redactor.set(red)
     telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
                            irreversible=envelope.irreversible, stage="verify")
-    stages.describe(**{"proofline.action_type": envelope.action_type, "proofline.tool": contract.verification_read.tool,
-                       "proofline.server": envelope.server.name, "proofline.workflow": envelope.workflow_type,
-                       "proofline.agent": envelope.workload_identity, "deployment.environment": envelope.environment})
+    stages.describe(**{**tracing.about(envelope), "proofline.tool": contract.verification_read.tool})
     stages.enter("proofline.verification")
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}

@@ -182,10 +182,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     aid = envelope.action_id
     telemetry_context.bind(aid, run_id=envelope.run_id, tenant=envelope.tenant, action_type=envelope.action_type,
                            irreversible=envelope.irreversible, stage="execute")
-    stages.describe(**{"proofline.action_type": envelope.action_type, "proofline.tool": envelope.tool.name,
-                       "proofline.server": envelope.server.name, "proofline.server_version": envelope.server.version,
-                       "proofline.workflow": envelope.workflow_type, "proofline.agent": envelope.workload_identity,
-                       "deployment.environment": envelope.environment})
+    stages.describe(**tracing.about(envelope))
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
@@ -643,9 +640,8 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
         unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
     if verdict.outcome == Outcome.failed_before_side_effect:
-        with tracing.span("proofline.retry_decision", **{"proofline.error_category": verdict.reason_code,
-                                                         "proofline.recovery_kind": "retry" if retry else None}):
-            pass
+        tracing.mark("proofline.retry_decision", **{"proofline.error_category": verdict.reason_code,
+                                                     "proofline.recovery_kind": "retry" if retry else None})
         if retry:
             raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)

@@ -28,14 +28,24 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
 class JsonLinesSpanExporter(SpanExporter):
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
+        self._out: Any = None
+        self._pid = 0
+
+    def _file(self) -> Any:
+        # Named by the process that writes: a forked pool process opens its own.
+        if self._out is None or self._pid != os.getpid():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._out = open(self.directory / f"spans-{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            self._pid = os.getpid()
+        return self._out
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # The file is named when written: a forked pool process gets its own.
-        with open(self.directory / f"spans-{os.getpid()}.jsonl", "a", encoding="utf-8") as out:
-            for span in spans:
-                out.write(json.dumps(span_record(span), default=str) + "\n")
+        out = self._file()
+        out.write("".join(json.dumps(span_record(span), default=str) + "\n" for span in spans))
+        out.flush()  # a reader (or a crash) sees every finished span
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        return None
+        if self._out is not None and self._pid == os.getpid():
+            self._out.close()
+        self._out = None

@@ -82,7 +82,8 @@ def _processor(name: str) -> Any:
     if name == "jsonl":
         from proofline.telemetry.span_files import JsonLinesSpanExporter
 
-        return SimpleSpanProcessor(JsonLinesSpanExporter(os.environ.get("PROOFLINE_TRACES_DIR") or "var/traces"))
+        # Batched like OTLP (OTEL_BSP_* apply): the task never waits for the file.
+        return BatchSpanProcessor(JsonLinesSpanExporter(os.environ.get("PROOFLINE_TRACES_DIR") or "var/traces"))
     raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console, jsonl, none)")
 
 
@@ -126,9 +127,24 @@ def _span(name: str, attributes: dict[str, Any]) -> Iterator[Any]:
         yield current
 
 
+def about(envelope: Any) -> dict[str, Any]:
+    """The low-cardinality attributes of an action, from its envelope (never its arguments)."""
+    return {"proofline.action_type": envelope.action_type, "proofline.tool": envelope.tool.name,
+            "proofline.server": envelope.server.name, "proofline.server_version": envelope.server.version,
+            "proofline.workflow": envelope.workflow_type, "proofline.agent": envelope.workload_identity,
+            "deployment.environment": envelope.environment}
+
+
 def clean(attributes: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if isinstance(v, bool | int) else str(v)[:80]) for k, v in attributes.items()
             if k in ALLOWED and v is not None}
+
+
+def mark(name: str, **attributes: Any) -> None:
+    """A span with no duration of its own: a decision taken at this point (nothing when off)."""
+    if _state["enabled"]:
+        with _span(name, attributes):
+            pass
 
 
 def annotate(current: Any, **attributes: Any) -> None:

@@ -46,6 +46,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, sentry_receiver: SentryRe
             env = {**stack.env, "PROOFLINE_METRICS_PORT": str(port), "PROOFLINE_LOG_FORMAT": "json",
                    "PROMETHEUS_MULTIPROC_DIR": str(stack.workdir / f"metrics-{i}"),
                    "OTEL_TRACES_EXPORTER": "jsonl", "PROOFLINE_TRACES_DIR": str(traces),
+                   "OTEL_BSP_SCHEDULE_DELAY": "200",
                    "PROOFLINE_SENTRY_DSN": sentry_receiver.dsn, "PROOFLINE_RELEASE": RELEASE,
                    "PROOFLINE_SENTRY_TRACES_SAMPLE_RATE": "1.0"}
             start_workers(stack, name=f"o{i}", beat=i == 0, env=env)

@@ -34,8 +34,9 @@ Span = dict[str, Any]
 @pytest.fixture(scope="module")
 def traced(observed: Observed) -> Iterator[Observed]:
     """The test process is the controller: it traces its publications into the same directory."""
-    saved = {k: os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "PROOFLINE_TRACES_DIR")}
-    os.environ.update(OTEL_TRACES_EXPORTER="jsonl", PROOFLINE_TRACES_DIR=str(observed.traces))
+    saved = {k: os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "PROOFLINE_TRACES_DIR", "OTEL_BSP_SCHEDULE_DELAY")}
+    os.environ.update(OTEL_TRACES_EXPORTER="jsonl", PROOFLINE_TRACES_DIR=str(observed.traces),
+                      OTEL_BSP_SCHEDULE_DELAY="200")
     try:
         assert tracing.setup("proofline-controller", "development")
         yield observed
