@@ -2,8 +2,8 @@
 
     .venv/bin/python -m ops.telemetry_bench [--actions N] [--rounds R] [--transport http] [--json PATH]
 
-One stack (``tests.conftest.build_stack``), then ``--rounds`` pairs of timed windows, alternating
-"off" and "on" so that drift of a shared machine falls on both. Each window starts a fresh
+One stack (``tests.conftest.build_stack``), then ``--rounds`` pairs of timed windows, "off" then
+"on", then "on" then "off" (ABBA), so that drift of a shared machine falls on both. Each window starts a fresh
 supervised worker (two prefork processes), warms it up, publishes N ``ticket.create`` envelopes and
 waits until each is settled; throughput is N over the ledger's own window (first ``published`` to
 last ``final_state``, database clock).
@@ -123,15 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.live()
         results = []
-        for _ in range(args.rounds):
-            for mode in ("off", "on"):
+        for round_ in range(args.rounds):
+            # off-on, then on-off (ABBA): a machine getting busier or quieter favours neither.
+            for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
                 results.append(run_window(stack, mode, args.actions, args.warmup, len(results)))
     finally:
         teardown_stack(stack)
     rate = {m: sum(r["actions"] for r in results if r["mode"] == m) / sum(r["seconds"] for r in results
                                                                             if r["mode"] == m) for m in ("off", "on")}
     cpu = {m: statistics.mean(r["worker_cpu_ms_per_action"] for r in results if r["mode"] == m) for m in ("off", "on")}
-    pairs = [on["actions_per_s"] / off["actions_per_s"] for off, on in zip(results[::2], results[1::2], strict=True)]
+    by_round = [{r["mode"]: r for r in results[i:i + 2]} for i in range(0, len(results), 2)]
+    pairs = [p["on"]["actions_per_s"] / p["off"]["actions_per_s"] for p in by_round]
     summary = {"off_actions_per_s": round(rate["off"], 2), "on_actions_per_s": round(rate["on"], 2),
                "on_over_off": round(rate["on"] / rate["off"], 3), "pair_ratios": [round(p, 3) for p in pairs],
                "median_pair_ratio": round(statistics.median(pairs), 3),

@@ -1,5 +1,5 @@
 """Worker log lines as JSON (PROOFLINE_LOG_FORMAT=json): every line a pool process writes about
-an action names it (action id, run id, tenant, stage), Celery's own task lines included, and the
+an action names it (action id, run id, tenant, stage, trace id), Celery's own task lines included, and the
 ``extra=`` fields Celery's format used to drop are there."""
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def test_every_line_about_an_action_names_it(observed: Observed) -> None:
         assert (line["run_id"], line["tenant"]) == (env.run_id, env.tenant), line
         assert line["stage"] in ("execute", "verify"), line
         assert line["task_id"] and line["task"].startswith("proofline."), line
+    # The workers trace (OTEL_TRACES_EXPORTER=jsonl): each line names the trace its action's events
+    # recorded (this controller does not trace, so the trace starts at the execute task).
+    recorded = {e["evidence"].get("trace_id") for e in stack.timeline(env.action_id)} - {None}
+    assert len(recorded) == 1 and {line.get("trace_id") for line in lines} == recorded
     stages = {line["stage"] for line in lines}
     assert stages == {"execute", "verify"}
     verified = next(x for x in lines if x["message"] == "verified")
