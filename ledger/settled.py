@@ -1,6 +1,6 @@
 """Settled-action notifications: the ledger says when an action reaches a settled state.
 
-A trigger on ``actions`` (migration 0009) calls ``pg_notify`` on :data:`CHANNEL` with the action id
+A trigger on ``actions`` (migration 0011) calls ``pg_notify`` on :data:`CHANNEL` with the action id
 whenever an action moves into ``closed``, ``cancelled`` or ``escalated``. Postgres delivers the
 notification when the transaction that moved the action commits, so a listener never hears of a
 state it could not yet read. Notifications are a hint, not a record: a listener that was not

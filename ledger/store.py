@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from ledger import seal
+from ledger import observe, seal
 from ledger.redact import POLICY, Redactor, as_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.errors import ConfigurationError, PrivilegeRefused, StaleLease, TransitionRefused
@@ -34,15 +34,28 @@ def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
 
 @contextmanager
 def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
+    events, token = observe.begin()
+    mark, prepared, watcher = len(events), None, observe.observer() if token is not None else None
     try:
         with conn.transaction(), conn.cursor() as cur:
             yield cur
+            if watcher is not None and events:
+                prepared = watcher.prepare(cur, list(events))
     except psycopg.Error as exc:
+        del events[mark:]
         # The role guards (ledger/roles_ddl.py) raise SQLSTATE PL001..PL005; the transaction has
         # rolled back. Anything else stays a driver error (connection loss is retried upstream).
         if exc.sqlstate and exc.sqlstate.startswith("PL"):
             raise PrivilegeRefused(exc.diag.message_primary or str(exc), sqlstate=exc.sqlstate) from exc
         raise
+    except BaseException:
+        del events[mark:]  # a rolled-back (savepoint) block appended nothing
+        raise
+    finally:
+        if token is not None:
+            observe.end(token)
+    if watcher is not None and prepared is not None:
+        watcher.committed(prepared)
 
 
 # An escaped NUL in JSON text: "\u0000" preceded by an even number of backslashes.
@@ -73,7 +86,8 @@ def append_event_txn(
 ) -> None:
     """Append one event to an action's chain (the trigger assigns seq and hashes). Evidence is
     redacted by the policy plus ``redact_fields`` (a redactor, or declared field names)."""
-    clean = as_redactor(redact_fields)(evidence or {})
+    clean = observe.annotate(as_redactor(redact_fields)(evidence or {}))
+    observe.appended(action_id, event, clean)
     cur.execute(
         "INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
         (action_id, event, actor, _json(clean)),
@@ -84,10 +98,11 @@ def append_events_txn(cur: Cursor, action_id: str, actor: str, events: list[tupl
                       redact_fields: Redactor | Iterable[str] = ()) -> None:
     """Append several events in order with one statement per event (same transaction)."""
     clean = as_redactor(redact_fields)
-    cur.executemany(
-        "INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
-        [(action_id, name, actor, _json(clean(ev))) for name, ev in events],
-    )
+    rows = [(action_id, name, actor, observe.annotate(clean(ev))) for name, ev in events]
+    for row in rows:
+        observe.appended(action_id, row[1], row[3])
+    cur.executemany("INSERT INTO ledger_events (action_id, event, actor, evidence) VALUES (%s, %s, %s, %s)",
+                    [(a, n, who, _json(ev)) for a, n, who, ev in rows])
 
 
 # --- actions ----------------------------------------------------------------------------------------
@@ -224,7 +239,7 @@ def transition_txn(
     result = redactor(result) if result is not None else None
     recovery_data = redactor(recovery_data) if recovery_data else None
     clean = redactor.merged(as_redactor(redact_fields)) if redact_fields else redactor
-    batch = [[name, clean(ev)] for name, ev in (events or [])]
+    batch = [[name, observe.annotate(clean(ev))] for name, ev in (events or [])]
     if batch and actor is None:
         raise ValueError("events need an actor")
     cur.execute(
@@ -240,6 +255,9 @@ def transition_txn(
         },
     )
     row = cur.fetchone()
+    if row is not None:
+        for name, ev in batch:
+            observe.appended(action_id, name, ev)
     if row is None:
         cur.execute("SELECT status FROM actions WHERE action_id = %s", (action_id,))
         current = cur.fetchone()

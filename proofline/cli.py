@@ -5,6 +5,8 @@ module per group; this module wires them into one group with ``--json``, ``--deb
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from proofline.commands import actions, contracts_cmd, ledger_cmds, operate, publish, runtime
@@ -35,6 +37,11 @@ def _version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
               help="print the version and exit")
 def main() -> None:
     """Proofline: prove what an agent action changed before calling it done."""
+    if os.environ.get("PROOFLINE_SENTRY_DSN"):  # errors of every command reach Sentry too
+        from proofline.settings import get_settings
+        from worker.observability import init_sentry
+
+        init_sentry(get_settings())
 
 
 for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime):
@@ -46,6 +53,8 @@ for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime):
 main.add_command(__import__("proofline.commands.beat", fromlist=["beat"]).beat)
 main.add_command(__import__("proofline.commands.doctor", fromlist=["doctor"]).doctor)
 import proofline.commands.pin  # noqa: E402,F401  (adds `contracts pin`)
+
+main.add_command(__import__("proofline.telemetry.commands", fromlist=["exporter"]).exporter)
 
 if __name__ == "__main__":
     main()

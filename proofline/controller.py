@@ -16,9 +16,11 @@ from mcp import Client
 from ledger import seal, store
 from ledger.publication import (  # noqa: F401 - the controller's API
     checked_for_publish,
-    publish_message,
     record_publication_txn,
     validate_for_publish,
+)
+from ledger.publication import (
+    publish_message as _publish_message,
 )
 from ledger.redact import leaf_names
 from proofline.canonical import tool_contract_hash
@@ -29,6 +31,7 @@ from proofline.keys import KeyRole, load_signing_key
 from proofline.pins import pinned_tool, pins_path, read_pins, unknown_tool_detail
 from proofline.settings import Settings
 from proofline.signing import sign
+from proofline.telemetry import tracing
 from worker.dispatch import CeleryDispatch
 from worker.mcp_client import connectable, endpoint_target
 from worker.servers import server_named
@@ -124,6 +127,14 @@ def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **optio
                            settings=settings, **options)
 
 
+def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, **options: Any
+                    ) -> dict[str, Any]:
+    """``ledger.publication.publish_message`` inside a span of the action's trace when tracing is on."""
+    attributes = {**tracing.about(envelope), "proofline.stage": "publish"}
+    with tracing.span("proofline.authorize_and_publish", **attributes):
+        return _publish_message(conn, dispatch, message, envelope, **options)
+
+
 def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[Envelope],
                  actor: str | None = None) -> list[dict[str, Any] | IdempotencyConflict]:
     """Sign and publish N envelopes with one ledger transaction (one commit), then send their
@@ -156,4 +167,7 @@ def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelop
     if len(run_ids) != 1 or steps != list(range(len(envelopes))) or any(e.run_steps != len(envelopes)
                                                                            for e in envelopes):
         raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
-    return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
+    # One trace for the run: its later steps are released from the trace of the step before them.
+    with tracing.span("proofline.publish_run", **{"proofline.workflow": envelopes[0].workflow_type}):
+        return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
+

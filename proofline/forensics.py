@@ -98,6 +98,9 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
     for ev in events:
         by_name.setdefault(ev["event"], []).append(ev)
     line(f"ACTION {action_id} - ledger chain {_chain_intact(cur, action_id)}")
+    traces = list(dict.fromkeys(ev["evidence"].get("trace_id") for ev in events if ev["evidence"].get("trace_id")))
+    if traces:
+        line(f"   trace {', '.join(traces)} (OpenTelemetry: open it in the trace viewer)")
     published = (by_name.get("published") or by_name.get("pending") or [None])[0]
     line("1. Authorized")
     if published:

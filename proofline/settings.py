@@ -10,6 +10,7 @@ import os
 import socket
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -85,6 +86,12 @@ class Settings(BaseSettings):
 
     #: Errors go to Sentry when set.
     sentry_dsn: SecretStr | None = None
+    #: The release Sentry events (and traces' service.version) carry; default: the package version.
+    release: str | None = None
+    #: Sentry performance tracing: the fraction of tasks traced (0 or unset: errors only).
+    sentry_traces_sample_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    #: Log lines as text (Celery's format plus the action's fields) or one JSON object per line.
+    log_format: Literal["text", "json"] = "text"
 
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 

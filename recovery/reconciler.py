@@ -19,6 +19,7 @@ from typing import Any
 
 from ledger import store
 from proofline.errors import ProoflineError
+from proofline.telemetry import tracing
 from recovery.expiry import expire_overdue, prune_deliveries
 from recovery.settle import after_settle
 from worker.dispatch import Dispatch
@@ -77,14 +78,26 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
                          "verify_stale": verify_stale_seconds})
             rows = list(cur.fetchall())
             for row in rows:
-                store.append_event_txn(cur, row["action_id"], "redriven", actor,
-                                       {"reason": name, "status": row["status"], "by": "reconciler"})
+                row["trace"] = _trace_of(cur, row["action_id"])
+                with tracing.resume(row["trace"], "proofline.redrive"):
+                    store.append_event_txn(cur, row["action_id"], "redriven", actor,
+                                           {"reason": name, "status": row["status"], "by": "reconciler"})
         for row in rows:
-            _redrive(conn, dispatch, actor, row, action)
+            with tracing.resume(row["trace"], "proofline.redrive"):
+                _redrive(conn, dispatch, actor, row, action)
         counts[name] = len(rows)
     if any(counts.values()):
         log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **counts})
     return counts
+
+
+def _trace_of(cur: Any, action_id: str) -> dict[str, Any] | None:
+    """The trace the action's events recorded last (only looked up while tracing is on)."""
+    if not tracing.enabled():
+        return None
+    cur.execute("SELECT evidence->>'trace_id' AS trace_id, evidence->>'span_id' AS span_id FROM ledger_events "
+                "WHERE action_id = %s AND evidence ? 'trace_id' ORDER BY seq DESC LIMIT 1", (action_id,))
+    return cur.fetchone()
 
 
 def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], action: str) -> None:

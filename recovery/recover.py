@@ -24,6 +24,8 @@ from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
 from proofline.envelope import Envelope
 from proofline.errors import ParentRowMismatch, ParentSignatureInvalid, ProoflineError
 from proofline.keys import KeyRole, load_keyring
+from proofline.telemetry import context as telemetry_context
+from proofline.telemetry import tracing
 from recovery.derive import derive_envelope, recovery_signed_message
 from recovery.policy import Decision, Facts, decide
 from recovery.settle import SECURITY_ALERTS, after_settle
@@ -68,6 +70,8 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
             return _refuse_txn(cur, action, exc, actor)
         contract = rt.contract(envelope.action_type)
         current_redactor.set(for_envelope(action.signed_envelope, contract.sensitive_fields))
+        telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
+                               irreversible=envelope.irreversible, stage="recover")
         if action.recovery_kind in {k.value for k in WORKFLOW}:
             # Decided already. Publish the recovery action if a crash lost it; otherwise wait for it.
             cur.execute("SELECT 1 FROM actions WHERE parent_action_id = %s", (action_id,))
@@ -77,7 +81,9 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         else:
             lost = None
             # Decided under the row lock that read the facts: two recover tasks never both decide.
-            decision, backoff = _decide_txn(cur, rt, action, envelope, contract, actor)
+            with tracing.span("proofline.recovery_decision", **{"proofline.action_type": action.action_type}) as sp:
+                decision, backoff = _decide_txn(cur, rt, action, envelope, contract, actor)
+                tracing.annotate(sp, **{"proofline.recovery_kind": decision.kind.value})
     if lost is not None:
         return _start_recovery_action(rt, action, envelope, contract, lost, dispatch)
     if decision.kind == RecoveryKind.retry:
@@ -146,6 +152,13 @@ def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelo
 
 def _start_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
                            decision: Decision, dispatch: Dispatch) -> dict[str, Any]:
+    with tracing.span("proofline.compensation", **{"proofline.action_type": action.action_type,
+                                                    "proofline.recovery_kind": decision.kind.value}):
+        return _publish_recovery_action(rt, action, envelope, contract, decision, dispatch)
+
+
+def _publish_recovery_action(rt: Runtime, action: store.ActionRow, envelope: Envelope, contract: Any,
+                             decision: Decision, dispatch: Dispatch) -> dict[str, Any]:
     kind = WORKFLOW[decision.kind]
     spec = getattr(contract.recovery, kind)
     actor = rt.settings.worker_id

@@ -21,6 +21,8 @@ from proofline.conditions import build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
+from proofline.telemetry import context as telemetry_context
+from proofline.telemetry import metrics, tracing
 from recovery.operation_record import read_operation_record
 from worker import calls, faultpoints, sandbox_events
 from worker.dispatch import Dispatch
@@ -88,8 +90,10 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
         settled = time.monotonic() - started >= v.consistency_delay_seconds
         try:
             arguments = build_arguments(read.arguments, base)
-            result = rt.mcp.run(server, "read", lambda c, a=arguments: calls.read_tool(  # type: ignore[arg-type]
-                c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds))
+            with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
+                trace_meta = tracing.carrier()
+                result = rt.mcp.run(server, "read", lambda c, a=arguments, m=trace_meta: calls.read_tool(  # type: ignore[arg-type]
+                    c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds, trace_meta=m))
             size = measure(result).size
             if size > limit:
                 raise ResultTooLarge(f"read tool {read.tool} answered {size} bytes; the limit is {limit}")
@@ -159,6 +163,15 @@ def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, curren
 
 @sandbox_events.records_audit
 def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
+    """Verify one action (its stages are spans of the action's trace when tracing is on)."""
+    stages = tracing.Stages()
+    try:
+        return _verify(rt, action_id, dispatch, stages)
+    finally:
+        stages.close()
+
+
+def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Stages) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
         action = store.get_action(cur, action_id)
     if action is None or action.status != ActionStatus.verifying:
@@ -169,12 +182,19 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     doc = envelope.model_dump(mode="json")
     red = for_envelope(doc, contract.sensitive_fields)
     current_redactor.set(red)
+    telemetry_context.bind(action_id, run_id=action.run_id, tenant=action.tenant, action_type=action.action_type,
+                           irreversible=envelope.irreversible, stage="verify")
+    stages.describe(**{**tracing.about(envelope), "proofline.tool": contract.verification_read.tool})
+    stages.enter("proofline.verification")
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     rt.mcp.action_id = action_id  # what the sandbox audit finds during these reads is this action's
     # The downstream's own record of the operation first (evidence only), then the authoritative read.
     operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
+    began = time.monotonic()
     obs = observe(rt, envelope, contract, base)
+    read_seconds = time.monotonic() - began
+    stages.note(**{"proofline.verification_finding": obs.finding.value})
     status, outcome, record_status, reason = DISPOSITION[obs.finding]
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
     if blocked and obs.finding == VerificationFinding.absent:
@@ -205,6 +225,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     # Polling may have outlasted the session's idle timeout: take the connection afresh.
     conn = rt.conn
     faultpoints.hit("before_verify_commit")
+    stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
+                                                  if (outcome or action.outcome) else None})
     try:
         with store.transaction(conn) as cur:
             if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
@@ -235,6 +257,11 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         with store.transaction(conn) as cur:
             store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence, red)
         return {"status": "superseded", "action_id": action_id}
+    # Only a verification whose finding was recorded is measured (a superseded one read in vain).
+    metrics.VERIFICATION_SECONDS.labels(action.action_type, obs.finding.value).observe(read_seconds)
+    if obs.finding == VerificationFinding.expected:
+        metrics.PUBLISH_TO_VERIFIED_SECONDS.labels(action.action_type).observe(
+            max(time.time() - action.published_at.timestamp(), 0.0))
     log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
     from recovery.settle import after_settle
 

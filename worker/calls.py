@@ -53,6 +53,7 @@ class ProgressLog:
 async def call_tool(
     client: Client, *, tool: str, arguments: dict[str, Any], idempotency_key: str, action_id: str,
     timeout_seconds: float, deadline_monotonic: float, progress: ProgressLog, fencing_token: int = 0,
+    trace_meta: dict[str, str] | None = None,
 ) -> tuple[Any, float]:
     """Call a tool with the key in ``_meta``, a request timeout and the absolute deadline.
 
@@ -76,7 +77,8 @@ async def call_tool(
             result = await client.call_tool(
                 tool, arguments, progress_callback=progress,
                 meta={IDEMPOTENCY_META_KEY: idempotency_key, ACTION_META_KEY: action_id,
-                      FENCING_META_KEY: fencing_token},
+                      FENCING_META_KEY: fencing_token,
+                      **(trace_meta or {})},  # W3C traceparent: a traced server continues the trace
             )
         finally:
             progress.on_progress = None
@@ -89,6 +91,7 @@ async def call_tool(
     return result, time.monotonic() - started
 
 
-async def read_tool(client: Client, *, tool: str, arguments: dict[str, Any], timeout_seconds: float) -> Any:
+async def read_tool(client: Client, *, tool: str, arguments: dict[str, Any], timeout_seconds: float,
+                    trace_meta: dict[str, str] | None = None) -> Any:
     with anyio.fail_after(timeout_seconds + 0.5):
-        return await client.call_tool(tool, arguments, read_timeout_seconds=timeout_seconds)
+        return await client.call_tool(tool, arguments, read_timeout_seconds=timeout_seconds, meta=trace_meta or None)

@@ -40,6 +40,8 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
+from proofline.telemetry import context as telemetry_context
+from proofline.telemetry import metrics, tracing
 from worker import calls, faultpoints, quota, sandbox_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
@@ -127,10 +129,21 @@ def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
 
 @sandbox_events.records_audit
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
-    """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue."""
+    """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue.
+    Each stage is a span of the action's trace when tracing is on (proofline/telemetry/tracing.py)."""
+    stages = tracing.Stages()
+    try:
+        return _execute(rt, message, delivery, dispatch, stages)
+    finally:
+        stages.close()
+
+
+def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch,
+             stages: tracing.Stages) -> dict[str, Any]:
     settings = rt.settings
     actor = settings.worker_id
     faultpoints.hit("on_delivery")
+    stages.enter("proofline.preflight")
     try:
         try:
             stored = StoredAt(rt, message)
@@ -141,6 +154,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
             raise MalformedEnvelope(f"unreadable envelope: {safe_repr(exc, 500)}") from exc
     except EnvelopeRefused as exc:
+        stages.note(**{"proofline.error_category": exc.code})
         record_refusal(rt, message, exc, delivery)
         log.warning("envelope refused", extra={"event": "envelope_refused", "reason_code": exc.code})
         return TaskSummary("refused", exc.code).as_dict()
@@ -149,6 +163,9 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     current_redactor.set(red)  # logs and Sentry events of this task are scrubbed with it too
     aid = envelope.action_id
     rt.mcp.action_id = aid  # calls from here on are this action's (worker/sandbox_events.py)
+    telemetry_context.bind(aid, run_id=envelope.run_id, tenant=envelope.tenant, action_type=envelope.action_type,
+                           irreversible=envelope.irreversible, stage="execute")
+    stages.describe(**tracing.about(envelope))
     events: list[tuple[str, dict[str, Any]]] = [
         ("validated", {"key_id": message.get("key_id"), "schema_version": envelope.schema_version,
                        "contract": contract.action_type, "contract_version": contract.version,
@@ -160,6 +177,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
     locks = Locks(action_lock_name(aid), target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id))
     conn = rt.conn
     t0 = time.monotonic()
+    stages.enter("proofline.lease")
     try:
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
@@ -207,6 +225,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             return _quota_wait(rt, envelope, waiting, delivery)
 
         server = rt.server(envelope.server.name)
+        stages.enter("proofline.revalidation")
         try:
             static = revalidate_static(envelope, settings, facts["now"], facts["revoked"] or [], facts["kills"] or [])
             published_at = existing.get("published_at") if existing else None
@@ -226,6 +245,7 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
             return _transient_before(rt, envelope, red, events, exc, dispatch)
         events.append(("revalidated", {**static, **live}))
 
+        stages.enter("proofline.precondition_read")
         try:
             before = read_target(rt, server, contract, envelope)
         except (TargetReadFailed, McpUnavailable) as exc:
@@ -261,8 +281,15 @@ def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispa
         if step != "call":
             return TaskSummary(step, None, aid).as_dict()
 
+        stages.enter("proofline.tool_call")
         report = _call(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract, result_limit(settings, server, contract))
+        for _ in report.progress:
+            stages.event("progress")
+        stages.note(**{"proofline.outcome": verdict.outcome.value,
+                       "proofline.error_category": None if report.error is None else verdict.reason_code})
+        stages.enter("proofline.record_result")
+        metrics.TOOL_CALL_SECONDS.labels(envelope.action_type, verdict.outcome.value).observe(report.elapsed_seconds)
         locked = False  # the result transaction releases both locks as its last statement
         return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch)
     except BaseException:
@@ -566,10 +593,11 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
         faultpoints.hit("before_send")
         try:
+            trace_meta = tracing.carrier()  # read here: the call runs on the MCP session's thread
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
                 action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
-                progress=progress, fencing_token=token), cancel_handle=handle)
+                progress=progress, fencing_token=token, trace_meta=trace_meta), cancel_handle=handle)
         except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
@@ -610,6 +638,8 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
         unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
     if verdict.outcome == Outcome.failed_before_side_effect:
+        tracing.mark("proofline.retry_decision", **{"proofline.error_category": verdict.reason_code,
+                                                     "proofline.recovery_kind": "retry" if retry else None})
         if retry:
             raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)

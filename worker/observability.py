@@ -90,16 +90,27 @@ def scrub_breadcrumb(crumb: dict[str, Any], hint: dict[str, Any] | None = None) 
 
 
 def init_sentry(settings: Settings, **options: Any) -> bool:
-    """Initialise Sentry when a DSN is configured; returns whether it was."""
+    """Initialise Sentry when a DSN is configured; returns whether it was. Every process type
+    calls it (workers and beat through worker/tasks.py, the CLI and the exporter at start): the
+    Celery integration reports task failures, and with ``sentry_traces_sample_rate`` that share of
+    tasks as transactions (scrubbed like events)."""
     if not settings.sentry_dsn:
         return False
     import sentry_sdk
+    from sentry_sdk.integrations.celery import CeleryIntegration
 
+    from proofline.telemetry.tracing import release_name
+
+    tracing = bool(settings.sentry_traces_sample_rate)
     sentry_sdk.init(
-        dsn=reveal(settings.sentry_dsn), environment=settings.environment,
+        dsn=reveal(settings.sentry_dsn), environment=settings.environment, release=release_name(settings.release),
         # Stack locals held the signing keys, database URLs and argument values.
         include_local_variables=False, send_default_pii=False, max_request_body_size="never",
-        before_send=scrub_event, before_breadcrumb=scrub_breadcrumb,
+        before_send=scrub_event, before_send_transaction=scrub_event, before_breadcrumb=scrub_breadcrumb,
+        traces_sample_rate=settings.sentry_traces_sample_rate if tracing else None,
+        # Beat's schedule is not a Sentry cron monitor; task headers carry Sentry's trace only
+        # when Sentry traces (OpenTelemetry carries Proofline's own).
+        integrations=[CeleryIntegration(monitor_beat_tasks=False, propagate_traces=tracing)],
         # Tool servers are untrusted: no trace headers (release, environment, key) on calls to them.
         trace_propagation_targets=[], **options,
     )

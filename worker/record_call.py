@@ -69,7 +69,8 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
         events += sandbox_events.write_pending_txn(cur, rt, envelope.action_id, audit)
         if verdict.outcome == Outcome.failed_before_side_effect:
             status = ActionStatus.published if retry else ActionStatus.closed
-            events.append(("retry_scheduled" if retry else "retries_exhausted", {"attempts": attempts}))
+            events.append(("retry_scheduled" if retry else "retries_exhausted",
+                           {"attempts": attempts, "cause": verdict.reason_code}))
         else:
             status = ActionStatus.verifying
             events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))

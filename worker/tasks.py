@@ -12,6 +12,8 @@ from ledger import heartbeat
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
+from proofline.telemetry.logs import install as install_log_format
+from proofline.telemetry.metrics import sweep_finished
 from recovery.settle import after_settle
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
@@ -21,6 +23,7 @@ from worker.runtime import runtime
 from worker.servers import check_sandbox_policy
 from worker.summary import with_outcome
 from worker.task_base import GuardedTask
+from worker.telemetry import install as install_telemetry
 from worker.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ TASK_OPTIONS: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_work
 @signals.after_setup_task_logger.connect
 def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_scrubbing(*([logger] if logger is not None else []))
+    # After the scrubbing filter: the action's fields and the extras are written as it left them.
+    install_log_format(get_settings().log_format, *([logger] if logger is not None else []))
 
 
 @signals.worker_process_shutdown.connect
@@ -193,10 +198,11 @@ def reconcile_task() -> dict[str, int]:
                        # Longer than any deadline plus its grace: older counts can explain nothing still open.
                        delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
         heartbeat.beat(rt.conn, s.worker_id, counts)  # what `proofline doctor` reads
-        return counts
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
+    sweep_finished()
+    return counts
 
 
 @app.task(name="proofline.checkpoint", base=SweepTask, ignore_result=True)
@@ -226,3 +232,4 @@ def checkpoint_task() -> dict[str, Any]:
 
 init_sentry(get_settings())
 install_log_scrubbing()
+install_telemetry()

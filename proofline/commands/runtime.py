@@ -38,8 +38,13 @@ def _foreground(name: str) -> None:
               help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
 @click.option("--queues", default=None, help="override the role's queues")
 @click.option("--concurrency", default=2)
+@click.option("--metrics-port", type=int, default=None, envvar="PROOFLINE_METRICS_PORT",
+              help="serve this worker's Prometheus metrics on this port")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="PROOFLINE_METRICS_HOST",
+              help="address of the metrics endpoint")
 @click.pass_context
-def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) -> None:
+def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int, metrics_port: int | None,
+           metrics_host: str) -> None:
     """Run a supervised Celery worker (prefork) for a role; extra options go to Celery.
 
     Its keys are checked before it starts (a production process refuses development keys, an
@@ -51,6 +56,11 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int) 
     _foreground("worker")
     for warning in check_process_keys(settings(), role):
         click.echo(f"proofline worker: warning: {warning}", err=True)
+    if metrics_port is not None:
+        from proofline.telemetry.serve import prepare_multiprocess_dir, serve_worker_metrics
+
+        prepare_multiprocess_dir()  # before Celery starts: its pool processes inherit the directory
+        serve_worker_metrics(metrics_port, metrics_host)
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q",
             queues or role_queues(role, settings().tenant_shards),
             "-c", str(concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]

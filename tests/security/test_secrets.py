@@ -83,12 +83,16 @@ class SentryReceiver:
 
     def events(self) -> list[dict[str, Any]]:
         """Error events (envelope items of type ``event``)."""
+        return self.items("event")
+
+    def items(self, kind: str) -> list[dict[str, Any]]:
+        """Envelope items of one type (``event``, ``transaction``)."""
         out = []
         for body in self.bodies:
             lines = body.split("\n")
             for header, payload in zip(lines[1::2], lines[2::2], strict=False):
                 try:
-                    if json.loads(header).get("type") == "event":
+                    if json.loads(header).get("type") == kind:
                         out.append(json.loads(payload))
                 except ValueError:
                     continue

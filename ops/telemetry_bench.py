@@ -1,0 +1,151 @@
+"""Throughput with telemetry on versus off, in one run.
+
+    .venv/bin/python -m ops.telemetry_bench [--actions N] [--rounds R] [--transport http] [--json PATH]
+
+One stack (``tests.conftest.build_stack``), then ``--rounds`` pairs of timed windows, "off" then
+"on", then "on" then "off" (ABBA), so that drift of a shared machine falls on both. Each window starts a fresh
+supervised worker (two prefork processes), warms it up, publishes N ``ticket.create`` envelopes and
+waits until each is settled; throughput is N over the ledger's own window (first ``published`` to
+last ``final_state``, database clock).
+
+- off: no metrics endpoint, no ``OTEL_*`` (tracing's null context), text logs.
+- on: ``proofline worker --metrics-port`` (prometheus_client multiprocess mode, scraped every
+  5 s by this process during the window; Prometheus's default is 15 s), tracing with every span
+  written by the ``jsonl`` exporter (batched, as the OTLP exporter is), JSON logs. The controller
+  side (this process) is not traced in either window.
+
+The figure is on/off throughput (target: at least 0.90, i.e. at most 10% lower). Also reported:
+the worker's CPU per action (its supervisor, Celery main and pool processes), which a busy
+shared machine disturbs less than throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ops.bench import cpu_delta, cpu_seconds, log, process_tree, runtime_defaults
+from tests.conftest import (
+    SETTLED,
+    Stack,
+    build_stack,
+    free_port,
+    start_workers,
+    stop_process,
+    teardown_stack,
+    wait_for,
+)
+from tests.helpers import ticket_env
+
+
+def settled(stack: Stack, ids: list[str]) -> bool:
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND status = ANY(%s)",
+                    (ids, [s.value for s in SETTLED]))
+        return cur.fetchone()["n"] == len(ids)
+
+
+def window(stack: Stack, ids: list[str]) -> tuple[float, int]:
+    with stack.conn.cursor() as cur:
+        cur.execute("""SELECT extract(epoch FROM max(at) FILTER (WHERE event = 'final_state')
+                                          - min(at) FILTER (WHERE event = 'published')) AS seconds,
+                              count(*) FILTER (WHERE event = 'final_state'
+                                               AND evidence->>'outcome' = 'completed_verified') AS verified
+                       FROM ledger_events WHERE action_id = ANY(%s)""", (ids,))
+        row = cur.fetchone()
+    return float(row["seconds"]), int(row["verified"])
+
+
+def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict[str, Any]:
+    env = dict(stack.env)
+    port = None
+    if mode == "on":
+        port = free_port()
+        env.update(PROOFLINE_METRICS_PORT=str(port), PROOFLINE_LOG_FORMAT="json", OTEL_TRACES_EXPORTER="jsonl",
+                   PROOFLINE_TRACES_DIR=str(stack.workdir / f"traces-{index}"),
+                   PROMETHEUS_MULTIPROC_DIR=str(stack.workdir / f"metrics-{index}"))
+    worker = start_workers(stack, name=f"{mode}{index}-", beat=False, env=env)[0]
+    scraping = threading.Event()
+    scrapes = [0]
+
+    def scrape() -> None:
+        while not scraping.wait(5.0):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # noqa: S310 - loopback
+                r.read()
+            scrapes[0] += 1
+
+    try:
+        warm = [ticket_env(stack) for _ in range(warmup)]
+        for env_ in warm:
+            stack.publish(env_)
+        wait_for(lambda: settled(stack, [e.action_id for e in warm]), 120, what="the warm-up")
+        scraper = threading.Thread(target=scrape, daemon=True) if port else None
+        if scraper:
+            scraper.start()
+        batch = [ticket_env(stack) for _ in range(n)]
+        tree = process_tree(worker.pid)
+        cpu0 = cpu_seconds(tree)
+        for env_ in batch:
+            stack.publish(env_)
+        ids = [e.action_id for e in batch]
+        wait_for(lambda: settled(stack, ids), 600, interval=0.5, what=f"{n} actions ({mode})")
+        cpu_ms = cpu_delta(cpu0, cpu_seconds(process_tree(worker.pid))) * 1000 / n
+        scraping.set()
+        if scraper:
+            scraper.join(5)
+        seconds, verified = window(stack, ids)
+    finally:
+        stop_process(worker)
+        stack.workers.remove(worker)
+    spans = sum(1 for p in (stack.workdir / f"traces-{index}").glob("*.jsonl") for _ in p.open()) if port else 0
+    result = {"mode": mode, "actions": n, "verified": verified, "seconds": round(seconds, 3),
+              "actions_per_s": round(n / seconds, 2), "worker_cpu_ms_per_action": round(cpu_ms, 1), "spans": spans, "scrapes": scrapes[0]}
+    log(json.dumps(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.telemetry_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--actions", type=int, default=150, help="actions per timed window")
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of windows (off, on)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--transport", choices=("http", "stdio"), default="http")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    stack = build_stack(args.transport, Path(tempfile.mkdtemp(prefix="proofline-telemetry-bench-")),
+                        extra_env=runtime_defaults())
+    try:
+        stack.live()
+        results = []
+        for round_ in range(args.rounds):
+            # off-on, then on-off (ABBA): a machine getting busier or quieter favours neither.
+            for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+                results.append(run_window(stack, mode, args.actions, args.warmup, len(results)))
+    finally:
+        teardown_stack(stack)
+    rate = {m: sum(r["actions"] for r in results if r["mode"] == m) / sum(r["seconds"] for r in results
+                                                                            if r["mode"] == m) for m in ("off", "on")}
+    cpu = {m: statistics.mean(r["worker_cpu_ms_per_action"] for r in results if r["mode"] == m) for m in ("off", "on")}
+    by_round = [{r["mode"]: r for r in results[i:i + 2]} for i in range(0, len(results), 2)]
+    pairs = [p["on"]["actions_per_s"] / p["off"]["actions_per_s"] for p in by_round]
+    summary = {"off_actions_per_s": round(rate["off"], 2), "on_actions_per_s": round(rate["on"], 2),
+               "on_over_off": round(rate["on"] / rate["off"], 3), "pair_ratios": [round(p, 3) for p in pairs],
+               "median_pair_ratio": round(statistics.median(pairs), 3),
+               "worker_cpu_ms_per_action": {m: round(v, 1) for m, v in cpu.items()},
+               "cpu_on_over_off": round(cpu["on"] / cpu["off"], 3), "windows": results,
+               "config": {"transport": args.transport, "actions": args.actions, "rounds": args.rounds}}
+    print(json.dumps({k: v for k, v in summary.items() if k != "windows"}, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    bad = [r for r in results if r["verified"] != r["actions"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""The exporter's metrics, computed from Postgres at each scrape: the ledger's own count of every
+event counter (``proofline_ledger_<name>_total``, the same table the workers count from), gauges
+of what is open now (stuck actions, queue age, unknown outcomes, expired leases, irreversible
+actions awaiting review), cancellation-to-containment latency, and the broker's queue depths.
+
+Every number here agrees with the ledger by construction; the workers' counters agree with these
+when every write went through a worker that has been up since the ledger began (restarts reset a
+worker's counters, never the ledger's). Each scrape reads the whole event table once, filtered
+to the counted events: scrape it every 30 s or slower on a large ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from psycopg.rows import dict_row
+
+from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded_sql
+
+log = logging.getLogger(__name__)
+
+#: Statuses an action can wait or stick in; the age of the oldest one in each is exported.
+OPEN_STATUSES = ("pending", "published", "executing", "verifying", "recovery", "escalated")
+CANCEL_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 900, 3600)
+#: Queues that are not sharded by tenant; ``actions`` and ``verify`` are expanded to their shards.
+PLAIN_QUEUES = ("compensate", "recovery", "reconcile", "checkpoint")
+#: kombu's Redis transport keeps priorities 3, 6 and 9 of a queue in lists of their own.
+_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+
+
+def _counter_sql(counter: EventCounter) -> str:
+    labels = [bounded_sql("e.action_type")]
+    if counter.irreversible:
+        labels.append("CASE WHEN e.irreversible = 'true' THEN 'true' ELSE 'false' END")
+    labels += [p.sql() for p in counter.labels]
+    events = ", ".join(f"'{name}'" for name in counter.events)
+    where = " AND ".join([f"e.event IN ({events})", *(c.sql() for c in counter.when)])
+    return (f"SELECT '{counter.name}' AS counter, ARRAY[{', '.join(labels)}] AS labels, count(*) AS n "
+            f"FROM ev e WHERE {where} GROUP BY 2")
+
+
+#: One statement, one scan of the counted events: every counter's totals by label set.
+COUNTERS_SQL = (
+    "WITH ev AS MATERIALIZED (SELECT l.event, l.evidence, a.action_type, a.envelope->>'irreversible' AS irreversible "
+    "FROM ledger_events l LEFT JOIN actions a ON a.action_id = l.action_id WHERE l.event = ANY(%(events)s))\n"
+    + "\nUNION ALL\n".join(_counter_sql(c) for c in COUNTERS)
+)
+
+ACTIONS_SQL = """SELECT action_type, status::text AS status, coalesce(outcome::text, 'none') AS outcome, count(*) AS n
+FROM actions GROUP BY 1, 2, 3"""
+
+OPEN_SQL = """SELECT status::text AS status, extract(epoch FROM clock_timestamp() - min(updated_at)) AS age
+FROM actions WHERE status::text = ANY(%(open)s) GROUP BY 1"""
+
+GAUGES_SQL = """SELECT
+  (SELECT count(*) FROM actions WHERE status = 'escalated' AND envelope->>'irreversible' = 'true') AS review_irreversible,
+  (SELECT count(*) FROM actions WHERE status = 'escalated') AS review_all,
+  (SELECT count(*) FROM actions WHERE outcome = 'unknown_outcome' AND status NOT IN ('closed', 'cancelled'))
+    AS unknown_open,
+  (SELECT count(*) FROM leases WHERE released_at IS NULL AND expires_at < clock_timestamp()) AS leases_expired"""
+
+CANCEL_SQL = """SELECT extract(epoch FROM updated_at - cancel_requested_at) AS seconds FROM actions
+WHERE cancel_requested_at IS NOT NULL AND status IN ('cancelled', 'closed', 'escalated')"""
+
+
+class LedgerCollector:
+    """A prometheus_client collector reading the ledger (as a read-only role) at each scrape."""
+
+    def __init__(self, database_url: str, broker_url: str | None = None, queues: list[str] | None = None) -> None:
+        self.database_url = database_url
+        self.broker_url = broker_url if broker_url and broker_url.startswith(("redis://", "rediss://")) else None
+        self.queues = queues or []
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+
+    def _connection(self) -> psycopg.Connection[dict[str, Any]]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = psycopg.connect(self.database_url, autocommit=True, row_factory=dict_row,
+                                         application_name="proofline-exporter", connect_timeout=10)
+        return self._conn
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("proofline_ledger_up", "Whether the last scrape read the ledger")
+        try:
+            families = list(self._ledger_families())
+        except psycopg.Error as exc:
+            log.warning("ledger not readable: %s", type(exc).__name__, extra={"event": "exporter_ledger_error"})
+            self._conn = None
+            families = []
+        up.add_metric([], 1.0 if families else 0.0)
+        yield up
+        yield from families
+        if self.broker_url:
+            yield from self._queue_families()
+
+    def _ledger_families(self) -> Iterator[Any]:
+        conn = self._connection()
+        with conn.cursor() as cur:
+            cur.execute(COUNTERS_SQL, {"events": sorted(COUNTED_EVENTS)})
+            totals = list(cur.fetchall())
+            cur.execute(ACTIONS_SQL)
+            actions = list(cur.fetchall())
+            cur.execute(OPEN_SQL, {"open": list(OPEN_STATUSES)})
+            ages = {r["status"]: float(r["age"]) for r in cur.fetchall()}
+            cur.execute(GAUGES_SQL)
+            gauges = cur.fetchone()
+            cur.execute(CANCEL_SQL)
+            cancels = [float(r["seconds"]) for r in cur.fetchall()]
+        for counter in COUNTERS:
+            family = CounterMetricFamily(f"proofline_ledger_{counter.name}", f"{counter.doc} (from the ledger)",
+                                         labels=list(counter.label_names))
+            for row in totals:
+                if row["counter"] == counter.name:
+                    family.add_metric(list(row["labels"]), float(row["n"]))
+            yield family
+        by_status = GaugeMetricFamily("proofline_ledger_actions", "Actions by type, status and outcome",
+                                      labels=["action_type", "status", "outcome"])
+        for row in actions:
+            by_status.add_metric([row["action_type"], row["status"], row["outcome"]], float(row["n"]))
+        yield by_status
+        oldest = GaugeMetricFamily("proofline_ledger_oldest_seconds", "Age of the oldest action in each open "
+                                   "status since its last change (0 when none)", labels=["status"])
+        for status in OPEN_STATUSES:
+            oldest.add_metric([status], ages.get(status, 0.0))
+        yield oldest
+        review = GaugeMetricFamily("proofline_ledger_awaiting_review", "Escalated actions waiting for an operator",
+                                   labels=["irreversible"])
+        review.add_metric(["true"], float(gauges["review_irreversible"]))
+        review.add_metric(["false"], float(gauges["review_all"] - gauges["review_irreversible"]))
+        yield review
+        yield GaugeMetricFamily("proofline_ledger_unknown_outcome_open", "Actions whose outcome is unknown and "
+                                "not yet settled", value=float(gauges["unknown_open"]))
+        yield GaugeMetricFamily("proofline_ledger_leases_expired", "Leases past their expiry and not released",
+                                value=float(gauges["leases_expired"]))
+        yield _histogram("proofline_ledger_cancellation_containment_seconds", "From a cancellation request to a "
+                         "known final state", cancels, CANCEL_BUCKETS)
+
+    def _queue_families(self) -> Iterator[Any]:
+        import redis
+
+        depth = GaugeMetricFamily("proofline_queue_depth", "Messages waiting in each broker queue",
+                                  labels=["queue"])
+        try:
+            client = redis.Redis.from_url(self.broker_url, socket_timeout=5)
+            with client.pipeline(transaction=False) as pipe:
+                for queue in self.queues:
+                    for suffix in _PRIORITY_SUFFIXES:
+                        pipe.llen(queue + suffix)
+                lengths = pipe.execute()
+            client.close()
+        except redis.RedisError as exc:
+            log.warning("broker not readable: %s", type(exc).__name__, extra={"event": "exporter_broker_error"})
+            return
+        step = len(_PRIORITY_SUFFIXES)
+        for i, queue in enumerate(self.queues):
+            depth.add_metric([queue], float(sum(lengths[i * step:(i + 1) * step])))
+        yield depth
+
+
+def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:
+    cumulative = [(str(b), float(sum(1 for v in values if v <= b))) for b in buckets]
+    cumulative.append(("+Inf", float(len(values))))
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=sum(values))

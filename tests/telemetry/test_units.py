@@ -1,0 +1,42 @@
+"""Pure logic of the telemetry modules (no services): label bounding, the span attribute
+allow-list, and tracing switched off."""
+
+from __future__ import annotations
+
+import contextlib
+
+from proofline.telemetry import tracing
+from proofline.telemetry.events import COUNTERS, Path, bounded
+
+
+def test_label_values_are_short_identifiers_or_other() -> None:
+    assert bounded("response_lost") == "response_lost"
+    assert bounded("tool_error:Some Server's Own Class") == "tool_error"  # the server's text never becomes a label
+    assert bounded("x" * 49) == "other" and bounded("two words") == "other"
+    assert (bounded(None), bounded(""), bounded(True), bounded(3)) == ("none", "none", "true", "3")
+    assert Path("reason", ("failures", 0, "reason")).read("e", {"failures": [{"reason": "stale_version"}]}) == \
+        "stale_version"
+    assert Path("reason", ("failures", 0, "reason")).read("e", {"failures": []}) == "none"
+
+
+def test_every_counter_has_unique_name_and_label_names() -> None:
+    names = [c.name for c in COUNTERS]
+    assert len(names) == len(set(names))
+    for counter in COUNTERS:
+        assert len(counter.label_names) == len(set(counter.label_names)), counter.name
+
+
+def test_span_attributes_outside_the_allow_list_are_dropped() -> None:
+    kept = tracing.clean({"proofline.action_type": "refund.issue", "arguments": {"amount": 5}, "result": "secret",
+                          "proofline.tool": "x" * 200, "proofline.outcome": None})
+    assert kept == {"proofline.action_type": "refund.issue", "proofline.tool": "x" * 80}
+
+
+def test_tracing_off_is_a_shared_null_context() -> None:
+    assert not tracing.enabled()
+    assert isinstance(tracing.span("proofline.tool_call", **{"proofline.tool": "t"}), contextlib.nullcontext)
+    assert tracing.span("a") is tracing.span("b")
+    assert tracing.carrier() == {} and tracing.trace_id() is None
+    stages = tracing.Stages()
+    stages.enter("proofline.preflight")
+    stages.close()  # nothing was started, nothing to end
