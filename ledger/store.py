@@ -18,10 +18,11 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from ledger import observe, seal
+from ledger import seal
 from ledger.redact import POLICY, Redactor, as_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.errors import ConfigurationError, PrivilegeRefused, StaleLease, TransitionRefused
+from proofline.telemetry import observe
 
 Cursor = psycopg.Cursor[dict[str, Any]]
 

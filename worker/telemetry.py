@@ -8,9 +8,8 @@ from typing import Any
 
 from celery import signals
 
-from ledger import observe
 from proofline.settings import get_settings
-from proofline.telemetry import context, metrics, tracing
+from proofline.telemetry import context, metrics, observe, tracing
 
 _started: dict[str, float] = {}
 

@@ -58,7 +58,7 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
         provider.add_span_processor(_processor(name))
     trace.set_tracer_provider(provider)
     _state.update(enabled=True, provider=provider)
-    from ledger import observe  # the app level: the ledger records the trace id on every event
+    from proofline.telemetry import observe  # the app level: the ledger records the trace id on every event
 
     observe.install_annotator(_ids)
     if celery:
@@ -89,7 +89,7 @@ def _processor(name: str) -> Any:
 
 def shutdown() -> None:
     """Flush and stop (a process that exits, or a test that is done)."""
-    from ledger import observe
+    from proofline.telemetry import observe
 
     observe.install_annotator(None)
     if _state["celery"] is not None:

@@ -22,11 +22,19 @@ from proofline.settings import ROOT
 #: form, signing, errors, settings and what they are built from).
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
           "proofline.conditions", "proofline.contracts", "proofline.envelope", "proofline.errors",
-          "proofline.keys", "proofline.ledger_check", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation"}
+          "proofline.keys", "proofline.ledger_check", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
+          "proofline.telemetry.observe"}
+#: Instrumentation every layer reports through (metric and span definitions, log context): at the
+#: bottom like the domain, but outside the no-I/O-at-import check, because prometheus_client reads
+#: /proc at import for its process collector.
+INSTRUMENTATION = {"proofline.telemetry", "proofline.telemetry.context", "proofline.telemetry.events",
+                   "proofline.telemetry.metrics", "proofline.telemetry.tracing", "proofline.telemetry.span_files"}
 #: Where worker and recovery tasks are wired together: the one worker module that may import recovery.
 CELERY_APP = "worker.tasks"
 #: The CLI's entry points into the kit, imported only when their command runs.
-KIT_ENTRY_POINTS = {("proofline.cli", "proofline_kit.demo"), ("proofline.cli", "ops.soak")}
+KIT_ENTRY_POINTS = {("proofline.commands.runtime", "proofline_kit.demo"), ("proofline.commands.runtime", "ops.soak")}
+#: ``from proofline import Client`` loads the SDK on first use (PEP 562 ``__getattr__``), not at import.
+LAZY_EXPORTS = {("proofline", "proofline.client")}
 LAYERS = {"domain": 0, "ledger": 1, "worker": 2, "recovery": 3, "app": 4}
 
 
@@ -37,7 +45,7 @@ def module_name(path: Path) -> str:
 
 def layer(module: str) -> str | None:
     top = module.split(".")[0]
-    if module in DOMAIN:
+    if module in DOMAIN or module in INSTRUMENTATION:
         return "domain"
     if module == CELERY_APP or top == "proofline":
         return "app"
@@ -79,10 +87,10 @@ def wrong_way_arrows() -> list[str]:
                 if at_top or (module, target) not in KIT_ENTRY_POINTS:
                     bad.append(f"{module} -> {target}: runtime code never imports the kit")
                 continue
-            there = layer(target if target in known or target in DOMAIN else target.rsplit(".", 1)[0])
+            there = layer(target if target in known or target in DOMAIN or target in INSTRUMENTATION else target.rsplit(".", 1)[0])
             if here is None or there is None:
                 continue
-            if LAYERS[there] > LAYERS[here]:
+            if LAYERS[there] > LAYERS[here] and (at_top or (module, target) not in LAZY_EXPORTS):
                 bad.append(f"{module} ({here}) -> {target} ({there}): imports point down only")
             if here == "ledger" and target_top in ("celery", "kombu"):
                 bad.append(f"{module} -> {target}: the ledger knows no Celery")
