@@ -173,6 +173,13 @@ def check_servers(settings: Settings) -> str:
     if sandboxed and shutil.which("bwrap") is None:
         raise Failed(f"{', '.join(sandboxed)} run sandboxed but bubblewrap (bwrap) is not on PATH",
                      "install bubblewrap (Debian: apt-get install bubblewrap)")
+    unaudited = [name for name, e in (
+        (f"{s.name}/{role}", e) for s in servers.values() for role, e in (("write", s.write), ("read", s.read)))
+        if e.transport == "stdio" and e.sandbox.enabled and e.sandbox.audit is not False]
+    if unaudited and shutil.which("strace") is None:
+        raise Failed(f"{', '.join(unaudited)} audit denied paths but strace is not on PATH (nothing is audited)",
+                     "install strace (Debian: apt-get install strace), or set sandbox: {audit: false, "
+                     "audit_reason: ...}")
     base = settings.servers_base_dir
     missing = sorted({p for s in servers.values() for e in (s.write, s.read) if e.transport == "stdio"
                       for p in (*e.sandbox.ro_paths, *e.sandbox.rw_paths)
@@ -181,7 +188,7 @@ def check_servers(settings: Settings) -> str:
         raise Failed(f"sandbox paths missing under {base}: {', '.join(missing)}",
                      "create them, or fix ro_paths/rw_paths in the servers file")
     note = f"; unsandboxed: {', '.join(f'{k} ({v})' for k, v in unsandboxed.items())}" if unsandboxed else ""
-    return f"{len(servers)} server(s) in {path}" + (", bwrap found" if sandboxed else "") + note
+    return f"{len(servers)} server(s) in {path}" + (", bwrap found" if sandboxed else "") + (", strace found" if unaudited else "") + note
 
 
 #: Checks that read the database: not run (and failed) when it cannot be reached.
