@@ -9,7 +9,7 @@ import re
 import socket
 import subprocess
 import sys
-import time
+import uuid
 from pathlib import Path
 
 import anyio
@@ -17,6 +17,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
+from proofline_kit.processes import wait_port_file
 from proofline_kit.sor import store
 from proofline_kit.sor.server import IDEMPOTENCY_META_KEY
 
@@ -57,35 +58,17 @@ def free_port() -> int:
 @contextlib.contextmanager
 def http_server(db: Path, role: str = "writer", *extra_args: str):
     """Start the server over streamable HTTP on a free loopback port; yield its MCP URL."""
-    port = free_port()
+    port_file = db.with_name(f"{db.stem}-{role}-{uuid.uuid4().hex[:8]}.port")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proofline_kit.sor",
-            "--transport",
-            "http",
-            "--port",
-            str(port),
-            "--role",
-            role,
-            *extra_args,
-        ],
+        [sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", "0",
+         "--port-file", str(port_file), "--role", role, *extra_args],
         env={**os.environ, **server_env(db)},
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert proc.poll() is None, "server exited during start-up"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not open its port"
-                time.sleep(0.05)
+        port = wait_port_file(port_file, proc, timeout=15)  # the server binds port 0 and reports it
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
         # uvicorn drains in-flight requests on SIGTERM; a dropped response sleeps for an hour.

@@ -9,9 +9,12 @@ identity has made, so a test can tell which credentials a client really sent.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import ssl
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -47,13 +50,21 @@ class RequireToken:
 
 
 def main(argv: list[str]) -> None:
-    port, tokens = int(argv[0]), json.loads(argv[1])
+    """argv: PORT_FILE TOKENS_JSON [CERT KEY CA]. Binds a loopback port of its own choosing (port 0)
+    and writes the number to PORT_FILE once it listens."""
+    port_file, tokens = Path(argv[0]), json.loads(argv[1])
     app = RequireToken(server.streamable_http_app(stateless_http=True, json_response=True), tokens)
     tls: dict[str, Any] = {}
     if len(argv) > 2:
         tls = {"ssl_certfile": argv[2], "ssl_keyfile": argv[3], "ssl_ca_certs": argv[4],
                "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", **tls)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    tmp = port_file.with_name(port_file.name + ".tmp")
+    tmp.write_text(str(sock.getsockname()[1]))
+    os.replace(tmp, port_file)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", **tls)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

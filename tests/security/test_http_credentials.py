@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from proofline.errors import ConfigurationError, McpUnavailable
-from tests.conftest import free_port, start_process, stop_process, wait_port
+from proofline_kit.processes import wait_port_file
+from tests.conftest import start_process, stop_process
 from worker.mcp_client import McpSessions
 from worker.servers import load_servers
 
@@ -47,10 +48,10 @@ def seen(m: McpSessions, server: Any, role: str) -> dict[str, int]:
 
 @pytest.fixture
 def plain(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start_process([sys.executable, str(SERVER), str(port), json.dumps(TOKENS)], {}, tmp_path / "api.log")
+    proc = start_process([sys.executable, str(SERVER), str(tmp_path / "api.port"), json.dumps(TOKENS)], {},
+                         tmp_path / "api.log")
     try:
-        wait_port(port)
+        port = wait_port_file(tmp_path / "api.port", proc)
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
         stop_process(proc, grace=3)
@@ -125,9 +126,14 @@ def _certificates(d: Path) -> None:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_mutual_tls_with_a_client_certificate_from_files(tmp_path: Path) -> None:
     _certificates(tmp_path)
-    port = free_port()
-    proc = start_process([sys.executable, str(SERVER), str(port), json.dumps(TOKENS), str(tmp_path / "server.pem"),
+    proc = start_process([sys.executable, str(SERVER), str(tmp_path / "api.port"), json.dumps(TOKENS),
+                          str(tmp_path / "server.pem"),
                           str(tmp_path / "server.key"), str(tmp_path / "ca.pem")], {}, tmp_path / "api.log")
+    try:
+        port = wait_port_file(tmp_path / "api.port", proc)  # the server bound port 0 and reported it
+    except BaseException:
+        stop_process(proc, grace=3)
+        raise
     url = f"https://127.0.0.1:{port}/mcp"
     token = secret(tmp_path / "writer.token", "Bearer writer-token-1")
     server = servers(tmp_path, {
@@ -139,7 +145,6 @@ def test_mutual_tls_with_a_client_certificate_from_files(tmp_path: Path) -> None
     assert server.read.client_cert_file is None and server.read.ca_file == str(tmp_path / "ca.pem")
     m = McpSessions(tmp_path)
     try:
-        wait_port(port)
         assert seen(m, server, "write")["writer"] >= 1
         with pytest.raises(McpUnavailable):
             seen(m, server, "read")

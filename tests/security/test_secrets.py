@@ -28,7 +28,7 @@ from proofline.keys import KeyRole, load_signing_key
 from proofline.settings import ROOT
 from proofline.signing import sign_document
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack, wait_for
+from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account
 from worker.faultpoints import arm, fired
 
@@ -73,7 +73,7 @@ class SentryReceiver:
             def log_message(self, *_: Any) -> None:
                 return
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # binds a port itself
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
