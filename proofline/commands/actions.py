@@ -181,13 +181,16 @@ def run(run_id: str) -> None:
 def forensics(action_id: str) -> None:
     """Reconstruct an action and its recovery from the ledger alone."""
     from proofline.errors import NotFound
-    from proofline.forensics import reconstruct
+    from proofline.forensics import document, reconstruct
 
     with connect("reader") as conn, conn.cursor() as cur:
         text = reconstruct(cur, action_id)
+        # --json: the structured reconstruction (chain check, authorized, checked, executed, changed,
+        # recovery with nested recovery actions, final), with the text report alongside.
+        doc = document(cur, action_id) if MODE.json and text is not None else None
     if text is None:
         raise NotFound(f"no ledger events for {action_id}", action_id=action_id)
-    emit({"action_id": action_id, "report": text}, text)
+    emit({**(doc or {}), "action_id": action_id, "report": text}, text)
 
 
 COMMANDS = (actions, status, runs, run, forensics)

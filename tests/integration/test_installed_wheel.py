@@ -68,7 +68,8 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
     state = tmp_path / "state"
     admin, runtime = create_database("pl_wheel")
     urls = role_urls(admin)
-    broker = f"redis://127.0.0.1:6379/{claim_redis_db()}"
+    claim = claim_redis_db()
+    broker = claim.url
     # Only the services and a state folder: contracts and servers come from the package itself.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_", "PYTHON", "VIRTUAL_ENV"))}
     env.update({"PATH": f"{installed / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
@@ -119,5 +120,5 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
     finally:
         if worker is not None:
             stop_process(worker)
-        release_redis_db(broker)
+        release_redis_db(claim)
         drop_database(admin)
