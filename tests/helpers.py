@@ -19,6 +19,11 @@ def ticket_env(stack: Stack, **kw: Any) -> Envelope:
                           target={"type": "ticket_queue", "id": "acme-ops"}, **kw)
 
 
+def evidence_of(stack: Stack, action_id: str, event: str) -> list[dict[str, Any]]:
+    """The evidence of every ``event`` on an action's chain, in order."""
+    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
+
+
 def new_account(stack: Stack, balance: int = 100_000) -> str:
     name = f"acct-{uid()}"
     sor.put_account(stack.sor_db, name, "acme", balance)

@@ -15,27 +15,28 @@ from __future__ import annotations
 from ledger.states import ActionStatus, Outcome
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack
-from tests.helpers import new_account, refund_env
+from tests.helpers import evidence_of, new_account, refund_env
 
 
-def timeline_of(stack: Stack, action_id: str, event: str) -> list[dict]:
-    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
+def refund_under_fault(stack: Stack, env, mode: str, remaining: int):
+    """Publish ``env`` with the system of record's ``issue_refund`` fault ``mode`` armed; the settled row."""
+    sor.set_fault(stack.sor_db, "issue_refund", mode, remaining=remaining)
+    try:
+        stack.publish(env)
+        return stack.wait_settled(env.action_id, timeout=60)
+    finally:
+        sor.clear_faults(stack.sor_db, "issue_refund")
 
 
 def test_a_lie_is_caught_by_verification_and_the_refund_is_paid_once(stack: Stack) -> None:
     env = refund_env(stack, new_account(stack))
-    sor.set_fault(stack.sor_db, "issue_refund", "lie", remaining=1)
-    try:
-        stack.publish(env)
-        row = stack.wait_settled(env.action_id, timeout=60)
-    finally:
-        sor.clear_faults(stack.sor_db, "issue_refund")
+    row = refund_under_fault(stack, env, "lie", remaining=1)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row.reason_code
     calls = stack.witness.calls(key=env.idempotency_key)
     assert len(calls) == 2 and not any(c.is_error for c in calls)  # both answers said "issued"
-    assert [c["outcome"] for c in timeline_of(stack, env.action_id, "tool_called")] == [
+    assert [c["outcome"] for c in evidence_of(stack, env.action_id, "tool_called")] == [
         Outcome.completed_unverified.value, Outcome.completed_unverified.value]
-    assert [v["finding"] for v in timeline_of(stack, env.action_id, "verification_finished")] == ["absent", "expected"]
+    assert [v["finding"] for v in evidence_of(stack, env.action_id, "verification_finished")] == ["absent", "expected"]
     assert stack.effects(env.idempotency_key) == 1
     # The refund the action reports is the one the system of record holds, not the invented one.
     paid = sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refund"]["id"]
@@ -44,33 +45,23 @@ def test_a_lie_is_caught_by_verification_and_the_refund_is_paid_once(stack: Stac
 
 def test_a_server_that_always_lies_never_yields_a_success(stack: Stack) -> None:
     env = refund_env(stack, new_account(stack))
-    sor.set_fault(stack.sor_db, "issue_refund", "lie", remaining=-1)
-    try:
-        stack.publish(env)
-        row = stack.wait_settled(env.action_id, timeout=60)
-    finally:
-        sor.clear_faults(stack.sor_db, "issue_refund")
+    row = refund_under_fault(stack, env, "lie", remaining=-1)
     assert row.outcome != Outcome.completed_verified
     assert row.outcome == Outcome.failed_before_side_effect, (row.status, row.reason_code)
     attempts = min(env.retry_policy.max_attempts, env.authority_budget.max_calls)
     assert stack.witness.count(key=env.idempotency_key) == attempts
-    assert len(timeline_of(stack, env.action_id, "tool_called")) == attempts
-    assert {v["finding"] for v in timeline_of(stack, env.action_id, "verification_finished")} == {"absent"}
+    assert len(evidence_of(stack, env.action_id, "tool_called")) == attempts
+    assert {v["finding"] for v in evidence_of(stack, env.action_id, "verification_finished")} == {"absent"}
     assert stack.effects(env.idempotency_key) == 0
 
 
 def test_failure_after_commit_is_settled_by_the_read_and_not_retried(stack: Stack) -> None:
     env = refund_env(stack, new_account(stack))
-    sor.set_fault(stack.sor_db, "issue_refund", "fail_after_commit", remaining=1)
-    try:
-        stack.publish(env)
-        row = stack.wait_settled(env.action_id, timeout=60)
-    finally:
-        sor.clear_faults(stack.sor_db, "issue_refund")
+    row = refund_under_fault(stack, env, "fail_after_commit", remaining=1)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row.reason_code
     [call] = stack.witness.calls(key=env.idempotency_key)
     assert call.is_error is True  # the server said it failed
-    [recorded] = timeline_of(stack, env.action_id, "tool_called")
+    [recorded] = evidence_of(stack, env.action_id, "tool_called")
     assert recorded["outcome"] in (Outcome.unknown_outcome.value, Outcome.failed_after_side_effect.value)
-    assert timeline_of(stack, env.action_id, "verification_finished")[-1]["finding"] == "expected"
+    assert evidence_of(stack, env.action_id, "verification_finished")[-1]["finding"] == "expected"
     assert stack.effects(env.idempotency_key) == 1

@@ -20,12 +20,8 @@ from proofline.controller import publish_message
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import Stack, wait_for
-from tests.helpers import LosingBroker, run_of, run_settled, ticket_env
+from tests.helpers import LosingBroker, evidence_of, run_of, run_settled, ticket_env
 from worker.dispatch import CeleryDispatch
-
-
-def evidence_of(stack: Stack, action_id: str, event: str) -> list[dict]:
-    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
 
 
 def test_deadline_passed_before_execution_sends_nothing(stack: Stack) -> None:

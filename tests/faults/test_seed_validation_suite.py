@@ -37,6 +37,7 @@ from recovery.operator import clear_switch, list_switches, manual_queue, resolve
 from tests.conftest import Stack, wait_for
 from tests.helpers import (
     LosingBroker,
+    evidence_of,
     new_account,
     recovery_action,
     refund_env,
@@ -63,9 +64,6 @@ def calls_of(stack: Stack, action_id: str) -> list[dict[str, Any]]:
     """The evidence of every ``tool_called`` event of an action, in order."""
     return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == "tool_called"]
 
-
-def evidence_of(stack: Stack, action_id: str, event: str) -> list[dict[str, Any]]:
-    return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
 
 
 def restart_env(stack: Stack, **kw: Any):

@@ -14,8 +14,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
 from tests.conftest import build_stack, teardown_stack
@@ -75,8 +73,8 @@ def test_the_third_party_chapter_runs_as_written(tmp_path: Path) -> None:
     blocks = chapter_blocks()
     assert {lang for lang, _ in blocks} >= {"bash", "yaml", "python"}
     unreachable = registry_reachable(tmp_path / "probe")
-    if unreachable:
-        pytest.skip(f"the package registry is unreachable, so mcp-server-sqlite cannot be installed: {unreachable}")
+    # The suite's own install needs the registry too: unreachable is a failure with its cause, never a skip.
+    assert not unreachable, f"the package registry is unreachable, so mcp-server-sqlite cannot be installed: {unreachable}"
     stack = build_stack("stdio", tmp_path / "stack")
     guide = tmp_path / "guide"
     guide.mkdir()
