@@ -566,3 +566,24 @@ class ServersVariableUnset(ConfigurationError):
     """The servers file names an environment variable (``${NAME}``) that is not set."""
 
     code = "servers_variable_unset"
+
+
+# --- the operator console ---------------------------------------------------------------------------
+
+
+class ConsoleForbidden(ProoflineError):
+    """The console refused a write: no session, or a viewer's session (only an operator acts)."""
+
+    code = "console_forbidden"
+
+
+class CsrfRefused(ConsoleForbidden):
+    """A console write did not carry its session's CSRF token: it may come from another site."""
+
+    code = "csrf_refused"
+
+
+class ConsoleInputMissing(ProoflineError):
+    """A console form was sent without what the change needs (a reason, a resolution, a scope)."""
+
+    code = "console_input_missing"
