@@ -28,7 +28,7 @@ def console(ctx: click.Context, host: str | None, port: int | None, users: str |
     if ctx.invoked_subcommand is not None:
         return
     if MODE.json:
-        raise click.UsageError("console runs in the foreground: it takes no --json")
+        raise click.UsageError("console runs in the foreground and logs as it goes; --json is not available")
     from proofline.console.server import serve
 
     s = settings()
