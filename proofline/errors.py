@@ -583,7 +583,8 @@ class CsrfRefused(ConsoleForbidden):
     code = "csrf_refused"
 
 
-class ConsoleInputMissing(ProoflineError):
-    """A console form was sent without what the change needs (a reason, a resolution, a scope)."""
+class ConsoleInputInvalid(ProoflineError):
+    """A console form or filter was sent without what it needs (a reason, a resolution, a scope) or
+    with a value it cannot use (a time that is not one, evidence that is not a JSON object)."""
 
-    code = "console_input_missing"
+    code = "console_input_invalid"

@@ -39,7 +39,14 @@ from proofline.console.access import (
     Sessions,
     authorize_write,
 )
-from proofline.errors import ConsoleForbidden, ConsoleInputMissing, NotFound, ProoflineError
+from proofline.errors import (
+    ConfigurationError,
+    ConsoleForbidden,
+    ConsoleInputInvalid,
+    DatabaseUnavailable,
+    NotFound,
+    ProoflineError,
+)
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
@@ -86,7 +93,8 @@ def _since(text: str | None) -> datetime | None:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        return None
+        raise ConsoleInputInvalid(f"{text!r} is not a time: an age (15m, 2h, 7d) or an ISO time "
+                                  "(2026-11-30T21:00:00Z)") from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
@@ -201,7 +209,7 @@ def _field(form: Any, name: str) -> str:
 def _reason(form: Any, name: str = "reason") -> str:
     text = _field(form, name)
     if not text:
-        raise ConsoleInputMissing(f"say why: the {name} is recorded in the ledger with your name")
+        raise ConsoleInputInvalid(f"say why: the {name} is recorded in the ledger with your name")
     return text
 
 
@@ -213,14 +221,14 @@ async def resolve(request: Request) -> Response:
 
         resolution = _field(form, "resolution")
         if resolution not in RESOLUTIONS:
-            raise ConsoleInputMissing(f"choose a resolution: {', '.join(RESOLUTIONS)}")
+            raise ConsoleInputInvalid(f"choose a resolution: {', '.join(RESOLUTIONS)}")
         evidence_text = _field(form, "evidence") or "{}"
         try:
             evidence = json.loads(evidence_text)
         except ValueError as exc:
-            raise ConsoleInputMissing(f"the evidence is not JSON ({exc})") from None
+            raise ConsoleInputInvalid(f"the evidence is not JSON ({exc})") from None
         if not isinstance(evidence, dict):
-            raise ConsoleInputMissing("the evidence must be a JSON object")
+            raise ConsoleInputInvalid("the evidence must be a JSON object")
         do_resolve(conn, action_id, resolution, session.user, _reason(form), evidence)
         return f"{action_id} resolved as {resolution}"
 
@@ -266,7 +274,7 @@ async def switch_set(request: Request) -> Response:
 
         scope = _field(form, "scope")
         if scope not in SCOPES:
-            raise ConsoleInputMissing(f"choose a scope: {', '.join(SCOPES)}")
+            raise ConsoleInputInvalid(f"choose a scope: {', '.join(SCOPES)}")
         value, engaged = engage_switch(conn, scope, _field(form, "value"), session.user, _reason(form),
                                        any_tenant=bool(form.get("any_tenant")))
         return f"kill switch {scope}:{value or '*'} {'set' if engaged else 'was already set'}"
@@ -292,7 +300,7 @@ async def revoke(request: Request) -> Response:
 
         identity = _field(form, "identity")
         if not identity:
-            raise ConsoleInputMissing("name the identity to revoke")
+            raise ConsoleInputInvalid("name the identity to revoke")
         new = do_revoke(conn, identity, session.user, _reason(form))
         return f"revoked {identity}" if new else f"{identity} was already revoked"
 
@@ -395,5 +403,6 @@ def create_app(sessions: Sessions, operator_role: str) -> Starlette:
 
 
 async def _error_page(request: Request, exc: Exception) -> Response:
-    status = 404 if isinstance(exc, NotFound) else 503 if "unavailable" in getattr(exc, "code", "") else 400
+    status = 404 if isinstance(exc, NotFound) else 503 if isinstance(exc, DatabaseUnavailable | ConfigurationError) \
+        else 400
     return render(request, "refused.html", status_code=status, refused=exc)

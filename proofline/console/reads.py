@@ -12,6 +12,7 @@ from ledger import store
 from ledger.listing import ActionFilter, list_actions, list_runs
 from ledger.redact import redact
 from ledger.states import ActionStatus, Outcome
+from proofline.errors import ConsoleInputInvalid
 from proofline.forensics import document
 from recovery.runs import Step, run_outcome
 
@@ -38,14 +39,17 @@ def page_of_actions(cur: Any, flt: ActionFilter, limit: int) -> tuple[list[dict[
 
 
 def parse_cursor(text: str | None) -> tuple[datetime, str] | None:
-    """A cursor made by :func:`page_of_actions`; anything else is ignored (the first page)."""
-    at, sep, action_id = (text or "").partition("|")
-    if not sep or not action_id:
+    """A cursor made by :func:`page_of_actions` (None: the first page); anything else is refused."""
+    if not text:
         return None
+    at, sep, action_id = text.partition("|")
     try:
-        return datetime.fromisoformat(at), action_id
+        when = datetime.fromisoformat(at)
     except ValueError:
-        return None
+        when = None
+    if not sep or not action_id or when is None:
+        raise ConsoleInputInvalid("the page cursor is not one this console made: start from the first page")
+    return when, action_id
 
 
 def filter_choices(cur: Any) -> dict[str, list[str]]:

@@ -56,6 +56,9 @@ def test_the_list_filters_pages_and_updates_itself(stack: Stack, console: Consol
     assert _listed(page) == []
     page.goto(f"/actions?tenant={tenant}&until=2000-01-01T00:00:00")
     assert _listed(page) == []
+    # A time range that is not one is said so, with its reason code.
+    answer = page.goto(f"/actions?tenant={tenant}&since=yesterday")
+    assert answer.status == 400 and page.inner_text("#refused").startswith("console_input_invalid: 'yesterday'")
     # Paging: one per page, the next page through the link.
     page.goto(f"/actions?tenant={tenant}&limit=1")
     assert _listed(page) == [expired]

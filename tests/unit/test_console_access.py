@@ -10,8 +10,8 @@ import pytest
 
 from proofline.console import access
 from proofline.console.access import ConsoleRole, Sessions, add_user, authorize_write, load_users
-from proofline.console.reads import stage_durations, stage_timeline
-from proofline.errors import ConfigurationError, ConsoleForbidden, CsrfRefused
+from proofline.console.reads import parse_cursor, stage_durations, stage_timeline
+from proofline.errors import ConfigurationError, ConsoleForbidden, ConsoleInputInvalid, CsrfRefused
 
 
 def test_the_users_file_holds_only_a_hash_of_each_token(tmp_path: Path) -> None:
@@ -96,3 +96,12 @@ def test_the_stage_timeline_folds_events_into_stages_with_durations() -> None:
     assert [(b["stage"], b["ms"]) for b in bars] == [
         ("publish", 40.0), ("validate", 5.0), ("revalidate", 5.0), ("lease", 250.0), ("call", 10.0),
         ("hand off", 590.0), ("verify", 5.0), ("settled", None)]
+
+
+def test_a_page_cursor_is_one_the_console_made_or_refused() -> None:
+    assert parse_cursor(None) is None and parse_cursor("") is None
+    at, action_id = parse_cursor("2026-01-01T00:00:00+00:00|act-1")
+    assert (at.year, action_id) == (2026, "act-1")
+    for forged in ("act-1", "yesterday|act-1", "2026-01-01T00:00:00+00:00|"):
+        with pytest.raises(ConsoleInputInvalid):
+            parse_cursor(forged)
