@@ -137,6 +137,9 @@ def test_the_overview_plots_what_the_ledger_holds(stack: Stack, console: Console
     # Reads went through the reader role.
     assert "reads as proofline_reader" in page.inner_text("#roles")
     shot(page, "overview")
+    page.goto("/runs")
+    assert page.locator("#runs tbody tr").count() >= 1
+    shot(page, "runs")
     page.goto("/escalations")
     shot(page, "escalations")
     page.goto("/switches")

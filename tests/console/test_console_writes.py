@@ -154,9 +154,15 @@ def test_a_viewer_and_a_forged_write_are_refused(stack: Stack, console: Console,
     wrong = operator.request.post("/switches/set", form={"csrf_token": "not-the-token", "scope": "global",
                                                          "reason": "x"})
     assert wrong.status == 403 and "csrf_refused" in wrong.text()
+    operator.set_content(forged.text())
+    shot(operator, "csrf-refused")
     operator.context.close()
     # No session at all.
-    anonymous = browser.new_context(base_url=console.url)
+    anonymous = browser.new_context(base_url=console.url, viewport={"width": 1400, "height": 700})
+    login = anonymous.new_page()
+    login.goto("/actions")  # sent to the login form
+    assert login.url == f"{console.url}/login"
+    shot(login, "login")
     nobody = anonymous.request.post("/switches/set", form={"scope": "global", "reason": "x"})
     assert nobody.status == 403 and "console_forbidden" in nobody.text()
     assert anonymous.request.get("/actions", max_redirects=0).status == 303  # to the login page
