@@ -171,3 +171,42 @@ def test_a_viewer_and_a_forged_write_are_refused(stack: Stack, console: Console,
     assert list_switches(stack.operator) == []
     assert stack.action(action_id).status == ActionStatus.escalated
     assert "operator_intervention" not in stack.events(action_id)
+
+
+def test_an_operator_cancels_and_revokes_with_who_and_why_in_the_ledger(stack: Stack, console: Console,
+                                                                         browser: Any) -> None:
+    action_id = _escalated(stack)
+    page = log_in(browser, console, "ops-alice")
+    page.goto(f"/actions/{action_id}")
+    page.fill("#cancel-form input[name=reason]", "the customer withdrew the request")
+    page.click("#cancel-form button")
+    page.wait_for_selector("#message")
+    assert page.inner_text("#message").startswith(f"cancellation of {action_id} requested")
+    [asked] = [e for e in stack.timeline(action_id) if e["event"] == "cancel_requested"]
+    assert asked["actor"] == "ops-alice" and asked["evidence"]["reason"] == "the customer withdrew the request"
+    # A revocation and its lifting, each on the identity's own chain.
+    identity = f"agent-{uuid.uuid4().hex[:6]}"
+    page.goto("/switches")
+    page.fill("#revoke-form input[name=identity]", identity)
+    page.fill("#revoke-form input[name=reason]", "leaked token")
+    page.click("#revoke-form button")
+    page.wait_for_selector("#message")
+    assert page.inner_text("#message") == f"revoked {identity}"
+    assert identity in page.inner_text("#revocations")
+    lift = page.locator("#revocations tr", has_text=identity).locator("form")
+    lift.locator("input[name=reason]").fill("token rotated")
+    lift.locator("button").click()
+    page.wait_for_selector("#message")
+    assert page.inner_text("#message") == f"revocation of {identity} lifted"
+    chain = stack.timeline(f"revocation:{identity}")
+    assert [(e["event"], e["actor"], e["evidence"]["reason"]) for e in chain] == [
+        ("identity_revoked", "ops-alice", "leaked token"), ("revocation_lifted", "ops-alice", "token rotated")]
+    # A write without a reason is refused with its code, and records nothing.
+    page.goto("/switches")
+    page.fill("#revoke-form input[name=identity]", identity)
+    page.eval_on_selector("#revoke-form input[name=reason]", "el => el.removeAttribute('required')")
+    page.click("#revoke-form button")
+    page.wait_for_selector("#error")
+    assert page.inner_text("#error").startswith("console_input_invalid: say why")
+    assert len(stack.timeline(f"revocation:{identity}")) == 2
+    page.context.close()
