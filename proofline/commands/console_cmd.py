@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from pathlib import Path
 
@@ -12,6 +13,13 @@ from proofline.commands.base import MODE, emit, settings
 
 def users_file(path: str | None) -> Path:
     return Path(path) if path else settings().console_users_file or Path(settings().state_dir) / "console-users.json"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @click.group(invoke_without_command=True)
@@ -36,6 +44,9 @@ def console(ctx: click.Context, host: str | None, port: int | None, users: str |
     def ready(bound_host: str, bound_port: int) -> None:
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         click.echo(f"operator console on http://{shown}:{bound_port}/ (Ctrl-C to stop)", err=True)
+        if not _loopback(bound_host):
+            click.echo("proofline console: warning: listening beyond loopback with no TLS of its own; put it "
+                       "behind a proxy that terminates TLS", err=True)
         sys.stderr.flush()
 
     serve(host or s.console_host, s.console_port if port is None else port, users_file(users),

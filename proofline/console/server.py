@@ -5,6 +5,7 @@ Bound to 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -37,7 +38,7 @@ def operator_role() -> str:
 
 
 def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
-          on_ready: callable = None) -> None:  # type: ignore[valid-type]
+          on_ready: Callable[[str, int], None] | None = None) -> None:
     """Serve until interrupted. The users file is read once, before the socket opens."""
     sessions = Sessions(load_users(users_file))
     sock = bind(host, port)
