@@ -46,8 +46,11 @@ def console(stack: Stack) -> Iterator[Console]:
         stop_process(proc)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(stack: Stack) -> Iterator[Any]:
+    """Chromium for one test module. Playwright's sync API keeps an asyncio loop running in this
+    thread while it is open, which would break any later test that calls ``asyncio.run``: so it is
+    closed after each module, not held for the session."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (bash .ci/run installs it)")
     from playwright.sync_api import sync_playwright
