@@ -21,6 +21,8 @@ class ActionFilter:
     tenant: str | None = None
     action_type: str | None = None
     since: datetime | None = None
+    #: Published before this (the console's time range ends here).
+    until: datetime | None = None
     run_id: str | None = None
     #: Keyset cursor: only actions published before this (published_at, action_id).
     before: tuple[datetime, str] | None = None
@@ -43,6 +45,9 @@ def list_actions(cur: Any, flt: ActionFilter, limit: int) -> list[dict[str, Any]
     if flt.since is not None:
         where.append("published_at >= %(since)s")
         params["since"] = flt.since
+    if flt.until is not None:
+        where.append("published_at < %(until)s")
+        params["until"] = flt.until
     if flt.before is not None:
         where.append("(published_at, action_id) < (%(before_at)s, %(before_id)s)")
         params["before_at"], params["before_id"] = flt.before

@@ -566,3 +566,25 @@ class ServersVariableUnset(ConfigurationError):
     """The servers file names an environment variable (``${NAME}``) that is not set."""
 
     code = "servers_variable_unset"
+
+
+# --- the operator console ---------------------------------------------------------------------------
+
+
+class ConsoleForbidden(ProoflineError):
+    """The console refused a write: no session, or a viewer's session (only an operator acts)."""
+
+    code = "console_forbidden"
+
+
+class CsrfRefused(ConsoleForbidden):
+    """A console write did not carry its session's CSRF token: it may come from another site."""
+
+    code = "csrf_refused"
+
+
+class ConsoleInputInvalid(ProoflineError):
+    """A console form or filter was sent without what it needs (a reason, a resolution, a scope) or
+    with a value it cannot use (a time that is not one, evidence that is not a JSON object)."""
+
+    code = "console_input_invalid"

@@ -127,6 +127,12 @@ class Settings(BaseSettings):
     controller_database_url: SecretStr | None = None
     operator_database_url: SecretStr | None = None
     reader_database_url: SecretStr | None = None
+    # --- the operator console ---
+    #: Where ``proofline console`` listens: loopback unless configured.
+    console_host: str = "127.0.0.1"
+    console_port: int = 8470
+    #: The console's users (name, role, token hash); default ``console-users.json`` in state_dir.
+    console_users_file: Path | None = None
     # --- keys and signatures ---
     #: The controller's Ed25519 private key (controllers only).
     signing_key_file: Path | None = None

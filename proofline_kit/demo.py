@@ -163,9 +163,26 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         lost = rows[2]["action_id"]
         if keep or os.environ.get("PROOFLINE_DATABASE_URL"):
             print(f"read the ledger:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
+            _console_hint(runtime, broker, keys_dir)
         else:
             print(f"to read the ledger afterwards: proofline demo --keep, then proofline forensics {lost}")
     return 0
+
+
+def _console_hint(runtime: str, broker: str, keys_dir: Path) -> None:
+    """How to see this demo's actions in the operator console: a users file with one operator
+    (its token printed once), and the command that serves the console over this ledger."""
+    from proofline.console.access import ConsoleRole, add_user
+
+    users = WORKDIR / "console-users.json"
+    token = add_user(users, "demo-operator", ConsoleRole.operator)
+    reader = os.environ.get("PROOFLINE_READER_DATABASE_URL") or _as_role(runtime, "proofline_reader")
+    operator = os.environ.get("PROOFLINE_OPERATOR_DATABASE_URL") or _as_role(runtime, "proofline_operator")
+    print(f"operator console: PROOFLINE_READER_DATABASE_URL='{reader}' PROOFLINE_OPERATOR_DATABASE_URL='{operator}' "
+          f"PROOFLINE_BROKER_URL='{broker}' PROOFLINE_KEYS_DIR='{keys_dir}' PROOFLINE_CONSOLE_USERS_FILE='{users}' "
+          "proofline console")
+    print(f"  then open http://{SETTINGS.console_host}:{SETTINGS.console_port}/ and log in as demo-operator "
+          f"with the token {token}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

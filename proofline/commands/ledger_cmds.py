@@ -68,12 +68,12 @@ def checkpoint() -> None:
 @click.command()
 def reconcile() -> None:
     """Run one reconciler sweep now (Celery beat runs it periodically)."""
-    from proofline.commands.operate import _dispatch
+    from proofline.commands.operate import dispatcher
     from recovery.reconciler import sweep
 
     s = settings()
     with connect() as conn:
-        counts = sweep(conn, _dispatch(), "cli:reconcile", stale_seconds=s.redrive_after_seconds,
+        counts = sweep(conn, dispatcher(), "cli:reconcile", stale_seconds=s.redrive_after_seconds,
                        verify_stale_seconds=s.verify_stall_seconds)
     emit(counts, lambda: "\n".join(f"{name:<24} {n}" for name, n in counts.items())
          + ("" if any(counts.values()) else "\nnothing to re-drive"))

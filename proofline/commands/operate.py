@@ -10,14 +10,15 @@ import click
 from proofline.commands.base import connect, dash, emit, emit_rows, json_value, settings, ts
 
 
-def _dispatch():
+def dispatcher():
+    """The Celery dispatch operator commands send through (cancel's revoke, retry's send)."""
     from worker.dispatch import CeleryDispatch
     from worker.tasks import app
 
     return CeleryDispatch(app)
 
 
-def _send(action_id: str, send):
+def broker_send(action_id: str, send):
     """Run a send to the broker; a broker that is away leaves the recorded change in place."""
     from kombu.exceptions import OperationalError
 
@@ -59,6 +60,16 @@ def _switch_options(command):
 def kill_set(scope: str, value: str, who: str, why: str, any_tenant: bool) -> None:
     """Engage a switch. Its value is checked against the contracts' action types and tools and the
     ledger's tenants: a switch that would block nothing is refused (exit 12)."""
+    with connect("operator") as conn:
+        value, engaged = engage_switch(conn, scope, value, who, why, any_tenant=any_tenant)
+    emit({"scope": scope, "value": value, "engaged": engaged},
+         f"kill switch {scope}:{value or '*'} {'set' if engaged else 'was already set'}")
+
+
+def engage_switch(conn, scope: str, value: str, who: str, why: str, *, any_tenant: bool = False) -> tuple[str, bool]:
+    """Check a switch's value against the contracts' action types and tools and the ledger's tenants
+    (``KillSwitchInvalid`` when it would block nothing), then engage it: (value as matched, newly set).
+    The CLI and the console both set switches through here."""
     from ledger.states import KillSwitchScope
     from proofline.contracts import load_contracts
     from recovery.operator import check_switch, known_tenants, set_switch
@@ -66,13 +77,10 @@ def kill_set(scope: str, value: str, who: str, why: str, any_tenant: bool) -> No
     kind = KillSwitchScope(scope)
     loaded = load_contracts(settings().contracts_dir)
     known = {"action_types": [*loaded.contracts, *loaded.broken], "tools": [c.tool for c in loaded.contracts.values()]}
-    value = check_switch(kind, value, tenants=None, **known)  # its shape, before any connection
-    with connect("operator") as conn:
-        if not any_tenant and kind in (KillSwitchScope.tenant, KillSwitchScope.tool_tenant):
-            check_switch(kind, value, tenants=known_tenants(conn), **known)
-        engaged = set_switch(conn, kind, value, who, why)
-    emit({"scope": scope, "value": value, "engaged": engaged},
-         f"kill switch {scope}:{value or '*'} {'set' if engaged else 'was already set'}")
+    value = check_switch(kind, value, tenants=None, **known)  # its shape first
+    if not any_tenant and kind in (KillSwitchScope.tenant, KillSwitchScope.tool_tenant):
+        check_switch(kind, value, tenants=known_tenants(conn), **known)
+    return value, set_switch(conn, kind, value, who, why)
 
 
 @kill.command("clear")
@@ -158,7 +166,7 @@ def cancel(action_id: str, who: str, why: str) -> None:
     from recovery.cancel import cancel as do_cancel
 
     with connect("operator") as conn:
-        result = _send(action_id, lambda: do_cancel(conn, _dispatch(), action_id, who, why))
+        result = broker_send(action_id, lambda: do_cancel(conn, dispatcher(), action_id, who, why))
     emit(result, lambda: _cancel_text(result))
 
 
@@ -214,7 +222,7 @@ def retry(action_id: str, who: str, why: str) -> None:
     from recovery.operator_retry import retry_escalated
 
     with connect("operator") as conn:
-        result = _send(action_id, lambda: retry_escalated(settings(), conn, _dispatch(), action_id, who, why))
+        result = broker_send(action_id, lambda: retry_escalated(settings(), conn, dispatcher(), action_id, who, why))
     emit(result, f"{action_id} sent again (call {result['calls_made'] + 1} of at most {result['calls_allowed']}; "
                  f"proof of absence: {result['proof']['finding'] or result['proof']['outcome']}, idempotency record "
                  f"{result['proof']['idempotency_record']})")

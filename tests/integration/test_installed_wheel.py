@@ -8,16 +8,21 @@ the product reads from the current directory or from the source tree fails this 
 
 from __future__ import annotations
 
+import http.cookiejar
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from urllib.parse import urlencode
+from urllib.request import HTTPCookieProcessor, build_opener
 
 import pytest
 
+from proofline_kit.processes import wait_port_file
 from tests.conftest import (
     ROOT,
     claim_redis_db,
@@ -117,8 +122,34 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
         report = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}
         assert all(report[name]["ok"] for name in ("database", "migrations", "broker", "keys", "contracts",
                                                    "servers")), report
+
+        # The operator console ships in the wheel (templates, htmx, styles), and the demo said how
+        # to open it: its users file and operator token.
+        token = re.search(r"log in as demo-operator with the token (\S+)", demo.stdout)
+        assert token and "operator console:" in demo.stdout, demo.stdout
+        env.update({"PROOFLINE_OPERATOR_DATABASE_URL": urls["operator"],
+                    "PROOFLINE_CONSOLE_USERS_FILE": str(data / "console-users.json")})
+        console = start_process([proofline, "console", "--port", "0", "--port-file", str(tmp_path / "console.port")],
+                                env, tmp_path / "console.log", cwd=empty)
+        try:
+            port = wait_port_file(tmp_path / "console.port", console)
+            page = _console_page(port, "demo-operator", token.group(1), f"/actions/{action_id}")
+            assert action_id in page and "verification_finished" in page and "intact" in page, page[-2000:]
+            assert _console_page(port, "demo-operator", token.group(1), "/static/htmx.min.js").startswith("var htmx")
+        finally:
+            stop_process(console)
     finally:
         if worker is not None:
             stop_process(worker)
         release_redis_db(claim)
         drop_database(admin)
+
+
+def _console_page(port: int, user: str, token: str, path: str) -> str:
+    """Log in to the console as a browser would (its login form's CSRF token and cookie), then GET ``path``."""
+    opener = build_opener(HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    base = f"http://127.0.0.1:{port}"
+    form = opener.open(f"{base}/login", timeout=30).read().decode()
+    csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)
+    opener.open(f"{base}/login", urlencode({"csrf_token": csrf, "user": user, "token": token}).encode(), timeout=30)
+    return opener.open(f"{base}{path}", timeout=30).read().decode()

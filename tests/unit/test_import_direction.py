@@ -159,3 +159,13 @@ def test_the_domain_does_no_io_at_import() -> None:
 def test_the_ledger_loads_no_celery(package: str) -> None:
     modules = [m for m in runtime_modules() if m.split(".")[0] == package]
     assert not _probe(modules)["celery"]
+
+
+def test_the_console_is_app_layer_and_nothing_below_imports_it() -> None:
+    """The operator console (``proofline/console/``) sits with the CLI: it may use every layer,
+    and no domain, ledger, worker or recovery module may import it."""
+    console = [m for m in runtime_modules() if m.startswith("proofline.console")]
+    assert "proofline.console.app" in console and all(layer(m) == "app" for m in console)
+    for module, path in runtime_modules().items():
+        if layer(module) != "app":
+            assert not [t for t, _ in imports(path) if t.startswith("proofline.console")], module
