@@ -164,7 +164,12 @@ class Probe:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
     def lsn(self) -> str:
-        return self.conn.execute("SELECT pg_current_wal_insert_lsn()::text AS lsn").fetchone()["lsn"]
+        """The WAL insert position, once it is flushed (pg_walinspect reads only flushed WAL; the
+        WAL writer flushes within ``wal_writer_delay``)."""
+        lsn = self.conn.execute("SELECT pg_current_wal_insert_lsn()::text AS lsn").fetchone()["lsn"]
+        wait_for(lambda: self.conn.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn AS ok",
+                                           (lsn,)).fetchone()["ok"], 10, what="the WAL to be flushed")
+        return lsn
 
     def commits(self) -> int:
         self.conn.execute("SELECT pg_stat_clear_snapshot()")
@@ -195,24 +200,49 @@ class Probe:
         time.sleep(0.5)  # the exiting backends' statistics reach the shared counters
 
 
+class Poller:
+    """The completion checks, on a connection of their own (its backend's CPU is left out, its
+    transactions are counted and subtracted), at most twice a second."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = store.connect(url, application_name="proofline-capacity-poll")
+        self.pid = self.conn.execute("SELECT pg_backend_pid() AS pid").fetchone()["pid"]
+        self.polls = 0
+
+    def one(self, sql: str, params: tuple) -> dict[str, Any]:
+        self.polls += 1
+        row = self.conn.execute(sql, params).fetchone()
+        assert row is not None
+        return row
+
+    def until(self, predicate: Any, timeout: float, what: str) -> None:
+        wait_for(predicate, timeout, interval=0.5, what=what)
+
+
 class Phase:
     """Snapshots around one component's work."""
 
-    def __init__(self, probe: Probe, proxy: CountingProxy, procs: list[psutil.Process]) -> None:
-        self.probe, self.proxy, self.procs = probe, proxy, procs
+    def __init__(self, probe: Probe, proxy: CountingProxy, procs: list[psutil.Process], poller: Poller) -> None:
+        self.probe, self.proxy, self.procs, self.poller = probe, proxy, procs, poller
         self.lsn0, self.commits0, self.wire0 = probe.lsn(), probe.commits(), proxy.snapshot()
+        self.polls0 = poller.polls
         self.cpu0 = cpu_ms(procs)
-        self.pg0 = cpu_ms([psutil.Process(p) for p in probe.backends()])
+        self.pg0 = cpu_ms(self.backends())
+
+    def backends(self) -> list[psutil.Process]:
+        """The ledger database's backends, except the one that polls for completion."""
+        return [psutil.Process(p) for p in self.probe.backends() if p != self.poller.pid and psutil.pid_exists(p)]
 
     def end_cpu(self, procs: list[psutil.Process]) -> None:
         """Read CPU before the node stops (its processes and its backends still exist)."""
         self.cpu1 = cpu_ms(procs)
-        self.pg1 = cpu_ms([psutil.Process(p) for p in self.probe.backends() if psutil.pid_exists(p)])
+        self.pg1 = cpu_ms(self.backends())
 
     def finish(self, n: int, groups: dict[str, list[int]]) -> dict[str, Any]:
         lsn1 = self.probe.lsn()
         wal = self.probe.wal(self.lsn0, lsn1)
-        commits = self.probe.commits() - self.commits0
+        # Each completion check is one autocommit read in the ledger database: not the component's.
+        commits = self.probe.commits() - self.commits0 - (self.poller.polls - self.polls0)
         wire = per_role_delta(self.proxy.snapshot(), self.wire0)
         total = Counts()
         for counts in wire.values():
@@ -237,6 +267,7 @@ class Phase:
 class Capacity:
     def __init__(self, args: argparse.Namespace, stack: Stack, probe: Probe, proxy: CountingProxy) -> None:
         self.args, self.stack, self.probe, self.proxy = args, stack, probe, proxy
+        self.poller = Poller(stack.admin_url)
         self.server_pids = [p.pid for proc in stack.processes for p in tree(proc.pid)]
 
     def servers(self) -> dict[str, list[int]]:
@@ -275,10 +306,9 @@ class Capacity:
                 raise RuntimeError(f"node {name} did not answer add_consumer({queue})")
 
     def statuses(self, ids: list[str]) -> dict[str, int]:
-        with self.stack.conn.cursor() as cur:
-            cur.execute("SELECT status::text AS status, count(*) AS n FROM actions WHERE action_id = ANY(%s) "
-                        "GROUP BY 1", (ids,))
-            return {r["status"]: r["n"] for r in cur.fetchall()}
+        row = self.poller.one("SELECT coalesce(jsonb_object_agg(status, n), '{}') AS s FROM (SELECT status::text, "
+                              "count(*) AS n FROM actions WHERE action_id = ANY(%s) GROUP BY 1) c", (ids,))
+        return {k: int(v) for k, v in row["s"].items()}
 
     def run_node_phase(self, name: str, queues: list[str], ids: list[str], done: Any, beat: bool = False,
                        units: Any = None) -> dict[str, Any]:
@@ -287,9 +317,9 @@ class Capacity:
         node_procs = tree(node.pid)
         servers = self.servers()
         procs = node_procs + [psutil.Process(p) for pids in servers.values() for p in pids if psutil.pid_exists(p)]
-        phase = Phase(self.probe, self.proxy, procs)
+        phase = Phase(self.probe, self.proxy, procs, self.poller)
         self.consume(name, queues)
-        wait_for(done, 60 + len(ids), what=f"{name} to finish its work")
+        self.poller.until(done, 60 + len(ids), what=f"{name} to finish its work")
         node_procs = tree(node.pid)  # pool processes replaced meanwhile are in here too
         phase.end_cpu(node_procs + procs)
         n = units() if units is not None else len(ids)
@@ -310,7 +340,7 @@ class Capacity:
         log(f"publish: {n} actions")
         me = psutil.Process()
         keep = set(self.probe.backends())
-        phase = Phase(self.probe, self.proxy, [me])
+        phase = Phase(self.probe, self.proxy, [me], self.poller)
         with store.connect(via_proxy(s.urls["controller"], self.proxy.port)) as conn:
             for env in envs:
                 publish(s.settings, conn, s.app, env)
@@ -321,23 +351,27 @@ class Capacity:
         log("execute: a node consuming the execute queues")
         results["execute"] = self.run_node_phase(
             "capacity-execute", [*sharded_queues("actions", shards), "compensate"], ids,
-            lambda: self.statuses(ids).get("published", 0) == 0 and self.statuses(ids).get("executing", 0) == 0)
+            lambda: not {"published", "executing"} & set(self.statuses(ids)))
         log("verify: a node consuming the verify queues")
         results["verify"] = self.run_node_phase(
             "capacity-verify", sharded_queues("verify", shards), ids,
-            lambda: self.statuses(ids).get("closed", 0) + self.statuses(ids).get("escalated", 0) == n)
+            lambda: set(self.statuses(ids)) <= {"closed", "escalated"})
         results["outcomes"] = self.statuses(ids)
+        with s.conn.cursor() as cur:
+            # Storage per action (the database holds only these actions): what a retention or
+            # partitioning plan is sized by.
+            cur.execute("SELECT relname, pg_total_relation_size(c.oid) AS bytes FROM pg_class c "
+                        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r' "
+                        "AND relname IN ('ledger_events', 'actions', 'idempotency_records', 'leases', "
+                        "'message_deliveries')")
+            results["storage_bytes_per_action"] = {r["relname"]: r["bytes"] / n for r in cur.fetchall()}
 
         log(f"reconciler: {self.args.sweeps} sweeps over the settled ledger")
-        with s.conn.cursor() as cur:
-            cur.execute("SELECT coalesce(max(run_id), 0) AS m FROM sweep_runs")
-            first = cur.fetchone()["m"]
+        first = self.poller.one("SELECT coalesce(max(run_id), 0) AS m FROM sweep_runs", ())["m"]
 
         def swept() -> int:
-            with s.conn.cursor() as cur:
-                cur.execute("SELECT count(*) AS n FROM sweep_runs WHERE run_id > %s AND finished_at IS NOT NULL",
-                            (first,))
-                return int(cur.fetchone()["n"])
+            return int(self.poller.one("SELECT count(*) AS n FROM sweep_runs WHERE run_id > %s "
+                                       "AND finished_at IS NOT NULL", (first,))["n"])
 
         results["reconciler_per_sweep"] = self.run_node_phase(
             "capacity-reconcile", ["reconcile"], ids, lambda: swept() >= self.args.sweeps, beat=True, units=swept)
@@ -448,6 +482,8 @@ def report(r: dict[str, Any]) -> list[str]:
                                 f"{c['load1']:.2f}"))
     lines.append("(per action; the reconciler's row is per sweep run; CPU in ms, witness relays not included)")
     lines.append(f"outcomes: {r['outcomes']}")
+    lines.append("storage bytes per action: " + json.dumps({k: round(v) for k, v in
+                                                            r.get("storage_bytes_per_action", {}).items()}))
     for name, runs in r.get("pgbench", {}).items():
         lines.append(f"pgbench {name}: " + ", ".join(f"c={x['clients']} {x['tps']:.0f} tps (load {x['load1']:.1f})"
                                                      for x in runs))
