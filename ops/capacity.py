@@ -63,6 +63,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ledger import store
+from ops.bench import cpu_delta, cpu_seconds, process_tree, source_state
 from ops.pgwire import CountingProxy, Counts, per_role_delta
 from proofline.controller import publish
 from proofline.settings import Settings
@@ -112,27 +113,8 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def cpu_ms(procs: list[psutil.Process]) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = (t.user + t.system) * 1000
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def delta(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
+    return {pid: seconds * 1000 for pid, seconds in cpu_seconds(procs).items()}
 
 
 def via_proxy(url: str, port: int) -> str:
@@ -249,7 +231,7 @@ class Phase:
             total.add(counts)
         cpu = {name: sum(self.cpu1.get(p, 0.0) - self.cpu0.get(p, 0.0) for p in pids if p in self.cpu1)
                for name, pids in groups.items()}
-        cpu["postgres_backends"] = delta(self.pg0, self.pg1)
+        cpu["postgres_backends"] = cpu_delta(self.pg0, self.pg1)
         return {
             "n": n, "load1": load1(),
             "cpu_ms_per_unit": {k: v / n for k, v in cpu.items()},
@@ -268,7 +250,7 @@ class Capacity:
     def __init__(self, args: argparse.Namespace, stack: Stack, probe: Probe, proxy: CountingProxy) -> None:
         self.args, self.stack, self.probe, self.proxy = args, stack, probe, proxy
         self.poller = Poller(stack.admin_url)
-        self.server_pids = [p.pid for proc in stack.processes for p in tree(proc.pid)]
+        self.server_pids = [p.pid for proc in stack.processes for p in process_tree(proc.pid)]
 
     def servers(self) -> dict[str, list[int]]:
         mcp, witness = [], []
@@ -314,13 +296,13 @@ class Capacity:
                        units: Any = None) -> dict[str, Any]:
         node = self.start_node(name, beat=beat)
         keep = set(self.probe.backends())
-        node_procs = tree(node.pid)
+        node_procs = process_tree(node.pid)
         servers = self.servers()
         procs = node_procs + [psutil.Process(p) for pids in servers.values() for p in pids if psutil.pid_exists(p)]
         phase = Phase(self.probe, self.proxy, procs, self.poller)
         self.consume(name, queues)
         self.poller.until(done, 60 + len(ids), what=f"{name} to finish its work")
-        node_procs = tree(node.pid)  # pool processes replaced meanwhile are in here too
+        node_procs = process_tree(node.pid)  # pool processes replaced meanwhile are in here too
         phase.end_cpu(node_procs + procs)
         n = units() if units is not None else len(ids)
         stop_process(node)
@@ -453,17 +435,6 @@ def model(r: dict[str, Any]) -> dict[str, Any]:
                                                     out["postgres_cpu_bound_actions_per_s"])
         out["worker_boxes_per_postgres"] = out["postgres_ceiling_actions_per_s"] / out["actions_per_s_per_worker_box"]
     return out
-
-
-def source_state() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent.parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=Path(__file__).resolve().parent.parent, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def report(r: dict[str, Any]) -> list[str]:

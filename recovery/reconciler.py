@@ -10,6 +10,7 @@ Run periodically by Celery beat on the ``reconcile`` queue. Each sweep looks for
 - run steps and compensated parents whose follow-up was lost between a commit and its hook.
 Safe on several workers at once: rows are taken with ``FOR UPDATE SKIP LOCKED`` and pushed back
 by ``next_check_at`` in the same statement, so two sweepers never re-drive the same action twice.
+The reconcile task runs a sweep once per period for the whole fleet (``recovery/sweep_gate.py``).
 """
 
 from __future__ import annotations
