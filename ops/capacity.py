@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pgbench-seconds", type=int, default=8)
     parser.add_argument("--skip-pgbench", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after the run")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="proofline-capacity-"))
@@ -493,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         proxy.stop()
         teardown_stack(stack)
         probe.close()
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)  # the nodes' logs; kept when a run fails
     print("\n".join(report(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
