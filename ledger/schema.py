@@ -226,3 +226,18 @@ reconciler_heartbeats = Table(
     Column("swept_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     Column("counts", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
 )
+
+# One row per run of a fleet-wide periodic sweep (recovery/sweep_gate.py): one run per period.
+sweep_runs = Table(
+    "sweep_runs",
+    metadata,
+    Column("run_id", BigInteger, primary_key=True, autoincrement=True),
+    Column("sweep", Text, nullable=False),
+    Column("slot", BigInteger, nullable=False),
+    Column("holder", Text, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("counts", JSONB, nullable=True),
+    UniqueConstraint("sweep", "slot", name="sweep_runs_once_per_slot"),
+)
+Index("sweep_runs_started_idx", sweep_runs.c.started_at)

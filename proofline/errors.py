@@ -191,6 +191,12 @@ class StaleLease(ProoflineError):
     code = "stale_fencing_token"
 
 
+class SweepRunLost(ProoflineError):
+    """A fleet-wide sweep run was no longer open when its holder finished it."""
+
+    code = "sweep_run_lost"
+
+
 class IdempotencyConflict(ProoflineError):
     """The idempotency key was reused with different arguments or contract."""
 

@@ -93,7 +93,11 @@ class Settings(BaseSettings):
     #: Log lines as text (Celery's format plus the action's fields) or one JSON object per line.
     log_format: Literal["text", "json"] = "text"
 
-    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    #: The Celery node this process belongs to (``name@host``); set by the worker's main process at
+    #: start for its pool processes (``worker/node.py``), so the ledger's actors name the node.
+    node_name: str | None = None
+    #: Who this process is in the ledger, leases and sweep runs: ``<node or host>:<pid>``.
+    worker_id: str = Field(default_factory=lambda data: f"{data.get('node_name') or socket.gethostname()}:{os.getpid()}")
 
     # --- ledger checkpoints ---
     #: Directory of key files (``proofline keys generate --dir``); other *_file settings default into it.

@@ -10,6 +10,7 @@ Run periodically by Celery beat on the ``reconcile`` queue. Each sweep looks for
 - run steps and compensated parents whose follow-up was lost between a commit and its hook.
 Safe on several workers at once: rows are taken with ``FOR UPDATE SKIP LOCKED`` and pushed back
 by ``next_check_at`` in the same statement, so two sweepers never re-drive the same action twice.
+The reconcile task runs a sweep once per period for the whole fleet (``recovery/sweep_gate.py``).
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ SWEEPS = (
                              "make_interval(secs => %(verify_stale)s)", "verify"),
     ("recovery_pending", "a.status = 'recovery' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s)",
      "recover"),
+    # Found from the few rows waiting on a follow-up (parents in recovery, pending next steps), not
+    # by reading every settled action: that read grew with the ledger (1.4-2.1 s per sweep at
+    # 100,000-200,000 settled actions, ops/CAPACITY.md).
     ("follow_up", "a.status IN ('closed', 'escalated', 'cancelled') AND a.updated_at > clock_timestamp() - "
-                  "interval '1 day' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) AND ("
-                  "(a.kind <> 'action' AND EXISTS (SELECT 1 FROM actions p WHERE p.action_id = a.parent_action_id "
-                  "AND p.status = 'recovery')) OR EXISTS (SELECT 1 FROM actions n WHERE n.run_id = a.run_id "
-                  "AND n.step = a.step + 1 AND n.status = 'pending'))", "settle"),
+                  "interval '1 day' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) AND "
+                  "a.action_id IN (SELECT c.action_id FROM actions p JOIN actions c ON c.parent_action_id = "
+                  "p.action_id WHERE p.status = 'recovery' AND c.kind <> 'action' UNION ALL SELECT prev.action_id "
+                  "FROM actions n JOIN actions prev ON prev.run_id = n.run_id AND prev.step = n.step - 1 "
+                  "WHERE n.status = 'pending')", "settle"),
 )
 
 

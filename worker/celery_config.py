@@ -70,8 +70,8 @@ task_routes = {
 }
 imports = ("worker.tasks",)
 
-# The reconciler re-drives work from the ledger; beat only triggers it (any number of workers may
-# run a sweep at once: rows are taken with SKIP LOCKED).
+# The reconciler re-drives work from the ledger; beat only triggers it. Any number of beats may send
+# it: the sweep runs once per period across the fleet (recovery/sweep_gate.py).
 beat_schedule = {
     "proofline-reconcile": {
         "task": "proofline.reconcile",

@@ -2,8 +2,9 @@
 
 Beat only sends the periodic tasks (the reconcile sweep, ledger checkpoints); a worker consuming the
 ``reconcile`` queue (``proofline worker --role recovery``, or ``--role all``) runs them. Without a
-running beat, a message the broker lost is never re-driven. Run exactly one beat per deployment
-(two would only send each sweep twice: harmless, since sweeps take rows with SKIP LOCKED).
+running beat, a message the broker lost is never re-driven. One beat per node is fine, and keeps the
+reconciler going when a node is lost: however many beats send a sweep, it runs once per period
+across the fleet (``recovery/sweep_gate.py``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,37 @@
 """Two worker nodes, each running its own Celery beat, on one ledger and one broker.
 
-Both beats schedule the reconciler every second, so two sweeps race for the same rows all the
-time. Every action here was published while the broker lost its message, so only a reconciler
-re-drive can run it. What must hold: each action is re-driven by one sweeper at a time (two
-re-drives of one action are never closer than the sweep's back-off: a second sweeper skipped the
-row the first had claimed), both nodes did work, every action is verified with exactly one call
-handed to the server and one effect, and every chain still verifies.
+Both beats schedule the reconciler every second, so two copies of each sweep arrive every period.
+
+- Every action published while the broker lost its message, so only a reconciler re-drive can run
+  it: each action is re-driven by one sweeper at a time (two re-drives of one action are never
+  closer than the sweep's back-off), both nodes did work, one call and one effect per action.
+- Load shared by the two nodes, and one node killed (SIGKILL of its whole process group: the
+  supervisor, Celery, its pool and their MCP sessions) while two of its actions sit between the
+  call the server applied and the ledger record of it: nothing lost, nothing done twice (the
+  witness, outside the system, counts one call per key; the system of record one effect), and the
+  ledger names both nodes as actors.
+- The sweep runs once per period across the fleet (``recovery/sweep_gate.py``): runs recorded in
+  ``sweep_runs`` against the sweep tasks both nodes received, and a node killed while it holds the
+  sweep hands it to the other one.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import publish_message
 from proofline.ledger_check import check_chains
+from proofline_kit.stack import Stack
 from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account, refund_env, ticket_env
+from worker import faultpoints
 
 REDRIVE_AFTER = 3.0
 
@@ -74,5 +88,120 @@ def test_two_nodes_with_two_beats_redrive_each_action_once(tmp_path) -> None:
             return "Sending due task proofline-reconcile" in log.read_text(errors="replace")
 
         wait_for(lambda: beat_sent("n1") and beat_sent("n2"), 10, what="both beats to have sent a sweep")
+    finally:
+        teardown_stack(s)
+
+
+def start_node(s: Stack, name: str) -> tuple[subprocess.Popen, Path]:
+    """A worker node with its own beat and its own fault-point file (so a test can arm one node)."""
+    points = s.workdir / f"faultpoints-{name}.json"
+    proc = start_workers(s, name=name, beat=True, env={**s.env, "PROOFLINE_FAULT_POINTS_FILE": str(points)})[0]
+    return proc, points
+
+
+def node_of(actor: str) -> str:
+    """The node prefix (``n1``, ``n2``) of a worker id ``n10-abc123@host:pid``."""
+    return actor.split("-", 1)[0][:-1]
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)  # the node's supervisor, Celery, its pool and their servers
+    proc.wait(10)
+
+
+def sweep_runs(s: Stack, since_run: int = 0) -> list[dict[str, Any]]:
+    with s.conn.cursor() as cur:
+        cur.execute("SELECT * FROM sweep_runs WHERE sweep = 'reconcile' AND run_id > %s ORDER BY run_id", (since_run,))
+        return list(cur.fetchall())
+
+
+def test_two_nodes_share_the_load_and_a_node_killed_mid_flight_loses_and_duplicates_nothing(tmp_path) -> None:
+    s = build_stack("stdio", tmp_path)
+    try:
+        n1, points1 = start_node(s, "n1")
+        start_node(s, "n2")
+        # First the two nodes share a load with nothing going wrong.
+        shared = [refund_env(s, new_account(s)) for _ in range(12)]
+        for env in shared:
+            s.publish(env)
+        for env in shared:
+            s.wait_settled(env.action_id, timeout=120)
+        # Then both of n1's pool processes stop right after the server applied their call, before
+        # the ledger records it (the worst moment to lose a node), and n1 is killed there.
+        faultpoints.arm(points1, "after_send", remaining=2, action="hold", seconds=120)
+        doomed = [refund_env(s, new_account(s)) for _ in range(10)] + [ticket_env(s) for _ in range(2)]
+        for env in doomed:
+            s.publish(env)
+        envs = shared + doomed
+        wait_for(lambda: faultpoints.fired(points1, "after_send") == 2, 60, what="two of n1's actions in flight")
+        with s.conn.cursor() as cur:
+            cur.execute("SELECT action_id, worker_id FROM leases WHERE released_at IS NULL")
+            in_flight = [r["action_id"] for r in cur.fetchall() if node_of(r["worker_id"]) == "n1"]
+        assert len(in_flight) == 2, in_flight
+        keys = {env.action_id: env.idempotency_key for env in envs}
+        assert all(s.witness.count(key=keys[a]) == 1 for a in in_flight)  # the server was handed the call
+        last_run = max((r["run_id"] for r in sweep_runs(s)), default=0)
+        kill_node(n1)
+
+        rows = [s.wait_settled(env.action_id, timeout=120) for env in envs]
+        assert all((r.status, r.outcome) == (ActionStatus.closed, Outcome.completed_verified) for r in rows), \
+            [(r.action_id, r.status, r.reason_code) for r in rows]
+        finishers: dict[str, str] = {}
+        for env in envs:
+            assert s.witness.count(key=env.idempotency_key) == 1, env.action_id
+            assert s.effects(env.idempotency_key) == 1, env.action_id
+            leases = [e["actor"] for e in s.timeline(env.action_id) if e["event"] == "lease_acquired"]
+            finishers[env.action_id] = node_of(leases[-1])
+        # Both nodes executed actions (the ledger's actors name the node), and n2 finished n1's two.
+        assert {finishers[env.action_id] for env in shared} == {"n1", "n2"}, finishers
+        assert all(finishers[a] == "n2" for a in in_flight)
+        for action_id in in_flight:
+            timeline = s.timeline(action_id)
+            assert [node_of(e["actor"]) for e in timeline if e["event"] == "lease_acquired"][:1] == ["n1"]
+            assert "tool_called" not in [e["event"] for e in timeline if node_of(e["actor"]) == "n1"]
+        assert check_chains(s.conn)[2] == []
+        # The sweeps went on after the kill, run by n2 alone.
+        after = sweep_runs(s, last_run)
+        assert after and {node_of(r["holder"]) for r in after} == {"n2"}, after
+    finally:
+        teardown_stack(s)
+
+
+def received_sweeps(s: Stack, node: str) -> int:
+    log = Path(s.workdir) / f"worker-{node}0.log"
+    return log.read_text(errors="replace").count("Task proofline.reconcile[")  # one line per received copy
+
+
+def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_holder_dies(tmp_path) -> None:
+    s = build_stack("stdio", tmp_path)
+    try:
+        n1, points1 = start_node(s, "n1")
+        start_node(s, "n2")
+        wait_for(lambda: sweep_runs(s), 60, what="a first sweep run")
+        first_run = sweep_runs(s)[-1]["run_id"]
+        received_before = received_sweeps(s, "n1") + received_sweeps(s, "n2")
+        wait_for(lambda: len(sweep_runs(s, first_run)) >= 8, 60, what="eight more sweep runs")
+        runs = sweep_runs(s, first_run)
+        received = received_sweeps(s, "n1") + received_sweeps(s, "n2") - received_before
+        slots = [r["slot"] for r in runs]
+        assert len(slots) == len(set(slots))
+        # Two beats sent about two copies per period, yet one ran per period, and every period had one
+        # (allowing two periods whose copies both came late, on this shared machine).
+        assert received >= 1.5 * len(runs) - 2, (received, len(runs))
+        assert max(slots) - min(slots) + 1 - len(runs) <= 2, slots
+        assert {node_of(r["holder"]) for r in runs} <= {"n1", "n2"}
+
+        # n1 takes the sweep and is killed in the middle of it.
+        faultpoints.arm(points1, "during_sweep", remaining=1, action="hold", seconds=120)
+        wait_for(lambda: faultpoints.fired(points1, "during_sweep") == 1, 60, what="n1 to hold a sweep")
+        held = sweep_runs(s)[-1]
+        assert node_of(held["holder"]) == "n1" and held["finished_at"] is None, held
+        time.sleep(1.5)  # a period and a half: n2's copies arrive and must not run
+        assert sweep_runs(s, held["run_id"]) == []
+        kill_node(n1)
+        wait_for(lambda: len(sweep_runs(s, held["run_id"])) >= 3, 60, what="n2 to take the sweep over")
+        after = sweep_runs(s, held["run_id"])
+        assert {node_of(r["holder"]) for r in after} == {"n2"} and all(r["finished_at"] for r in after[:-1])
+        assert sweep_runs(s, held["run_id"] - 1)[0]["finished_at"] is None  # the dead holder's run stays open
     finally:
         teardown_stack(s)

@@ -1,0 +1,180 @@
+"""A fleet-wide sweep runs once per period, whoever sends it, and survives its holder's death.
+
+Real Postgres, the recovery role's connections (what a sweeping worker uses), and for the death of
+a holder a real process killed with SIGKILL while it sweeps. What is counted is the sweep bodies
+that actually ran (counted in Python, outside the table) against the ``sweep_runs`` rows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from ledger import store
+from proofline.settings import ROOT
+from recovery.sweep_gate import SweepRun, run_once
+from tests.conftest import create_database, drop_database, role_urls, wait_for
+
+PERIOD = 0.5
+
+
+@pytest.fixture()
+def db() -> Iterator[dict[str, str]]:
+    admin, _ = create_database("pl_sweepgate")
+    try:
+        yield {"admin": admin, **role_urls(admin)}
+    finally:
+        drop_database(admin)
+
+
+def runs(admin: str) -> list[dict[str, Any]]:
+    with store.connect(admin) as conn:
+        return list(conn.execute("SELECT * FROM sweep_runs ORDER BY run_id").fetchall())
+
+
+def test_concurrent_sweepers_run_each_period_once_and_never_overlap(db) -> None:
+    """Four sweepers (as four nodes' beats would) try every 50 ms for about 3 s; a period is 0.5 s."""
+    ran: list[tuple[str, int, float, float]] = []
+    guard = threading.Lock()
+    stop = threading.Event()
+
+    def sweeper(name: str) -> None:
+        conn = store.connect(db["recovery"])
+        try:
+            while not stop.is_set():
+                def body(run: SweepRun, name: str = name) -> dict[str, Any]:
+                    start = time.monotonic()
+                    time.sleep(0.12)  # long enough for the others to try while it runs
+                    with guard:
+                        ran.append((name, run.slot, start, time.monotonic()))
+                    return {"swept": 1}
+
+                run_once(conn, "reconcile", PERIOD, name, body)
+                time.sleep(0.05)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=sweeper, args=(f"node{i}",)) for i in range(4)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(3.0)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    elapsed = time.monotonic() - began
+
+    slots = [slot for _, slot, _, _ in ran]
+    assert len(slots) == len(set(slots)), f"a period ran twice: {sorted(slots)}"
+    # Every period had its run (allowing for the first and last, cut by the window).
+    assert len(slots) >= elapsed / PERIOD - 2, (len(slots), elapsed)
+    # Never two bodies at once, across periods too (the advisory lock).
+    spans = sorted((start, end) for _, _, start, end in ran)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False)), spans
+    rows = runs(db["admin"])
+    assert [(r["holder"], r["slot"]) for r in rows] == [(name, slot) for name, slot, _, _ in
+                                                       sorted(ran, key=lambda x: x[2])]
+    assert all(r["finished_at"] is not None and r["counts"] == {"swept": 1} for r in rows)
+    assert len({r["holder"] for r in rows}) > 1, "one sweeper won every period: the race was not exercised"
+
+
+HOLDER = """
+import sys, time
+from ledger import store
+from recovery.sweep_gate import run_once
+conn = store.connect(sys.argv[1])
+def body(run):
+    print("holding", run.run_id, flush=True)
+    time.sleep(120)
+    return {}
+run_once(conn, "reconcile", float(sys.argv[2]), "doomed", body)
+"""
+
+
+def test_a_holder_killed_mid_sweep_hands_the_sweep_over(db) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, db["recovery"], str(PERIOD)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    conn = store.connect(db["recovery"])
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        assert line.startswith("holding"), line
+        doomed_run = int(line.split()[1])
+        # While it holds the sweep, nobody else sweeps, in this period or the next ones.
+        deadline = time.monotonic() + 4 * PERIOD
+        while time.monotonic() < deadline:
+            assert run_once(conn, "reconcile", PERIOD, "survivor", lambda run: {"swept": 1}) is None
+            time.sleep(0.05)
+        holder.kill()
+        holder.wait(10)
+        taken: list[SweepRun] = []
+
+        def taken_over() -> bool:
+            run = run_once(conn, "reconcile", PERIOD, "survivor", lambda run: {"swept": 1})
+            if run is not None:
+                taken.append(run)
+            return bool(taken)
+
+        wait_for(taken_over, 10, what="the survivor to take the sweep over")
+        rows = {r["run_id"]: r for r in runs(db["admin"])}
+        assert rows[doomed_run]["holder"] == "doomed" and rows[doomed_run]["finished_at"] is None
+        assert taken[0].run_id > doomed_run  # the run id is the fencing token: later runs are larger
+        assert rows[taken[0].run_id]["holder"] == "survivor" and rows[taken[0].run_id]["finished_at"] is not None
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        conn.close()
+
+
+def test_a_failing_sweep_is_recorded_and_frees_the_next_period(db) -> None:
+    conn = store.connect(db["recovery"])
+    try:
+        def boom(run: SweepRun) -> dict[str, Any]:
+            raise RuntimeError("sweep defect")
+
+        with pytest.raises(RuntimeError):
+            run_once(conn, "reconcile", PERIOD, "w1", boom)
+        failed = runs(db["admin"])[-1]
+        assert failed["counts"] == {"error": "RuntimeError"} and failed["finished_at"] is not None
+        other = store.connect(db["recovery"])
+        try:
+            done: list[SweepRun] = []
+
+            def next_period_ran() -> bool:
+                run = run_once(other, "reconcile", PERIOD, "w2", lambda run: {})
+                if run is not None:
+                    done.append(run)
+                return bool(done)
+
+            wait_for(next_period_ran, 5, what="another sweeper to run the next period")
+            assert done[0].slot > failed["slot"]
+        finally:
+            other.close()
+    finally:
+        conn.close()
+
+
+def test_old_runs_are_pruned_and_only_the_recovery_roles_may_sweep(db) -> None:
+    with store.connect(db["admin"]) as admin:
+        admin.execute("INSERT INTO sweep_runs (sweep, slot, holder, started_at) "
+                      "VALUES ('reconcile', 1, 'ancient', clock_timestamp() - interval '2 days')")
+    conn = store.connect(db["recovery"])
+    try:
+        assert run_once(conn, "reconcile", PERIOD, "w1", lambda run: {}) is not None
+    finally:
+        conn.close()
+    assert [r["holder"] for r in runs(db["admin"])] == ["w1"]
+    # An execute-only worker cannot claim a sweep (the reconcile queue is the recovery role's).
+    worker = store.connect(db["worker"])
+    try:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            run_once(worker, "reconcile", PERIOD, "w2", lambda run: {})
+    finally:
+        worker.close()
