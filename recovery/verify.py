@@ -172,7 +172,8 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
 
 
 def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Stages) -> dict[str, Any]:
-    with store.transaction(rt.conn) as cur:
+    # One read-only statement: the verdict's transaction reads the row again, under its lock.
+    with rt.conn.cursor() as cur:
         action = store.get_action(cur, action_id)
     if action is None or action.status != ActionStatus.verifying:
         return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
@@ -228,7 +229,9 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
     stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
                                                   if (outcome or action.outcome) else None})
     try:
-        with store.transaction(conn) as cur:
+        # Two flights: the row lock (and a cancellation that arrived meanwhile), then the verdict
+        # with its COMMIT; a move another verifier made first is refused by the database.
+        with store.pipelined(conn) as cur:
             if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
                 # Cancelled while verification was reading the system of record: the cancellation
                 # decides the disposition as if it had been there from the start.
@@ -251,7 +254,7 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
                                  finding=obs.finding.value, reason_code=reason, result=recovered,
                                  recovery_data={"after": obs.after} if obs.after is not None else None,
-                                 redactor=red, events=events, actor=rt.settings.worker_id)
+                                 redactor=red, events=events, actor=rt.settings.worker_id, deferred=True)
     except TransitionRefused:
         # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:
