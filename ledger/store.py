@@ -55,17 +55,36 @@ def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
         watcher.committed(prepared)
 
 
+def begin_with_read(conn: psycopg.Connection[dict[str, Any]], sql: str, params: tuple) -> dict[str, Any] | None:
+    """Open a transaction with a read, in one flight (``BEGIN`` and the statement); returns its first
+    row. The caller finishes it with :func:`pipelined` (``begun=True``) or :func:`roll_back`. Under
+    read committed an open transaction that has written nothing holds no row lock and no snapshot
+    between statements: keeping it open costs the server nothing but the session."""
+    cur = conn.cursor()
+    try:
+        with conn.pipeline():
+            cur.execute("BEGIN")
+            cur.execute(sql, params)
+        return cur.fetchone()
+    except BaseException:
+        roll_back(conn)
+        raise
+
+
 @contextmanager
-def pipelined(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
+def pipelined(conn: psycopg.Connection[dict[str, Any]], *, begun: bool = False) -> Iterator[Cursor]:
     """A transaction whose statements are sent as one flight with its ``BEGIN`` and ``COMMIT``
     (psycopg pipeline mode): a stage costs one round trip when the caller fetches nothing before
     the end. A fetch inside the block sends what is queued so far (one more round trip, same
     transaction). Refusals therefore come from the database itself (``*_strict`` functions), and
     any error rolls the whole transaction back. The cursor's results stay readable after the block.
     The event observer is told as by :func:`transaction` (its ``prepare`` read, when it needs one,
-    is one more round trip). Inside another transaction this is :func:`transaction`.
+    is one more round trip). ``begun``: finish the transaction :func:`begin_with_read` opened (no
+    ``BEGIN``); otherwise, inside another transaction, this is :func:`transaction`.
     """
-    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+    if begun and conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        raise psycopg.ProgrammingError("pipelined(begun=True) needs the transaction begin_with_read opened")
+    if not begun and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         with transaction(conn) as cur:
             yield cur
         return
@@ -76,16 +95,17 @@ def pipelined(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
         with conn.pipeline():
             # Explicit BEGIN/COMMIT as statements: a fetch mid-way must not commit half a stage
             # (between syncs, the extended protocol would otherwise commit what came before).
-            cur.execute("BEGIN")
+            if not begun:
+                cur.execute("BEGIN")
             yield cur
             if watcher is not None and events:
                 prepared = watcher.prepare(cur, list(events))
             cur.execute("COMMIT")
     except psycopg.Error as exc:
-        _roll_back(conn)
+        roll_back(conn)
         _raise_domain_error(exc)
     except BaseException:
-        _roll_back(conn)
+        roll_back(conn)
         raise
     finally:
         if token is not None:
@@ -94,7 +114,9 @@ def pipelined(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
         watcher.committed(prepared)
 
 
-def _roll_back(conn: psycopg.Connection[dict[str, Any]]) -> None:
+def roll_back(conn: psycopg.Connection[dict[str, Any]]) -> None:
+    """End whatever transaction is still open on ``conn`` without committing it (a no-op when none
+    is, or when the connection is gone: the server rolled it back)."""
     if not conn.closed and not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         conn.execute("ROLLBACK")
 
