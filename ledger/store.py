@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
 
 @contextmanager
 def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
+    """One transaction (a savepoint inside another). A read still held open by
+    :func:`begin_with_read` is ended first: it wrote nothing, and a write that is not its
+    continuation (:func:`pipelined` with ``begun=True``) commits on its own."""
+    end_held_read(conn)
     events, token = observe.begin()
     mark, prepared, watcher = len(events), None, observe.observer() if token is not None else None
     try:
@@ -60,15 +65,29 @@ def begin_with_read(conn: psycopg.Connection[dict[str, Any]], sql: str, params: 
     row. The caller finishes it with :func:`pipelined` (``begun=True``) or :func:`roll_back`. Under
     read committed an open transaction that has written nothing holds no row lock and no snapshot
     between statements: keeping it open costs the server nothing but the session."""
+    end_held_read(conn)
     cur = conn.cursor()
     try:
         with conn.pipeline():
             cur.execute("BEGIN")
             cur.execute(sql, params)
-        return cur.fetchone()
+        row = cur.fetchone()
     except BaseException:
         roll_back(conn)
         raise
+    _held_reads.add(conn)
+    return row
+
+
+#: Connections with a transaction :func:`begin_with_read` opened and nobody finished yet.
+_held_reads: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
+
+def end_held_read(conn: psycopg.Connection[dict[str, Any]]) -> None:
+    """Roll back the read :func:`begin_with_read` left open on ``conn``, if any (it wrote nothing)."""
+    if conn in _held_reads:
+        _held_reads.discard(conn)
+        roll_back(conn)
 
 
 @contextmanager
@@ -82,25 +101,29 @@ def pipelined(conn: psycopg.Connection[dict[str, Any]], *, begun: bool = False) 
     is one more round trip). ``begun``: finish the transaction :func:`begin_with_read` opened (no
     ``BEGIN``); otherwise, inside another transaction, this is :func:`transaction`.
     """
-    if begun and conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
-        raise psycopg.ProgrammingError("pipelined(begun=True) needs the transaction begin_with_read opened")
-    if not begun and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        with transaction(conn) as cur:
-            yield cur
-        return
+    if begun:
+        if conn not in _held_reads or conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            raise psycopg.ProgrammingError("pipelined(begun=True) needs the transaction begin_with_read opened")
+        _held_reads.discard(conn)
+    else:
+        end_held_read(conn)
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            with transaction(conn) as cur:
+                yield cur
+            return
     events, token = observe.begin()
     watcher, prepared = observe.observer() if token is not None else None, None
-    cur = conn.cursor()
+    cur, control = conn.cursor(), conn.cursor()  # the caller's results stay on ``cur``
     try:
         with conn.pipeline():
             # Explicit BEGIN/COMMIT as statements: a fetch mid-way must not commit half a stage
             # (between syncs, the extended protocol would otherwise commit what came before).
             if not begun:
-                cur.execute("BEGIN")
+                control.execute("BEGIN")
             yield cur
             if watcher is not None and events:
-                prepared = watcher.prepare(cur, list(events))
-            cur.execute("COMMIT")
+                prepared = watcher.prepare(control, list(events))
+            control.execute("COMMIT")
     except psycopg.Error as exc:
         roll_back(conn)
         _raise_domain_error(exc)
@@ -372,16 +395,27 @@ def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, actio
     ``proofline_take_lease``) and move the action to executing with ``events``. Returns whether it
     claimed; when it did not, nothing was written and the caller dispatches on the record."""
     events_seen, token = observe.begin()
-    watcher = observe.observer() if token is not None else None
+    watcher, prepared = observe.observer() if token is not None else None, None
+    args = (key, action_id, tenant, argument_hash, contract_hash, replay_window_seconds, lease, recovery_data,
+            redactor, events, actor)
     try:
-        with conn.cursor() as cur:
+        if conn in _held_reads:
+            # The lock-and-read transaction is still open: the claim and its COMMIT finish it, one flight.
+            with pipelined(conn, begun=True) as cur:
+                batch = _queue_claim(cur, *args)
+        else:
+            cur = conn.cursor()  # one statement is its own transaction
             try:
-                claimed = _claim_and_start_txn(cur, key, action_id, tenant, argument_hash, contract_hash,
-                                               replay_window_seconds, lease, recovery_data, redactor, events, actor)
+                batch = _queue_claim(cur, *args)
             except psycopg.Error as exc:
                 _raise_domain_error(exc)
-            # One statement is its own transaction: the observer reads (immutable labels) after it.
-            prepared = watcher.prepare(cur, list(events_seen)) if watcher is not None and events_seen else None
+        row = cur.fetchone()
+        claimed = bool(row and row["claimed"])
+        if claimed:
+            _note_appended(action_id, batch)
+        # Committed already: the observer reads what it needs (immutable labels) afterwards.
+        if watcher is not None and events_seen:
+            prepared = watcher.prepare(conn.cursor(), list(events_seen))
     finally:
         if token is not None:
             observe.end(token)
@@ -390,9 +424,9 @@ def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, actio
     return claimed
 
 
-def _claim_and_start_txn(cur: Cursor, key: str, action_id: str, tenant: str, argument_hash: str, contract_hash: str,
-                         replay_window_seconds: float, lease: dict[str, Any], recovery_data: dict[str, Any],
-                         redactor: Redactor, events: list[tuple[str, dict[str, Any]]], actor: str) -> bool:
+def _queue_claim(cur: Cursor, key: str, action_id: str, tenant: str, argument_hash: str, contract_hash: str,
+                 replay_window_seconds: float, lease: dict[str, Any], recovery_data: dict[str, Any],
+                 redactor: Redactor, events: list[tuple[str, dict[str, Any]]], actor: str) -> list[list[Any]]:
     batch = _event_batch(events, actor, redactor)
     cur.execute(
         """SELECT proofline_claim(%(action)s, %(target)s, %(lock_action)s, %(lock_target)s, %(host)s, %(pid)s,
@@ -400,11 +434,7 @@ def _claim_and_start_txn(cur: Cursor, key: str, action_id: str, tenant: str, arg
                %(recovery)s, %(events)s) AS claimed""",
         {**lease, "action": action_id, "key": key, "tenant": tenant, "arg": argument_hash, "contract": contract_hash,
          "window": replay_window_seconds, "recovery": _json(redactor(recovery_data)), "events": _json(batch)})
-    row = cur.fetchone()
-    claimed = bool(row and row["claimed"])
-    if claimed:
-        _note_appended(action_id, batch)
-    return claimed
+    return batch
 
 
 def get_action(cur: Cursor, action_id: str) -> ActionRow | None:

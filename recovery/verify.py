@@ -181,7 +181,7 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
     try:
         return _verify_loaded(rt, conn, store.ActionRow.from_row(row) if row else None, action_id, dispatch, stages)
     finally:
-        store.roll_back(conn)
+        store.end_held_read(conn)
 
 
 def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, action_id: str, dispatch: Dispatch,
@@ -239,7 +239,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     # own; the guarded move from verifying re-checks what the load saw either way.
     begun = rt.conn is conn and conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
     if not begun:
-        store.roll_back(conn)
+        store.end_held_read(conn)
         conn = rt.conn
     faultpoints.hit("before_verify_commit")
     stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value

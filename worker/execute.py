@@ -82,7 +82,9 @@ from worker.validate import (
 
 log = logging.getLogger(__name__)
 
-# Read-only facts the revalidation needs, fetched in the same round trip that takes the locks.
+# Read-only facts the revalidation needs, fetched in the same round trip that takes the locks. That
+# statement opens the claim's transaction: it stays open (nothing written, no row locked) across the
+# tool listing and the target read, and the claim commits it; a branch that writes ends it first.
 REVALIDATION_SQL = """
 SELECT clock_timestamp() AS now,
        (SELECT array_agg(identity) FROM revoked_identities WHERE identity = ANY(%s)) AS revoked,
@@ -183,7 +185,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
             envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid,
-            settings.tenant_max_executing, envelope.tenant, aid))
+            settings.tenant_max_executing, envelope.tenant, aid), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -297,12 +299,17 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
+                store.end_held_read(conn)
                 unlock_locks(conn, locks)
             except psycopg.Error:
                 rt.reset_connection()
         raise
     finally:
         keeper.stop()
+        if not conn.closed and not conn.broken:
+            # The lock-and-read transaction is finished by the claim, or by any branch's own write;
+            # a branch that wrote nothing leaves it to end here.
+            store.end_held_read(conn)
         rt.holding_locks = False
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from ledger import store
 from ledger.store import Cursor
 from proofline.errors import LeaseBusy
 
@@ -47,26 +48,34 @@ class Locks:
 
 
 def try_lock_and_read(
-    conn: psycopg.Connection[dict[str, Any]], locks: Locks, extra_sql: str = "SELECT 1 AS one", params: tuple = ()
+    conn: psycopg.Connection[dict[str, Any]], locks: Locks, extra_sql: str = "SELECT 1 AS one", params: tuple = (),
+    *, hold: bool = False,
 ) -> dict[str, Any]:
     """Take both locks in one round trip, together with a read-only query the caller needs and the
     fencing token this holder will write under (``fencing_token``, drawn only when both locks were
-    taken; a sequence draw writes nothing, so this stays one read-only statement).
+    taken; a sequence draw writes nothing).
 
-    Raises :class:`LeaseBusy` (and holds nothing) when either lock is taken by a live session.
+    ``hold``: the statement opens a transaction that stays open (``ledger.store.begin_with_read``),
+    so that the claim finishes it and the stage commits once; session-level advisory locks are not
+    transactional, so ending it early (any other write does) never releases them.
+
+    Raises :class:`LeaseBusy` (and holds nothing, no transaction either) when either lock is taken
+    by a live session.
     """
-    with conn.cursor() as cur:
-        cur.execute(
-            f"""SELECT locked.*, CASE WHEN got_action AND got_target THEN nextval('lease_fencing_seq') END
-                       AS fencing_token, extra.*
-                FROM (SELECT {LOCK_SQL} AS got_action, {LOCK_SQL} AS got_target OFFSET 0) AS locked,
-                     ({extra_sql}) AS extra""",
-            (locks.action, locks.target, *params),
-        )
-        row = cur.fetchone()
+    sql = f"""SELECT locked.*, CASE WHEN got_action AND got_target THEN nextval('lease_fencing_seq') END
+                     AS fencing_token, extra.*
+              FROM (SELECT {LOCK_SQL} AS got_action, {LOCK_SQL} AS got_target OFFSET 0) AS locked,
+                   ({extra_sql}) AS extra"""
+    if hold:
+        row = store.begin_with_read(conn, sql, (locks.action, locks.target, *params))
+    else:
+        with conn.cursor() as cur:
+            cur.execute(sql, (locks.action, locks.target, *params))
+            row = cur.fetchone()
     assert row is not None
     if row["got_action"] and row["got_target"]:
         return row
+    store.end_held_read(conn)
     unlock(conn, locks, action=row["got_action"], target=row["got_target"])
     which = "action" if not row["got_action"] else "target"
     raise LeaseBusy(f"{which} lock is held by another live worker", which=which)
