@@ -153,8 +153,11 @@ class SessionKeeper:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                with self.conn.cursor() as cur:
-                    cur.execute("SELECT 1")
+                if self.conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
+                    # A stage's pipelined flight is in progress otherwise: the session is busy, and a
+                    # statement from this thread would join that flight.
+                    with self.conn.cursor() as cur:
+                        cur.execute("SELECT 1")
                 self.touch()
         except psycopg.Error:
             # The session is gone, and its locks with it: the claim transaction's lock check
