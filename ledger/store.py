@@ -351,9 +351,9 @@ def transition_txn(
         "allowed": [s.value for s in allowed], "kind": recovery_kind.value if recovery_kind is not None else None,
         "actor": actor or "", "events": _json(batch),
     }
-    function = "proofline_transition_strict" if deferred else "SELECT * FROM proofline_transition"
+    call = "SELECT proofline_transition_strict" if deferred else "SELECT * FROM proofline_transition"
     cur.execute(
-        f"""{"SELECT " if deferred else ""}{function}(%(id)s, %(allowed)s::action_status[], %(status)s,
+        f"""{call}(%(id)s, %(allowed)s::action_status[], %(status)s,
                %(outcome)s::outcome_class, %(finding)s, %(reason)s, %(result)s, %(recovery)s,
                %(kind)s::recovery_kind, %(actor)s, %(events)s)""", params)
     if deferred:
