@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg.rows import dict_row
@@ -21,7 +22,7 @@ from psycopg.types.json import Jsonb
 from ledger import seal
 from ledger.redact import POLICY, Redactor, as_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
-from proofline.errors import ConfigurationError, PrivilegeRefused, StaleLease, TransitionRefused
+from proofline.errors import ConfigurationError, LeaseBusy, PrivilegeRefused, StaleLease, TransitionRefused
 from proofline.telemetry import observe
 
 Cursor = psycopg.Cursor[dict[str, Any]]
@@ -35,6 +36,10 @@ def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
 
 @contextmanager
 def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
+    """One transaction (a savepoint inside another). A read still held open by
+    :func:`begin_with_read` is ended first: it wrote nothing, and a write that is not its
+    continuation (:func:`pipelined` with ``begun=True``) commits on its own."""
+    end_held_read(conn)
     events, token = observe.begin()
     mark, prepared, watcher = len(events), None, observe.observer() if token is not None else None
     try:
@@ -44,11 +49,7 @@ def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
                 prepared = watcher.prepare(cur, list(events))
     except psycopg.Error as exc:
         del events[mark:]
-        # The role guards (ledger/roles_ddl.py) raise SQLSTATE PL001..PL005; the transaction has
-        # rolled back. Anything else stays a driver error (connection loss is retried upstream).
-        if exc.sqlstate and exc.sqlstate.startswith("PL"):
-            raise PrivilegeRefused(exc.diag.message_primary or str(exc), sqlstate=exc.sqlstate) from exc
-        raise
+        _raise_domain_error(exc)
     except BaseException:
         del events[mark:]  # a rolled-back (savepoint) block appended nothing
         raise
@@ -57,6 +58,108 @@ def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
             observe.end(token)
     if watcher is not None and prepared is not None:
         watcher.committed(prepared)
+
+
+def begin_with_read(conn: psycopg.Connection[dict[str, Any]], sql: str, params: tuple) -> dict[str, Any] | None:
+    """Open a transaction with a read, in one flight (``BEGIN`` and the statement); returns its first
+    row. The caller finishes it with :func:`pipelined` (``begun=True``) or :func:`roll_back`. Under
+    read committed an open transaction that has written nothing holds no row lock and no snapshot
+    between statements: keeping it open costs the server nothing but the session."""
+    end_held_read(conn)
+    cur = conn.cursor()
+    try:
+        with conn.pipeline():
+            cur.execute("BEGIN")
+            cur.execute(sql, params)
+        row = cur.fetchone()
+    except BaseException:
+        roll_back(conn)
+        raise
+    _held_reads.add(conn)
+    return row
+
+
+#: Connections with a transaction :func:`begin_with_read` opened and nobody finished yet.
+_held_reads: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
+
+def end_held_read(conn: psycopg.Connection[dict[str, Any]]) -> None:
+    """Roll back the read :func:`begin_with_read` left open on ``conn``, if any (it wrote nothing)."""
+    if conn in _held_reads:
+        _held_reads.discard(conn)
+        roll_back(conn)
+
+
+@contextmanager
+def pipelined(conn: psycopg.Connection[dict[str, Any]], *, begun: bool = False) -> Iterator[Cursor]:
+    """A transaction whose statements are sent as one flight with its ``BEGIN`` and ``COMMIT``
+    (psycopg pipeline mode): a stage costs one round trip when the caller fetches nothing before
+    the end. A fetch inside the block sends what is queued so far (one more round trip, same
+    transaction). Refusals therefore come from the database itself (``*_strict`` functions), and
+    any error rolls the whole transaction back. The cursor's results stay readable after the block.
+    The event observer is told as by :func:`transaction` (its ``prepare`` read, when it needs one,
+    is one more round trip). ``begun``: finish the transaction :func:`begin_with_read` opened (no
+    ``BEGIN``); otherwise, inside another transaction, this is :func:`transaction`.
+    """
+    if begun:
+        if conn not in _held_reads or conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            raise psycopg.ProgrammingError("pipelined(begun=True) needs the transaction begin_with_read opened")
+        _held_reads.discard(conn)
+    else:
+        end_held_read(conn)
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            with transaction(conn) as cur:
+                yield cur
+            return
+    events, token = observe.begin()
+    watcher, prepared = observe.observer() if token is not None else None, None
+    cur, control = conn.cursor(), conn.cursor()  # the caller's results stay on ``cur``
+    try:
+        with conn.pipeline():
+            # Explicit BEGIN/COMMIT as statements: a fetch mid-way must not commit half a stage
+            # (between syncs, the extended protocol would otherwise commit what came before).
+            if not begun:
+                control.execute("BEGIN")
+            yield cur
+            if watcher is not None and events:
+                prepared = watcher.prepare(control, list(events))
+            control.execute("COMMIT")
+    except psycopg.Error as exc:
+        roll_back(conn)
+        _raise_domain_error(exc)
+    except BaseException:
+        roll_back(conn)
+        raise
+    finally:
+        if token is not None:
+            observe.end(token)
+    if watcher is not None and prepared is not None:
+        watcher.committed(prepared)
+
+
+def roll_back(conn: psycopg.Connection[dict[str, Any]]) -> None:
+    """End whatever transaction is still open on ``conn`` without committing it (a no-op when none
+    is, or when the connection is gone: the server rolled it back)."""
+    if not conn.closed and not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        conn.execute("ROLLBACK")
+
+
+#: SQLSTATEs raised by the stage functions (ledger/stage_functions.py), as domain errors.
+_STAGE_REFUSALS: dict[str, type[Exception]] = {"PL101": TransitionRefused, "PL102": StaleLease}
+
+
+def _raise_domain_error(exc: psycopg.Error) -> NoReturn:
+    """The role guards (ledger/roles_ddl.py) raise SQLSTATE PL001..PL005, the stage functions
+    PL101..PL103; the transaction has rolled back. Anything else stays a driver error (connection
+    loss is retried upstream)."""
+    state, message = exc.sqlstate or "", (exc.diag.message_primary or str(exc))
+    if state == "PL103":
+        raise LeaseBusy(message, which="lost") from exc
+    if state in _STAGE_REFUSALS:
+        raise _STAGE_REFUSALS[state](message) from exc
+    if state.startswith("PL"):
+        raise PrivilegeRefused(message, sqlstate=state) from exc
+    raise exc
 
 
 # An escaped NUL in JSON text: "\u0000" preceded by an even number of backslashes.
@@ -230,35 +333,33 @@ def transition_txn(
     events: list[tuple[str, dict[str, Any]]] | None = None,
     actor: str | None = None,
     redact_fields: Redactor | Iterable[str] = (),
-) -> ActionRow:
+    deferred: bool = False,
+) -> ActionRow | None:
     """Move an action to ``status`` only from one of ``allowed``; raise when no row moved.
 
     ``result`` and ``recovery_data`` are stored redacted by ``redactor``. ``events`` (appended by
     ``actor``, in order, redacted by ``redactor`` plus ``redact_fields``) go in the same round trip,
     through the database function ``proofline_transition``; the role guards judge the move either way.
+    ``deferred`` (inside :func:`pipelined`): nothing is fetched and None is returned; the database
+    refuses a move that moved no row (``proofline_transition_strict``), rolling the transaction back.
     """
-    result = redactor(result) if result is not None else None
-    recovery_data = redactor(recovery_data) if recovery_data else None
-    clean = redactor.merged(as_redactor(redact_fields)) if redact_fields else redactor
-    batch = [[name, observe.annotate(clean(ev))] for name, ev in (events or [])]
-    if batch and actor is None:
-        raise ValueError("events need an actor")
+    batch = _event_batch(events, actor, redactor, redact_fields)
+    params = {
+        "status": status.value, "outcome": outcome.value if outcome else None, "finding": finding,
+        "reason": reason_code, "result": _json(redactor(result)) if result is not None else None,
+        "recovery": _json(redactor(recovery_data) if recovery_data else {}), "id": action_id,
+        "allowed": [s.value for s in allowed], "kind": recovery_kind.value if recovery_kind is not None else None,
+        "actor": actor or "", "events": _json(batch),
+    }
+    call = "SELECT proofline_transition_strict" if deferred else "SELECT * FROM proofline_transition"
     cur.execute(
-        """SELECT * FROM proofline_transition(%(id)s, %(allowed)s::action_status[], %(status)s,
+        f"""{call}(%(id)s, %(allowed)s::action_status[], %(status)s,
                %(outcome)s::outcome_class, %(finding)s, %(reason)s, %(result)s, %(recovery)s,
-               %(kind)s::recovery_kind, %(actor)s, %(events)s)""",
-        {
-            "status": status.value, "outcome": outcome.value if outcome else None, "finding": finding,
-            "reason": reason_code, "result": _json(result) if result is not None else None,
-            "recovery": _json(recovery_data or {}), "id": action_id, "allowed": [s.value for s in allowed],
-            "kind": recovery_kind.value if recovery_kind is not None else None, "actor": actor or "",
-            "events": _json(batch),
-        },
-    )
+               %(kind)s::recovery_kind, %(actor)s, %(events)s)""", params)
+    if deferred:
+        _note_appended(action_id, batch)
+        return None
     row = cur.fetchone()
-    if row is not None:
-        for name, ev in batch:
-            observe.appended(action_id, name, ev)
     if row is None:
         cur.execute("SELECT status FROM actions WHERE action_id = %s", (action_id,))
         current = cur.fetchone()
@@ -266,7 +367,74 @@ def transition_txn(
             f"{action_id}: {current['status'] if current else 'missing'} -> {status.value} not allowed",
             action_id=action_id,
         )
+    _note_appended(action_id, batch)
     return ActionRow.from_row(row)
+
+
+def _event_batch(events: list[tuple[str, dict[str, Any]]] | None, actor: str | None, redactor: Redactor,
+                 redact_fields: Redactor | Iterable[str] = ()) -> list[list[Any]]:
+    """Events as the transition functions take them: ``[name, evidence]``, redacted and annotated."""
+    clean = redactor.merged(as_redactor(redact_fields)) if redact_fields else redactor
+    batch = [[name, observe.annotate(clean(ev))] for name, ev in (events or [])]
+    if batch and actor is None:
+        raise ValueError("events need an actor")
+    return batch
+
+
+def _note_appended(action_id: str, batch: list[list[Any]]) -> None:
+    for name, ev in batch:
+        observe.appended(action_id, name, ev)
+
+
+def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, action_id: str, tenant: str,
+                    argument_hash: str, contract_hash: str, replay_window_seconds: float, lease: dict[str, Any],
+                    recovery_data: dict[str, Any], redactor: Redactor, events: list[tuple[str, dict[str, Any]]],
+                    actor: str) -> bool:
+    """A first delivery's claim stage as one statement and one transaction (``proofline_claim``):
+    claim the record; only if it was free, record the lease (``lease``: the arguments of
+    ``proofline_take_lease``) and move the action to executing with ``events``. Returns whether it
+    claimed; when it did not, nothing was written and the caller dispatches on the record."""
+    events_seen, token = observe.begin()
+    watcher, prepared = observe.observer() if token is not None else None, None
+    args = (key, action_id, tenant, argument_hash, contract_hash, replay_window_seconds, lease, recovery_data,
+            redactor, events, actor)
+    try:
+        if conn in _held_reads:
+            # The lock-and-read transaction is still open: the claim and its COMMIT finish it, one flight.
+            with pipelined(conn, begun=True) as cur:
+                batch = _queue_claim(cur, *args)
+        else:
+            cur = conn.cursor()  # one statement is its own transaction
+            try:
+                batch = _queue_claim(cur, *args)
+            except psycopg.Error as exc:
+                _raise_domain_error(exc)
+        row = cur.fetchone()
+        claimed = bool(row and row["claimed"])
+        if claimed:
+            _note_appended(action_id, batch)
+        # Committed already: the observer reads what it needs (immutable labels) afterwards.
+        if watcher is not None and events_seen:
+            prepared = watcher.prepare(conn.cursor(), list(events_seen))
+    finally:
+        if token is not None:
+            observe.end(token)
+    if watcher is not None and prepared is not None:
+        watcher.committed(prepared)
+    return claimed
+
+
+def _queue_claim(cur: Cursor, key: str, action_id: str, tenant: str, argument_hash: str, contract_hash: str,
+                 replay_window_seconds: float, lease: dict[str, Any], recovery_data: dict[str, Any],
+                 redactor: Redactor, events: list[tuple[str, dict[str, Any]]], actor: str) -> list[list[Any]]:
+    batch = _event_batch(events, actor, redactor)
+    cur.execute(
+        """SELECT proofline_claim(%(action)s, %(target)s, %(lock_action)s, %(lock_target)s, %(host)s, %(pid)s,
+               %(worker)s, %(token)s, %(ttl)s, %(key)s, %(tenant)s, %(arg)s, %(contract)s, %(window)s,
+               %(recovery)s, %(events)s) AS claimed""",
+        {**lease, "action": action_id, "key": key, "tenant": tenant, "arg": argument_hash, "contract": contract_hash,
+         "window": replay_window_seconds, "recovery": _json(redactor(recovery_data)), "events": _json(batch)})
+    return batch
 
 
 def get_action(cur: Cursor, action_id: str) -> ActionRow | None:
@@ -349,26 +517,25 @@ def _idem(row: dict[str, Any] | None) -> IdempotencyRecord:
 def update_idempotency_txn(
     cur: Cursor, key: str, *, fencing_token: int, allowed: Iterable[IdempotencyStatus],
     status: IdempotencyStatus, result: dict[str, Any] | None = None, new_token: int | None = None,
-    count_attempt: bool = False, redactor: Redactor = POLICY,
-) -> int:
+    count_attempt: bool = False, redactor: Redactor = POLICY, deferred: bool = False,
+) -> int | None:
     """Guarded update: only the holder of the current fencing token may move the record (its
-    ``result`` stored redacted)."""
+    ``result`` stored redacted); returns the attempts made. ``deferred`` (inside :func:`pipelined`):
+    nothing is fetched, None is returned, and a stale token rolls the transaction back."""
     result = redactor(result) if result is not None else None
     cur.execute(
-        """UPDATE idempotency_records SET status = %(status)s, result = COALESCE(%(result)s, result),
-               fencing_token = COALESCE(%(new_token)s, fencing_token),
-               attempts = attempts + %(attempt)s, updated_at = clock_timestamp()
-           WHERE key = %(key)s AND fencing_token = %(token)s
-             AND status = ANY(%(allowed)s::idempotency_status[])
-           RETURNING attempts""",
+        """SELECT proofline_idempotency_move(%(key)s, %(token)s, %(allowed)s::idempotency_status[], %(status)s,
+                                             %(result)s, %(new_token)s, %(attempt)s, %(strict)s) AS attempts""",
         {
             "status": status.value, "result": _json(result) if result is not None else None,
             "new_token": new_token, "attempt": 1 if count_attempt else 0, "key": key, "token": fencing_token,
-            "allowed": [s.value for s in allowed],
+            "allowed": [s.value for s in allowed], "strict": deferred,
         },
     )
+    if deferred:
+        return None
     row = cur.fetchone()
-    if row is None:
+    if row is None or row["attempts"] is None:
         raise StaleLease(f"idempotency record {key} is not held by fencing token {fencing_token}", key=key)
     return int(row["attempts"])
 

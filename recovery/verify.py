@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
@@ -172,8 +174,18 @@ def verify(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
 
 
 def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Stages) -> dict[str, Any]:
-    with store.transaction(rt.conn) as cur:
-        action = store.get_action(cur, action_id)
+    # The load opens the verdict's transaction (one flight); nothing is locked or written while the
+    # read path is polled. Whatever ends this task with it still open (a skip, an error) rolls it back.
+    conn = rt.conn
+    row = store.begin_with_read(conn, "SELECT * FROM actions WHERE action_id = %s", (action_id,))
+    try:
+        return _verify_loaded(rt, conn, store.ActionRow.from_row(row) if row else None, action_id, dispatch, stages)
+    finally:
+        store.end_held_read(conn)
+
+
+def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, action_id: str, dispatch: Dispatch,
+                   stages: tracing.Stages) -> dict[str, Any]:
     if action is None or action.status != ActionStatus.verifying:
         return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
     # Conditions compare with the arguments as signed; the stored envelope is a redacted copy.
@@ -222,13 +234,20 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
         # The response was lost; the original result is recovered from the system of record.
         # What the call's own result weighed (past the size limit) stays next to the recovered values.
         recovered = {**(action.result or {}), "values": obs.after, "recovered_by": "verification"}
-    # Polling may have outlasted the session's idle timeout: take the connection afresh.
-    conn = rt.conn
+    # Polling may have outlasted the session's idle timeout: then rt.conn is a fresh connection (the
+    # old one, and the load's transaction with it, is gone) and the verdict has a transaction of its
+    # own; the guarded move from verifying re-checks what the load saw either way.
+    begun = rt.conn is conn and conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    if not begun:
+        store.end_held_read(conn)
+        conn = rt.conn
     faultpoints.hit("before_verify_commit")
     stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
                                                   if (outcome or action.outcome) else None})
     try:
-        with store.transaction(conn) as cur:
+        # Two flights: the row lock (and a cancellation that arrived meanwhile), then the verdict
+        # with its COMMIT; a move another verifier made first is refused by the database.
+        with store.pipelined(conn, begun=begun) as cur:
             if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
                 # Cancelled while verification was reading the system of record: the cancellation
                 # decides the disposition as if it had been there from the start.
@@ -251,7 +270,7 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
                                  finding=obs.finding.value, reason_code=reason, result=recovered,
                                  recovery_data={"after": obs.after} if obs.after is not None else None,
-                                 redactor=red, events=events, actor=rt.settings.worker_id)
+                                 redactor=red, events=events, actor=rt.settings.worker_id, deferred=True)
     except TransitionRefused:
         # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:

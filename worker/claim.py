@@ -51,15 +51,24 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
             store.append_events_txn(cur, aid, actor, events, redact)
             _finish_dispatch(cur, aid, decision, record)
             return decision
+        events.append(_preconditions_passed(envelope, before))
     else:
-        events.append(("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}))
-    events.append(("preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot
-                   else {}))
+        events.extend(claimed_events(envelope, before, token))
     # The pre-call evidence and the move to executing: one round trip.
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
                          recovery_data={"before": before, **(admitted or {})}, redactor=redact, events=events,
                          actor=actor)
     return "call"
+
+
+def claimed_events(envelope: Envelope, before: dict[str, Any], token: int) -> list[tuple[str, dict[str, Any]]]:
+    """The evidence of a fresh claim: the record claimed under this token, the preconditions passed."""
+    return [("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}),
+            _preconditions_passed(envelope, before)]
+
+
+def _preconditions_passed(envelope: Envelope, before: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot else {}
 
 
 def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord, token: int, events: list,

@@ -1,10 +1,22 @@
 """Deliveries per task message, counted in Postgres (``message_deliveries``).
 
-The consumer counts every delivery before the pool sees it; the pool process settles the count
-whenever it gets control back (a result, a retry, a recorded refusal or abandonment). A count that
-keeps growing unsettled means the message ends its worker process every time (a crash, a kill, an
-out-of-memory): after ``max_unsettled_deliveries`` it is moved to the ``dead_letter`` queue with a
-ledger record instead of being handed to a pool process again.
+Only a delivery that ends its worker process without an outcome matters here, and such a message
+always comes back *redelivered*: the broker hands out again a message that was never acknowledged
+(kombu's Redis transport restores it with ``redelivered`` set, RabbitMQ flags it itself), whether
+its pool process died (``reject_on_worker_lost``) or the whole worker did. So the consumer counts
+redeliveries only, before the pool sees them, and a first delivery costs the database nothing:
+
+- a redelivered message with no count yet counts two: the earlier delivery that ended its process
+  unrecorded, and this one;
+- the pool process settles a counted (redelivered) delivery whenever it gets control back (a
+  result, a retry, a recorded refusal or abandonment);
+- a count that keeps growing unsettled means the message ends its worker process every time (a
+  crash, a kill, an out-of-memory): after ``max_unsettled_deliveries`` it is moved to the
+  ``dead_letter`` queue with a ledger record instead of being handed to a pool process again.
+
+A Celery retry is a new message under the same task id: its first delivery is not redelivered, so
+an earlier count of that id that was settled undercounts the retry's first unrecorded crash by one
+(the message is dead-lettered one delivery later, never not at all).
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ DEAD_LETTER_QUEUE = "dead_letter"
 
 COUNT_SQL = """
 INSERT INTO message_deliveries AS d (message_key, task_name, action_id, deliveries, unsettled)
-VALUES (%(key)s, %(task)s, %(action)s, 1, 1)
+VALUES (%(key)s, %(task)s, %(action)s, %(first)s, %(first)s)
 ON CONFLICT (message_key) DO UPDATE SET deliveries = d.deliveries + 1, unsettled = d.unsettled + 1,
     last_at = clock_timestamp(), action_id = COALESCE(d.action_id, EXCLUDED.action_id)
 RETURNING deliveries, unsettled, last_error, dead_lettered_at
@@ -48,27 +60,36 @@ def message_key(task_id: Any, body: bytes | str | None) -> str:
     return "body:" + hashlib.sha256(raw).hexdigest()
 
 
-def count(conn: Any, key: str, task_name: str, action_id: str | None) -> dict[str, Any]:
-    """Count one delivery; returns the totals after it (``unsettled`` includes this one)."""
-    with conn.transaction(), conn.cursor() as cur:
-        cur.execute(COUNT_SQL, {"key": key, "task": safe_str(task_name, 200),
+def count(conn: Any, key: str, task_name: str, action_id: str | None, *, unrecorded_before: bool = False
+          ) -> dict[str, Any]:
+    """Count one delivery (one autocommit statement); returns the totals after it (``unsettled``
+    includes this one). ``unrecorded_before``: when the message has no count yet, an earlier
+    delivery ended unrecorded (this one is a redelivery), and is counted with it."""
+    with conn.cursor() as cur:
+        cur.execute(COUNT_SQL, {"key": key, "task": safe_str(task_name, 200), "first": 2 if unrecorded_before else 1,
                                 "action": safe_str(action_id, 200) if action_id else None})
         return dict(cur.fetchone())
 
 
 def settle(conn: Any, key: str, outcome: str, error: str | None = None) -> None:
-    with conn.transaction(), conn.cursor() as cur:
+    with conn.cursor() as cur:
         cur.execute(SETTLE_SQL, {"key": key, "outcome": outcome, "error": safe_str(error, 500) if error else None})
 
 
 def note_error(conn: Any, key: str, error: str) -> None:
-    with conn.transaction(), conn.cursor() as cur:
+    with conn.cursor() as cur:
         cur.execute(ERROR_SQL, {"key": key, "error": safe_str(error, 500)})
 
 
 def mark_dead(conn: Any, key: str) -> None:
-    with conn.transaction(), conn.cursor() as cur:
+    with conn.cursor() as cur:
         cur.execute(DEAD_SQL, {"key": key})
+
+
+def redelivered(delivery_info: Any) -> bool:
+    """Whether the broker flagged this delivery as a message handed out before (hostile input: only
+    a literal ``True`` counts)."""
+    return isinstance(delivery_info, dict) and delivery_info.get("redelivered") is True
 
 
 def claimed_action_id(payload: Any) -> str | None:

@@ -42,7 +42,7 @@ from proofline.keys import load_keyring
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
 from worker import calls, faultpoints, quota, sandbox_events
-from worker.claim import claim_txn
+from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
@@ -50,6 +50,7 @@ from worker.lease import (
     Locks,
     SessionKeeper,
     action_lock_name,
+    lease_arguments,
     release_lease_txn,
     target_lock_name,
     try_lock_and_read,
@@ -81,7 +82,9 @@ from worker.validate import (
 
 log = logging.getLogger(__name__)
 
-# Read-only facts the revalidation needs, fetched in the same round trip that takes the locks.
+# Read-only facts the revalidation needs, fetched in the same round trip that takes the locks. That
+# statement opens the claim's transaction: it stays open (nothing written, no row locked) across the
+# tool listing and the target read, and the claim commits it; a branch that writes ends it first.
 REVALIDATION_SQL = """
 SELECT clock_timestamp() AS now,
        (SELECT array_agg(identity) FROM revoked_identities WHERE identity = ANY(%s)) AS revoked,
@@ -182,7 +185,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
             envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid,
-            settings.tenant_max_executing, envelope.tenant, aid))
+            settings.tenant_max_executing, envelope.tenant, aid), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -257,7 +260,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         failures = check_preconditions(contract, envelope, before)
 
         try:
-            step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before)
+            step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before,
+                                           int(facts["fencing_token"]))
         except TenantQuotaExceeded as exc:  # the claim transaction rolled back: nothing was written
             locked = False
             return _quota_wait(rt, envelope, exc, delivery)
@@ -295,12 +299,17 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
+                store.end_held_read(conn)
                 unlock_locks(conn, locks)
             except psycopg.Error:
                 rt.reset_connection()
         raise
     finally:
         keeper.stop()
+        if not conn.closed and not conn.broken:
+            # The lock-and-read transaction is finished by the claim, or by any branch's own write;
+            # a branch that wrote nothing leaves it to end here.
+            store.end_held_read(conn)
         rt.holding_locks = False
 
 
@@ -346,19 +355,32 @@ def recovery_tool_hashes(rt: Runtime, contract: Contract, server_name: str,
 
 
 def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
-                     failures: list[dict[str, str]], before: dict[str, Any]) -> tuple[str, int]:
-    """One transaction: the run's budget, the lease, the claim and the pre-call evidence. Returns
-    the next step and the fencing token."""
+                     failures: list[dict[str, str]], before: dict[str, Any], token: int) -> tuple[str, int]:
+    """The claim stage under ``token`` (drawn when the locks were taken): the run's budget, the
+    lease, the claim and the pre-call evidence, in one transaction. Returns the next step and the
+    token. A first delivery with nothing else to check is one statement (``proofline_claim``)."""
     settings, actor = rt.settings, rt.settings.worker_id
     amount = next((ev["limits"]["amount_cents"] for name, ev in events if name == "revalidated"), None)
+    lease_event = ("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
+                                      "ttl_seconds": settings.lease_ttl_seconds})
+    if not failures and amount is None and not quota.applies(envelope, settings.tenant_max_executing):
+        claimed = store.claim_and_start(
+            rt.conn, key=envelope.idempotency_key, action_id=envelope.action_id, tenant=envelope.tenant,
+            argument_hash=envelope.arguments_hash, contract_hash=envelope.tool.contract_hash,
+            replay_window_seconds=settings.replay_window_seconds,
+            lease=lease_arguments(envelope.action_id, locks.target, actor, settings.lease_ttl_seconds, locks, token),
+            recovery_data={"before": before}, redactor=red, actor=actor,
+            events=[*events, lease_event, *claimed_events(envelope, before, token)])
+        if claimed:
+            return "call", token
+        # The key has a record (a redelivery): nothing was written; dispatch on it below.
     with store.transaction(rt.conn) as cur:
         quota.check_txn(cur, envelope, settings.tenant_max_executing)
         budget = check_run_budget_txn(cur, envelope, amount)
         if budget is not None:
             events.append(("authority_budget_checked", budget))
-        token = write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds, locks)
-        events.append(("lease_acquired", {"fencing_token": token, "worker_id": actor, "target": locks.target,
-                                          "ttl_seconds": settings.lease_ttl_seconds}))
+        write_lease_txn(cur, envelope.action_id, locks.target, actor, settings.lease_ttl_seconds, locks, token)
+        events.append(lease_event)
         # The admitted amount is recorded by the guarded move to executing (no separate update).
         admitted = {"amount_cents": budget["amount_cents"]} if budget and "admitted" not in budget else {}
         step = claim_txn(cur, envelope, red, events, failures, before, token, actor, settings.replay_window_seconds,

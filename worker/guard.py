@@ -178,9 +178,12 @@ class GuardedConsumer(Consumer):
             payload = message.payload  # the wire decoder: total, cached for the strategy
         except ContentDisallowed:
             return True  # on_invalid_task records it
+        if not deliveries.redelivered(message.delivery_info):
+            return True  # a first delivery: counted only if it comes back (worker/deliveries.py)
         key = deliveries.message_key(task_id, _body_of(message))
         try:
-            counts = _main.run(deliveries.count, key, task_name, deliveries.claimed_action_id(payload))
+            counts = _main.run(lambda conn: deliveries.count(conn, key, task_name, deliveries.claimed_action_id(payload),
+                                                             unrecorded_before=True))
         except Exception as exc:  # noqa: BLE001 - counting must not stop work when Postgres is away
             log.warning("delivery not counted", extra={"event": "delivery_uncounted", "error": type(exc).__name__})
             return True

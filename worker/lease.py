@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from ledger import store
 from ledger.store import Cursor
 from proofline.errors import LeaseBusy
 
@@ -47,21 +48,34 @@ class Locks:
 
 
 def try_lock_and_read(
-    conn: psycopg.Connection[dict[str, Any]], locks: Locks, extra_sql: str = "SELECT 1 AS one", params: tuple = ()
+    conn: psycopg.Connection[dict[str, Any]], locks: Locks, extra_sql: str = "SELECT 1 AS one", params: tuple = (),
+    *, hold: bool = False,
 ) -> dict[str, Any]:
-    """Take both locks in one round trip, together with a read-only query the caller needs.
+    """Take both locks in one round trip, together with a read-only query the caller needs and the
+    fencing token this holder will write under (``fencing_token``, drawn only when both locks were
+    taken; a sequence draw writes nothing).
 
-    Raises :class:`LeaseBusy` (and holds nothing) when either lock is taken by a live session.
+    ``hold``: the statement opens a transaction that stays open (``ledger.store.begin_with_read``),
+    so that the claim finishes it and the stage commits once; session-level advisory locks are not
+    transactional, so ending it early (any other write does) never releases them.
+
+    Raises :class:`LeaseBusy` (and holds nothing, no transaction either) when either lock is taken
+    by a live session.
     """
-    with conn.cursor() as cur:
-        cur.execute(
-            f"SELECT {LOCK_SQL} AS got_action, {LOCK_SQL} AS got_target, extra.* FROM ({extra_sql}) AS extra",
-            (locks.action, locks.target, *params),
-        )
-        row = cur.fetchone()
+    sql = f"""SELECT locked.*, CASE WHEN got_action AND got_target THEN nextval('lease_fencing_seq') END
+                     AS fencing_token, extra.*
+              FROM (SELECT {LOCK_SQL} AS got_action, {LOCK_SQL} AS got_target OFFSET 0) AS locked,
+                   ({extra_sql}) AS extra"""
+    if hold:
+        row = store.begin_with_read(conn, sql, (locks.action, locks.target, *params))
+    else:
+        with conn.cursor() as cur:
+            cur.execute(sql, (locks.action, locks.target, *params))
+            row = cur.fetchone()
     assert row is not None
     if row["got_action"] and row["got_target"]:
         return row
+    store.end_held_read(conn)
     unlock(conn, locks, action=row["got_action"], target=row["got_target"])
     which = "action" if not row["got_action"] else "target"
     raise LeaseBusy(f"{which} lock is held by another live worker", which=which)
@@ -80,51 +94,40 @@ def unlock_sql(locks: Locks) -> tuple[str, tuple[str, str]]:
     return f"SELECT {UNLOCK_SQL}, {UNLOCK_SQL}", (locks.target, locks.action)
 
 
-# Whether this session still holds both advisory locks (an advisory lock on a bigint key shows in
-# pg_locks as classid = high 32 bits, objid = low 32 bits, objsubid = 1).
-HOLDS_LOCKS_SQL = """
-SELECT count(*) = 2 AS held FROM pg_locks l
-WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted AND l.objsubid = 1
-  AND ((l.classid::bigint << 32) | l.objid::bigint) = ANY(ARRAY[hashtextextended(%s, 0), hashtextextended(%s, 0)])
-"""
+def lease_arguments(action_id: str, target_key: str, worker_id: str, ttl_seconds: float, locks: Locks,
+                    token: int | None) -> dict[str, Any]:
+    """The arguments of ``proofline_take_lease`` (migration 0012), named for ``ledger.store``."""
+    return {"action": action_id, "target": target_key, "lock_action": locks.action, "lock_target": locks.target,
+            "host": socket.gethostname(), "pid": os.getpid(), "worker": worker_id, "token": token, "ttl": ttl_seconds}
 
 
 def write_lease_txn(cur: Cursor, action_id: str, target_key: str, worker_id: str, ttl_seconds: float,
-                    locks: Locks | None = None) -> int:
-    """Record (or take over) the lease row; returns the new fencing token. With ``locks``, first
-    check that this session still holds them: a session that ended (or was replaced) since they
-    were taken holds nothing, and another worker may already be advancing the action."""
-    if locks is not None:
-        cur.execute(HOLDS_LOCKS_SQL, (locks.action, locks.target))
+                    locks: Locks, token: int | None = None) -> int:
+    """Record (or take over) the lease row under ``token`` (default: a new one); returns it. The
+    database first checks that this session still holds both locks: a session that ended (or was
+    replaced) since they were taken holds nothing, and another worker may already be advancing the
+    action (``LeaseBusy``, ``which="lost"``). A lease row never takes an older token."""
+    try:
+        cur.execute(
+            """SELECT proofline_take_lease(%(action)s, %(target)s, %(lock_action)s, %(lock_target)s, %(host)s,
+                                           %(pid)s, %(worker)s, %(token)s, %(ttl)s) AS fencing_token""",
+            lease_arguments(action_id, target_key, worker_id, ttl_seconds, locks, token))
         row = cur.fetchone()
-        if row is None or not row["held"]:
-            raise LeaseBusy("the advisory locks taken for this action are no longer held by this session",
-                            which="lost")
-    cur.execute(
-        """INSERT INTO leases (action_id, target_key, owner_host, owner_pid, worker_id, fencing_token, expires_at)
-           VALUES (%(a)s, %(t)s, %(h)s, %(p)s, %(w)s, nextval('lease_fencing_seq'),
-                   clock_timestamp() + make_interval(secs => %(ttl)s))
-           ON CONFLICT (action_id) DO UPDATE SET target_key = EXCLUDED.target_key,
-               owner_host = EXCLUDED.owner_host, owner_pid = EXCLUDED.owner_pid,
-               worker_id = EXCLUDED.worker_id, fencing_token = EXCLUDED.fencing_token,
-               acquired_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
-               expires_at = EXCLUDED.expires_at, released_at = NULL
-           RETURNING fencing_token""",
-        {"a": action_id, "t": target_key, "h": socket.gethostname(), "p": os.getpid(), "w": worker_id,
-         "ttl": ttl_seconds},
-    )
-    row = cur.fetchone()
+    except psycopg.Error as exc:
+        if exc.sqlstate == "PL103":
+            raise LeaseBusy(exc.diag.message_primary or str(exc), which="lost") from exc
+        raise
     assert row is not None
     return int(row["fencing_token"])
 
 
-def release_lease_txn(cur: Cursor, action_id: str, fencing_token: int) -> bool:
+def release_lease_txn(cur: Cursor, action_id: str, fencing_token: int) -> None:
+    """Mark the lease released (only under its own token); nothing is fetched, so it pipelines."""
     cur.execute(
         "UPDATE leases SET released_at = clock_timestamp() WHERE action_id = %s AND fencing_token = %s "
-        "AND released_at IS NULL RETURNING action_id",
+        "AND released_at IS NULL",
         (action_id, fencing_token),
     )
-    return cur.fetchone() is not None
 
 
 class SessionKeeper:
@@ -150,8 +153,11 @@ class SessionKeeper:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                with self.conn.cursor() as cur:
-                    cur.execute("SELECT 1")
+                if self.conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
+                    # A stage's pipelined flight is in progress otherwise: the session is busy, and a
+                    # statement from this thread would join that flight.
+                    with self.conn.cursor() as cur:
+                        cur.execute("SELECT 1")
                 self.touch()
         except psycopg.Error:
             # The session is gone, and its locks with it: the claim transaction's lock check

@@ -55,19 +55,23 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
     if verdict.outcome == Outcome.failed_before_side_effect:
         remaining = envelope.deadline.timestamp() - time.time()
         retry = remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds
-    with store.transaction(rt.conn) as cur:
+    failed_before = verdict.outcome == Outcome.failed_before_side_effect
+    # One flight with its BEGIN and COMMIT; only a failed-before call waits for the attempts count
+    # (whether it is retried), one round trip more. A stale token or a refused move rolls it all back.
+    with store.pipelined(rt.conn) as cur:
         attempts = store.update_idempotency_txn(
             cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
             status=RECORD_AFTER_CALL[verdict.outcome],
             result={**(values_reference(verdict.values) or {}), "operation_id": verdict.operation_id,
                     "outcome": verdict.outcome.value},
-            redactor=red)
-        retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
+            redactor=red, deferred=not failed_before)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
         if violation is not None:
             events.append((sandbox_events.EVENT, violation))
         events += sandbox_events.write_pending_txn(cur, rt, envelope.action_id, audit)
-        if verdict.outcome == Outcome.failed_before_side_effect:
+        if failed_before:
+            assert attempts is not None
+            retry = retry and attempts < min(envelope.retry_policy.max_attempts, envelope.authority_budget.max_calls)
             status = ActionStatus.published if retry else ActionStatus.closed
             events.append(("retry_scheduled" if retry else "retries_exhausted",
                            {"attempts": attempts, "cause": verdict.reason_code}))
@@ -78,7 +82,7 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
             result=_action_result(verdict),
             recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
-            redactor=red, events=events, actor=actor)
+            redactor=red, events=events, actor=actor, deferred=True)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry

@@ -3,7 +3,8 @@
 - A body the wire decoder replaced with a :class:`~worker.wire.RefusedBody`, or arguments that do
   not fit the task, are recorded as ``envelope_refused`` and never run.
 - Whenever the task gets control back (a result, a retry, a refusal), the consumer's delivery count
-  for the message is settled; only a delivery that ends its process leaves it unsettled.
+  for a redelivered message is settled; only a delivery that ends its process leaves it unsettled
+  (a first delivery is not counted: ``worker/deliveries.py``).
 - A delivery that fails past its retry limit is recorded as ``delivery_abandoned`` (the ledger,
   not Celery's failure log, is where it ends) and the reconciler re-drives the action later. Neither
   the envelope nor the task's arguments are ever logged.
@@ -87,6 +88,8 @@ class GuardedTask(Task):
         record(rt.conn, "refused:" + body.digest[:40], "envelope_refused", rt.settings.worker_id, evidence)
 
     def _settle(self, rt: Any, key: str, outcome: str, error: str | None = None) -> None:
+        if not deliveries.redelivered(self.request.delivery_info):
+            return  # a first delivery was never counted (worker/deliveries.py): nothing to settle
         try:
             deliveries.settle(rt.conn, key, outcome, error)
         except Exception as exc:  # noqa: BLE001 - the count is a safety net; never fail a task for it

@@ -49,3 +49,18 @@ def test_only_old_settled_counts_are_pruned(conn: psycopg.Connection) -> None:
     with conn.cursor() as cur:
         cur.execute("SELECT message_key FROM message_deliveries WHERE message_key NOT LIKE 'task:%%' ORDER BY 1")
         assert [r["message_key"] for r in cur.fetchall()] == ["new-settled", "old-open"]
+
+
+def test_a_redelivery_with_no_count_also_counts_the_delivery_that_ended_unrecorded(conn: psycopg.Connection) -> None:
+    """First deliveries are not counted; a message that comes back redelivered with no count yet had
+    one earlier delivery that ended its process unrecorded: both are counted, then one per redelivery."""
+    key = deliveries.message_key("task-redelivered", None)
+    counts = [deliveries.count(conn, key, "proofline.execute", "act-2", unrecorded_before=True)["unsettled"]
+              for _ in range(3)]
+    assert counts == [2, 3, 4]
+
+
+def test_only_a_literal_redelivered_flag_counts() -> None:
+    assert deliveries.redelivered({"redelivered": True})
+    assert not any(deliveries.redelivered(info) for info in (None, {}, {"redelivered": "yes"}, {"redelivered": 1},
+                                                             ["redelivered"]))

@@ -24,7 +24,7 @@ from ledger.redact import MARK
 from ledger.schema import metadata
 from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
 from proofline.envelope import build_envelope
-from proofline.errors import StaleLease, TransitionRefused
+from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT
 from tests.conftest import create_database, drop_database, role_urls
@@ -525,3 +525,104 @@ def test_removed_tail_is_caught_by_the_anchored_head(chain_db):
         _, _, broken = check_chains(conn)
     assert [(b.action_id, b.seq) for b in broken] == [(action, 4)]
     assert "removed" in broken[0].problem
+
+
+# --- stage functions (migration 0012): one statement or one flight per worker stage ------------------
+
+
+def _lease_args(action_id: str, locks: Any, token: int | None) -> dict[str, Any]:
+    from worker.lease import lease_arguments
+
+    return lease_arguments(action_id, locks.target, "w1", 30.0, locks, token)
+
+
+def _claim_stage(conn: psycopg.Connection, envelope: dict[str, Any], locks: Any, token: int) -> bool:
+    events = [("lease_acquired", {"fencing_token": token}), ("idempotency_claimed", {"fencing_token": token}),
+              ("preconditions_passed", {})]
+    return store.claim_and_start(
+        conn, key=envelope["idempotency_key"], action_id=envelope["action_id"], tenant="acme",
+        argument_hash=envelope["arguments_hash"], contract_hash="a" * 64, replay_window_seconds=3600.0,
+        lease=_lease_args(envelope["action_id"], locks, token), recovery_data={"before": {"n": 1}},
+        redactor=store.POLICY, events=events, actor="w1")
+
+
+def _stage_state(conn: psycopg.Connection, envelope: dict[str, Any]) -> tuple[Any, ...]:
+    with conn.cursor() as cur:
+        action = store.get_action(cur, envelope["action_id"])
+        record = store.get_idempotency_txn(cur, envelope["idempotency_key"])
+        cur.execute("SELECT fencing_token FROM leases WHERE action_id = %s", (envelope["action_id"],))
+        lease = cur.fetchone()
+    assert action is not None
+    return (action.status, record and (record.status, record.fencing_token), lease and lease["fencing_token"],
+            [e["event"] for e in events(conn, envelope["action_id"])])
+
+
+def test_the_claim_stage_is_one_transaction_that_writes_all_or_nothing(runtime, db, controller):
+    from worker.lease import Locks, action_lock_name, target_lock_name, try_lock_and_read
+
+    envelope = _envelope(uid("act-stage"))
+    with store.transaction(controller) as cur:
+        store.insert_action_txn(cur, envelope)
+    locks = Locks(action_lock_name(envelope["action_id"]), target_lock_name("acme", "q", envelope["action_id"]))
+    # Another session that never took the locks: refused by the database, nothing written.
+    with store.connect(db[1]) as stranger:
+        with pytest.raises(LeaseBusy) as lost:
+            _claim_stage(stranger, envelope, locks, 10**9)
+        assert lost.value.context["which"] == "lost"
+    assert _stage_state(runtime, envelope) == (ActionStatus.published, None, None, [])
+
+    facts = try_lock_and_read(runtime, locks, hold=True)  # opens the transaction the claim commits
+    token = int(facts["fencing_token"])
+    assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    assert _claim_stage(runtime, envelope, locks, token) is True
+    assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    claimed = (ActionStatus.executing, (IdempotencyStatus.in_progress, token), token,
+               ["lease_acquired", "idempotency_claimed", "preconditions_passed"])
+    assert _stage_state(runtime, envelope) == claimed
+    # A redelivery finds the record: nothing is written, the caller dispatches on the record.
+    assert _claim_stage(runtime, envelope, locks, token + 1) is False
+    assert _stage_state(runtime, envelope) == claimed
+
+
+def test_a_pipelined_stage_is_rolled_back_whole_by_a_refusal(runtime, published):
+    action, key = published
+    with store.transaction(runtime) as cur:
+        token = _token(cur)
+        _claim(cur, published, token)
+    before = _stage_state(runtime, {"action_id": action, "idempotency_key": key})
+    # A stale token: the record's move is refused by the database, and the event queued before it goes too.
+    with pytest.raises(StaleLease):
+        with store.pipelined(runtime) as cur:
+            store.append_event_txn(cur, action, "note", "w1", {})
+            store.update_idempotency_txn(cur, key, fencing_token=token - 1, allowed=[IdempotencyStatus.in_progress],
+                                         status=IdempotencyStatus.completed, deferred=True)
+    # A move the action's status does not allow: refused the same way, after the record moved.
+    with pytest.raises(TransitionRefused):
+        with store.pipelined(runtime) as cur:
+            store.update_idempotency_txn(cur, key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
+                                         status=IdempotencyStatus.completed, deferred=True)
+            store.transition_txn(cur, action, [ActionStatus.verifying], ActionStatus.closed, events=[("note", {})],
+                                 actor="w1", deferred=True)
+    assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _stage_state(runtime, {"action_id": action, "idempotency_key": key}) == before
+    with store.pipelined(runtime) as cur:
+        store.transition_txn(cur, action, [ActionStatus.published], ActionStatus.executing, events=[("note", {})],
+                             actor="w1", deferred=True)
+    assert _stage_state(runtime, {"action_id": action, "idempotency_key": key})[0] == ActionStatus.executing
+
+
+def test_a_held_read_is_ended_by_any_other_write(runtime, published):
+    action, _ = published
+    with pytest.raises(psycopg.ProgrammingError):
+        with store.pipelined(runtime, begun=True):
+            pass  # nothing was begun
+    row = store.begin_with_read(runtime, "SELECT status FROM actions WHERE action_id = %s", (action,))
+    assert row == {"status": "published"}
+    # Not the read's continuation: it is rolled back first, and this write commits on its own.
+    with store.transaction(runtime) as cur:
+        store.append_event_txn(cur, action, "note", "w1", {})
+    assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert [e["event"] for e in events(runtime, action)][-1] == "note"
+    with pytest.raises(psycopg.ProgrammingError):
+        with store.pipelined(runtime, begun=True):
+            pass

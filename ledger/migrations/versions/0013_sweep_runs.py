@@ -8,7 +8,7 @@ names who ran it (``holder``: the worker id, which carries the Celery node name)
 died. Runs older than a day are pruned by the sweep itself. Operational state, not ledger.
 
 Revision ID: 0013
-Revises: 0011
+Revises: 0012
 """
 
 import sqlalchemy as sa
@@ -16,7 +16,7 @@ from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
 revision = "0013"
-down_revision = "0011"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 
