@@ -130,6 +130,14 @@ def _settle_message(message: Any, requeue: bool = False) -> None:
         log.warning("could not settle a refused message", extra={"error": type(exc).__name__})
 
 
+def dead_letter_queue(app: Any) -> Queue:
+    """The ``dead_letter`` queue as this app declares it (a quorum queue on RabbitMQ: a declaration
+    with other arguments would be refused), else a plain durable one."""
+    queues = app.amqp.queues
+    name = deliveries.DEAD_LETTER_QUEUE
+    return queues[name] if name in queues else Queue(name, durable=True)
+
+
 class GuardedConsumer(Consumer):
     """Celery's consumer with every rejection path recorded and no message able to end it."""
 
@@ -196,7 +204,7 @@ class GuardedConsumer(Consumer):
         try:
             with self.app.producer_or_acquire() as producer:
                 producer.publish(body, exchange="", routing_key=deliveries.DEAD_LETTER_QUEUE,
-                                 declare=[Queue(deliveries.DEAD_LETTER_QUEUE, durable=True)],
+                                 declare=[dead_letter_queue(self.app)],
                                  headers=message.headers, content_type=message.content_type,
                                  content_encoding=message.content_encoding, retry=True,
                                  retry_policy={"max_retries": 3})
