@@ -192,20 +192,20 @@ class Stack:
         """``redis`` or ``rabbitmq``: which broker this stack runs on."""
         return "rabbitmq" if broker_options.is_amqp(self.broker_url) else "redis"
 
-    def queued(self, queue: str) -> list[bytes]:
-        """The bodies waiting in ``queue`` (left in place), on either broker."""
+    def queued(self, queue: str) -> list[str | None]:
+        """The task ids of the messages waiting in ``queue`` (left in place), on either broker."""
         if self.broker == "redis":
-            return list(reversed(redis_client(self).lrange(queue, 0, -1)))
-        bodies: list[bytes] = []
+            return [_task_id(json.loads(item).get("headers")) for item in redis_client(self).lrange(queue, 0, -1)]
+        ids: list[str | None] = []
         with Connection(self.broker_url) as conn:
             channel = conn.channel()  # closed unacknowledged: everything read goes back to the queue
-            while len(bodies) < 10_000:
+            while len(ids) < 10_000:
                 message = channel.basic_get(queue, no_ack=False)
                 if message is None:
                     break
-                bodies.append(bytes(message.body))
+                ids.append(_task_id(message.headers))
             channel.close()
-        return bodies
+        return ids
 
     def workers_alive(self) -> bool:
         return all(w.poll() is None for w in self.workers)
@@ -223,6 +223,11 @@ class Stack:
                          "cleared when the test that set it ended")
         if self.proxy is not None:
             self.proxy.set_mode("pass")
+
+
+def _task_id(headers: Any) -> str | None:
+    value = headers.get("id") if isinstance(headers, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def disarm_fault_points(path: Path) -> None:
@@ -418,8 +423,13 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
     servers_file.write_text(_servers_yaml(transport, write_port, read_port, witness_log))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
+    # What publishers and workers must agree on: RabbitMQ refuses a queue redeclared with another
+    # delivery limit, and the limit must stay above the guard's.
+    agreed = {name: env[f"PROOFLINE_{name.upper()}"] for name in ("broker_delivery_limit", "max_unsettled_deliveries")
+              if f"PROOFLINE_{name.upper()}" in env}
     settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
-                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}))
+                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}),
+                        **agreed)
     seal.sealer_for(settings)  # this process opens the stack's sealed messages too
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from proofline.settings import get_settings
 
-POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit")
+POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit", "before_count")
 ACTIONS = ("kill", "stop", "raise", "hold")
 #: How often a held point looks at the file for its release.
 HOLD_POLL_SECONDS = 0.02

@@ -25,7 +25,7 @@ from ledger import store
 from ledger.refusals import record
 from proofline.bounded import safe_repr, safe_str
 from proofline.settings import get_settings, reveal
-from worker import deliveries, wire
+from worker import deliveries, faultpoints, wire
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,7 @@ class GuardedConsumer(Consumer):
             return True  # on_invalid_task records it
         key = deliveries.message_key(task_id, _body_of(message))
         try:
+            faultpoints.hit("before_count")  # test-only: a count that fails, as when Postgres is away
             counts = _main.run(deliveries.count, key, task_name, deliveries.claimed_action_id(payload))
         except Exception as exc:  # noqa: BLE001 - counting must not stop work when Postgres is away
             log.warning("delivery not counted", extra={"event": "delivery_uncounted", "error": type(exc).__name__})
