@@ -52,6 +52,11 @@ task_acks_late = True
 task_reject_on_worker_lost = True
 task_acks_on_failure_or_timeout = True
 worker_prefetch_multiplier = 1
+# When the broker connection drops (a broker restart), a task mid-call goes on and records its
+# result; its message, which can no longer be acknowledged, comes back and is suppressed by the
+# idempotency claim. Cancelling it (Celery 6's announced default) would make every broker blip an
+# unknown outcome to reconcile.
+worker_cancel_long_running_tasks_on_connection_loss = False
 # Task events cost ~2 ms of worker CPU per task; Flower switches them on when it connects.
 worker_send_task_events = _settings.task_events
 task_send_sent_event = _settings.task_events
