@@ -78,7 +78,8 @@ def test_the_broker_limit_catches_what_the_guard_could_not_count(stack: Stack) -
     assert record["deliveries"] == BROKER_LIMIT + 1 and record["from_queue"].startswith("actions")
     # Deliveries the guard saw but could not count: one per death, all of them.
     assert worker_log(stack).count("delivery not counted") >= BROKER_LIMIT + 1
-    assert "dead-lettered by the broker (delivery_limit)" in worker_log(stack)
+    # The consumer logs after recording and moving: the line may trail the record by a moment.
+    wait_for(lambda: "dead-lettered by the broker (delivery_limit)" in worker_log(stack), 10, what="the log line")
     assert stack.queued(INBOX) == []
     row = stack.wait_settled(env.action_id, timeout=90)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
