@@ -33,15 +33,13 @@ log = logging.getLogger(__name__)
 PREFETCH = 4
 
 
-def death_of(headers: Any) -> dict[str, Any]:
-    """RabbitMQ's account of the dead-lettering (the first ``x-death`` entry), bounded."""
-    deaths = headers.get("x-death") if isinstance(headers, dict) else None
+def death_of(headers: Any) -> dict[str, str]:
+    """RabbitMQ's account of the dead-lettering (the first ``x-death`` entry): reason and queue, bounded."""
+    headers = headers if isinstance(headers, dict) else {}
+    deaths = headers.get("x-death")
     first = deaths[0] if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict) else {}
-    count = first.get("count")
-    return {"reason": safe_str(str(first.get("reason", headers.get("x-first-death-reason") if isinstance(
-                headers, dict) else None)), 40),
-            "queue": safe_str(str(first.get("queue")), 200),
-            "count": count if isinstance(count, int) else None}
+    reason = first.get("reason", headers.get("x-first-death-reason"))
+    return {"reason": safe_str(str(reason), 40), "queue": safe_str(str(first.get("queue")), 200)}
 
 
 def evidence_of(message: Any, body: bytes) -> tuple[str, dict[str, Any]]:

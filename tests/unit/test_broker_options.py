@@ -65,3 +65,14 @@ def test_a_retry_goes_back_to_the_queue_it_came_from() -> None:
 @pytest.mark.parametrize("given, sent", [(0.5, 1), (1.0, 1), (2.2, 3), (0, 0), (None, None), (-1, -1)])
 def test_countdowns_are_whole_seconds(given: object, sent: object) -> None:
     assert broker.whole_seconds(given) == sent
+
+
+def test_what_rabbitmq_says_about_a_dead_letter_is_read_defensively() -> None:
+    from worker.dead_letters import death_of
+
+    said = {"x-death": [{"count": 1, "reason": "delivery_limit", "queue": "actions.3"}],
+            "x-first-death-reason": "delivery_limit"}
+    assert death_of(said) == {"reason": "delivery_limit", "queue": "actions.3"}
+    assert death_of({"x-first-death-reason": "rejected", "x-death": "not a list"})["reason"] == "rejected"
+    assert death_of(None) == {"reason": "None", "queue": "None"}
+    assert len(death_of({"x-death": [{"reason": "x" * 1000}]})["reason"]) <= 40
