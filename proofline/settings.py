@@ -49,7 +49,8 @@ class Settings(BaseSettings):
     database_url: SecretStr = SecretStr("postgresql://proofline_runtime@127.0.0.1:5432/proofline")
     #: Postgres as a role that may run migrations.
     admin_database_url: SecretStr | None = None
-    #: Celery broker. ``redis://`` in production; ``sqla+postgresql+psycopg://`` needs no server.
+    #: Celery broker: ``redis://`` or ``amqp://`` (RabbitMQ, quorum queues: README "Brokers");
+    #: ``sqla+postgresql+psycopg://`` needs no server.
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
 
     #: The MCP servers file. Default: the demo's, shipped in the package.
@@ -162,6 +163,19 @@ class Settings(BaseSettings):
     #: A task message delivered this many times without reaching a recorded outcome (its worker
     #: process died each time) is moved to the ``dead_letter`` queue on the next delivery.
     max_unsettled_deliveries: int = 3
+    #: AMQP brokers only: a quorum queue dead-letters a message after this many failed deliveries
+    #: (``x-delivery-limit``). The second line behind ``max_unsettled_deliveries``, which it must
+    #: exceed: the guard acts first whenever it can count, the broker when it could not (README "Brokers").
+    broker_delivery_limit: int = Field(default=10, ge=1)
+
+    @model_validator(mode="after")
+    def _broker_limit_behind_the_guard(self) -> Settings:
+        if self.broker_delivery_limit <= self.max_unsettled_deliveries:
+            raise ValueError(f"broker_delivery_limit ({self.broker_delivery_limit}) must exceed "
+                             f"max_unsettled_deliveries ({self.max_unsettled_deliveries}): the message guard "
+                             "dead-letters with a ledger record first, the broker's limit is its backstop")
+        return self
+
     #: Retries of one delivery (database away, unexpected error, target busy) before it is recorded
     #: as abandoned and left to the reconciler.
     task_retry_limit: int = 50

@@ -50,6 +50,14 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
         proc.wait(5)
 
 
+def unused_port() -> int:
+    """A loopback port that was free a moment ago, for a server that cannot bind port 0 and report
+    it (redis-server, RabbitMQ): the caller tries it and checks that the server answering is its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def port_answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -76,3 +84,28 @@ def wait_port_file(path: Path, proc: subprocess.Popen, timeout: float = 30.0) ->
     port = wait_for(reported, timeout, what=f"a port in {path}")
     wait_port(port, timeout)
     return port
+
+
+class OwnedServer:
+    """A broker process a test owns and may kill: ``start()`` picks a port (a restart reuses it),
+    ``kill()`` ends it without a clean shutdown, ``stop()`` ends it for good."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def accepted(self, proc: subprocess.Popen) -> bool:
+        """``proc`` is the server answering on our port: keep it."""
+        self.proc = proc
+        self.starts += 1
+        return True
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace=grace)

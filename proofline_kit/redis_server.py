@@ -9,39 +9,21 @@ workers' broker URL names it) and fails loudly if that port was taken in between
 
 from __future__ import annotations
 
-import socket
 import subprocess
-from pathlib import Path
 
 import redis
 
-from proofline_kit.processes import stop_process, wait_for
+from proofline_kit.processes import OwnedServer, unused_port, wait_for
 
 ATTEMPTS = 5
 
 
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
+class RedisServer(OwnedServer):
     """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> RedisServer:
         if self.port is not None:  # a restart: the same port, or a clear failure
@@ -49,7 +31,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server could not listen on port {self.port} again (taken meanwhile?)")
             return self
         for _ in range(ATTEMPTS):
-            port = _unused_port()
+            port = unused_port()
             if self._launch(port):
                 self.port = port
                 return self
@@ -77,16 +59,10 @@ class RedisServer:
         if state != "ours":
             proc.wait(5)
             return False
-        self.proc = proc
-        self.starts += 1
-        return True
+        return self.accepted(proc)
 
     def kill(self) -> None:
         """``kill -9``: no shutdown, no save; every queued and unacknowledged message is lost."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, grace=5.0)

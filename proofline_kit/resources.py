@@ -1,5 +1,6 @@
 """Shared services a stack borrows a piece of: a Postgres database it creates (and only that one is
-ever dropped) and a Redis database it claims (and only a claimed one is ever flushed).
+ever dropped), a Redis database it claims (and only a claimed one is ever flushed), or a RabbitMQ
+virtual host it creates (and only that one is ever deleted).
 
 A Redis database is claimed with ``SET NX`` of :data:`CLAIM_KEY` holding a token unique to the claim,
 and used only if the claim key is all it holds: a database with anybody else's keys in it is
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -22,6 +25,11 @@ from ledger.migrate import upgrade
 
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+#: The RabbitMQ node the tests create virtual hosts on (``rabbitmqctl`` must reach it: run as root
+#: or as the rabbitmq user).
+RABBITMQ_URL = os.environ.get("PROOFLINE_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+#: RabbitMQ's own scripts (the Debian/Ubuntu package), for private nodes (``proofline_kit/rabbitmq_server.py``).
+RABBITMQ_SCRIPTS = Path(os.environ.get("PROOFLINE_TEST_RABBITMQ_SCRIPTS", "/usr/lib/rabbitmq/bin"))
 
 #: The database roles migration 0003 creates (short name -> role), and the development role.
 DB_ROLES = {"controller": "proofline_controller", "worker": "proofline_worker", "recovery": "proofline_recovery",
@@ -105,3 +113,50 @@ def release_redis_db(claim: RedisClaim) -> None:
         client.eval(script, 1, CLAIM_KEY, claim.token)
     finally:
         client.close()
+
+
+@dataclass(frozen=True)
+class RabbitVhost:
+    """A RabbitMQ virtual host this process created: its broker URL, its name, and how to reach the
+    node with ``rabbitmqctl`` (``node``/``env`` for a private node, empty for the system one)."""
+
+    url: str
+    name: str
+    node: str | None = None
+    env: dict[str, str] | None = None
+
+
+def rabbitmqctl(args: list[str], node: str | None = None, env: dict[str, str] | None = None,
+                timeout: float = 60.0) -> str:
+    """Run ``rabbitmqctl`` (quiet) against the system node, or ``node``; raise with its output on failure."""
+    # A private node's cookie is under its own HOME: its CLI runs as us, not through the system
+    # wrapper (which switches to the rabbitmq user and that user's cookie).
+    program = str(RABBITMQ_SCRIPTS / "rabbitmqctl") if env else "rabbitmqctl"
+    argv = [program, "-q", *(["-n", node] if node else []), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stdout} {done.stderr}".strip())
+    return done.stdout
+
+
+def create_vhost(base_url: str = RABBITMQ_URL, node: str | None = None, env: dict[str, str] | None = None) -> RabbitVhost:
+    """A fresh virtual host on the node ``base_url`` names, open to that URL's user; nothing else on
+    the node is visible from it, and deleting it deletes every queue and message in it."""
+    parts = urlsplit(base_url)
+    user = parts.username or "guest"
+    name = f"pl-test-{uuid.uuid4().hex[:10]}"
+    rabbitmqctl(["add_vhost", name], node, env)
+    try:
+        rabbitmqctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"], node, env)
+    except BaseException:
+        rabbitmqctl(["delete_vhost", name], node, env)
+        raise
+    return RabbitVhost(urlunsplit((parts.scheme, parts.netloc, f"/{name}", "", "")), name, node, env)
+
+
+def delete_vhost(vhost: RabbitVhost) -> None:
+    """Delete a virtual host :func:`create_vhost` made (and every queue in it)."""
+    if not vhost.name.startswith("pl-test-"):
+        raise ValueError(f"refusing to delete a virtual host this kit did not create: {vhost.name!r}")
+    rabbitmqctl(["delete_vhost", vhost.name], vhost.node, vhost.env)

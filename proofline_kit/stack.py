@@ -1,6 +1,7 @@
 """A whole Proofline deployment started from Python, for tests, the soak and the benchmarks (no
-pytest needed): a fresh migrated Postgres database, a claimed Redis database, the demo system of
-record over stdio or streamable HTTP behind witness relays, and real Celery worker processes.
+pytest needed): a fresh migrated Postgres database, a broker (a claimed Redis database, or a fresh
+RabbitMQ virtual host), the demo system of record over stdio or streamable HTTP behind witness
+relays, and real Celery worker processes.
 
 Nothing here is mocked. Every server binds port 0 and reports the port it got; everything is
 stopped by the process id this module started; the databases dropped and flushed are only the
@@ -22,6 +23,7 @@ from typing import Any
 import psycopg
 import redis
 from celery import Celery
+from kombu import Connection
 
 from ledger import seal, store
 from ledger.states import ActionStatus, KillSwitchScope
@@ -32,10 +34,14 @@ from proofline.settings import ROOT, Settings
 from proofline_kit.processes import start_process, stop_process, wait_for, wait_port_file
 from proofline_kit.resources import (
     ADMIN_URL,
+    RABBITMQ_URL,
     REDIS_URL,
+    RabbitVhost,
     RedisClaim,
     claim_redis_db,
     create_database,
+    create_vhost,
+    delete_vhost,
     drop_database,
     release_redis_db,
     role_urls,
@@ -43,6 +49,10 @@ from proofline_kit.resources import (
 from proofline_kit.sor import store as sor
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import READ_SUFFIX, http_relay_argv, witness_stdio_servers
+from worker import broker as broker_options
+
+#: The brokers a stack can run on; tests of broker behaviour are parametrised over both.
+BROKERS = ("redis", "rabbitmq")
 
 CANARY_SECRET = "canary-must-never-reach-a-tool"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
@@ -81,6 +91,8 @@ class Stack:
     witness: WitnessLog | None = None
     #: The Redis database this stack claimed (flushed at teardown only while still claimed).
     redis_claim: RedisClaim | None = None
+    #: The RabbitMQ virtual host this stack created (deleted at teardown).
+    rabbit_vhost: RabbitVhost | None = None
     #: How to (re)start the HTTP writer: argv, environment, port file, process ("http" stacks only).
     writer: dict[str, Any] = field(default_factory=dict)
     #: URL per database role (``DB_ROLES`` keys). ``conn`` is the controller's, the workers run as
@@ -175,6 +187,26 @@ class Stack:
     def effects(self, key: str) -> int:
         return sor.count_effects(self.sor_db, key)
 
+    @property
+    def broker(self) -> str:
+        """``redis`` or ``rabbitmq``: which broker this stack runs on."""
+        return "rabbitmq" if broker_options.is_amqp(self.broker_url) else "redis"
+
+    def queued(self, queue: str) -> list[str | None]:
+        """The task ids of the messages waiting in ``queue`` (left in place), on either broker."""
+        if self.broker == "redis":
+            return [_task_id(json.loads(item).get("headers")) for item in redis_client(self).lrange(queue, 0, -1)]
+        ids: list[str | None] = []
+        with Connection(self.broker_url) as conn:
+            channel = conn.channel()  # closed unacknowledged: everything read goes back to the queue
+            while len(ids) < 10_000:
+                message = channel.basic_get(queue, no_ack=False)
+                if message is None:
+                    break
+                ids.append(_task_id(message.headers))
+            channel.close()
+        return ids
+
     def workers_alive(self) -> bool:
         return all(w.poll() is None for w in self.workers)
 
@@ -191,6 +223,11 @@ class Stack:
                          "cleared when the test that set it ended")
         if self.proxy is not None:
             self.proxy.set_mode("pass")
+
+
+def _task_id(headers: Any) -> str | None:
+    value = headers.get("id") if isinstance(headers, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def disarm_fault_points(path: Path) -> None:
@@ -227,6 +264,8 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process).
     Returns once every new worker's consumer is on the broker."""
     baseline = _consumers(stack)
+    # On RabbitMQ a worker is counted on ``actions`` and on ``reconcile`` (one each for role all).
+    per_worker = 2 if stack.broker == "rabbitmq" and role == "all" else 1
     started = []
     for i in range(count):
         # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
@@ -242,21 +281,33 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
         dead = [p.args for p in started if p.poll() is not None]
         if dead:
             raise RuntimeError(f"a worker exited while starting: {dead}")
-        return _consumers(stack) >= baseline + count
+        return _consumers(stack) >= baseline + count * per_worker
 
     wait_for(consuming, 60, what=f"{count} new worker(s) to consume from the broker")
     return started
 
 
 def _consumers(stack: Stack) -> int:
-    """Connections to the stack's Redis database blocked in (or last seen in) BRPOP: one per
-    Celery consumer reading its queues. The stack's Redis database is its own, so each is ours."""
+    """Redis: connections to the stack's database blocked in (or last seen in) BRPOP, one per Celery
+    consumer reading its queues. RabbitMQ: consumers on ``actions`` plus those on ``reconcile`` (every
+    role consumes one of them) in the stack's own virtual host. Either way, each one is ours."""
+    if stack.broker == "rabbitmq":
+        return sum(_amqp_consumers(stack.broker_url, queue) for queue in ("actions", "reconcile"))
     client = redis_client(stack)
     try:
         db = int(stack.broker_url.rsplit("/", 1)[1])
         return sum(1 for c in client.client_list() if int(c.get("db", -1)) == db and c.get("cmd") == "brpop")
     finally:
         client.close()
+
+
+def _amqp_consumers(url: str, queue: str) -> int:
+    """Consumers of ``queue`` (0 while no worker has declared it yet, or the broker is away)."""
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            return int(conn.channel().queue_declare(queue, passive=True).consumer_count)
+    except Exception:  # noqa: BLE001 - not declared yet (404 closes the channel) or not reachable
+        return 0
 
 
 def start_witness(processes: list[subprocess.Popen], log: Path, name: str, workdir: Path, env: dict[str, str],
@@ -291,32 +342,50 @@ def start_http_servers(tmp: Path, env: dict[str, str], sor_db: Path, witness_log
 
 
 def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
-                redis_url: str | None = None, maintenance_url: str = ADMIN_URL) -> Stack:
+                redis_url: str | None = None, maintenance_url: str = ADMIN_URL, broker: str = "redis",
+                rabbitmq_url: str | None = None) -> Stack:
     """Start a stack's servers (no workers: ``start_workers``). ``transport`` is stdio, http,
     http-legacy or http-proxy (a FaultProxy between the workers and the writer's relay).
-    ``redis_db`` asks for that database number (claimed like any other: it must be free and empty)."""
+    ``broker`` is ``redis`` (a claimed database; ``redis_db`` asks for that number, claimed like any
+    other: it must be free and empty) or ``rabbitmq``: a fresh virtual host on the system node, or
+    ``rabbitmq_url`` used as it is (a private node the test owns, ``proofline_kit/rabbitmq_server.py``)."""
+    if broker not in BROKERS:
+        raise ValueError(f"unknown broker {broker!r}: one of {BROKERS}")
     (tmp / "ports").mkdir(parents=True, exist_ok=True)
     processes: list[subprocess.Popen] = []
-    claim = claim_redis_db(redis_url or REDIS_URL, range(redis_db, redis_db + 1) if redis_db is not None
-                           else range(1, 16))
+    claim = vhost = None
+    if broker == "redis":
+        claim = claim_redis_db(redis_url or REDIS_URL, range(redis_db, redis_db + 1) if redis_db is not None
+                               else range(1, 16))
+    elif rabbitmq_url is None:
+        vhost = create_vhost(RABBITMQ_URL)
+
+    def release() -> None:
+        if claim is not None:
+            release_redis_db(claim)
+        if vhost is not None:
+            delete_vhost(vhost)
+
     try:
         admin, runtime_url = create_database(f"pl_{transport.replace('-', '_')}", maintenance_url)
     except BaseException:
-        release_redis_db(claim)
+        release()
         raise
+    broker_url = claim.url if claim is not None else vhost.url if vhost is not None else str(rabbitmq_url)
     try:
-        return _assemble(transport, tmp, claim, admin, runtime_url, extra_env, processes)
+        stack = _assemble(transport, tmp, broker_url, admin, runtime_url, extra_env, processes)
     except BaseException:
         for proc in processes:
             stop_process(proc)
-        release_redis_db(claim)
+        release()
         drop_database(admin)
         raise
+    stack.redis_claim, stack.rabbit_vhost = claim, vhost
+    return stack
 
 
-def _assemble(transport: str, tmp: Path, claim: RedisClaim, admin: str, runtime_url: str,
+def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: str,
               extra_env: dict[str, str] | None, processes: list[subprocess.Popen]) -> Stack:
-    broker = claim.url
     # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
     sor_db = tmp / "var" / "sor.sqlite3"
     sor.init_db(sor_db)
@@ -354,14 +423,21 @@ def _assemble(transport: str, tmp: Path, claim: RedisClaim, admin: str, runtime_
     servers_file.write_text(_servers_yaml(transport, write_port, read_port, witness_log))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
+    # What publishers and workers must agree on: RabbitMQ refuses a queue redeclared with another
+    # delivery limit, and the limit must stay above the guard's.
+    agreed = {name: env[f"PROOFLINE_{name.upper()}"] for name in ("broker_delivery_limit", "max_unsettled_deliveries")
+              if f"PROOFLINE_{name.upper()}" in env}
     settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
-                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}))
+                        **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}),
+                        **agreed)
     seal.sealer_for(settings)  # this process opens the stack's sealed messages too
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    # The same queue declarations as the workers' (RabbitMQ refuses a queue redeclared otherwise).
+    app.conf.update(broker_options.celery_options(settings, broker))
     conn = store.connect(urls["controller"])  # the controller side publishes as proofline_controller
     stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
-                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log), redis_claim=claim)
+                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log))
     # The controller probes the live server with the same environment the workers get.
     os.environ["SOR_DB"] = str(sor_db)
     return stack
@@ -380,6 +456,8 @@ def teardown_stack(stack: Stack) -> None:
     stack.app.close()
     if stack.redis_claim is not None:
         release_redis_db(stack.redis_claim)
+    if stack.rabbit_vhost is not None:
+        delete_vhost(stack.rabbit_vhost)
     if not os.environ.get("PROOFLINE_TEST_KEEP_DATABASES"):
         drop_database(stack.admin_url)
 

@@ -27,6 +27,7 @@ from proofline_kit.resources import (
     with_database,
 )
 from proofline_kit.stack import (
+    BROKERS,
     CANARY_SECRET,
     SETTLED,
     Stack,
@@ -35,7 +36,7 @@ from proofline_kit.stack import (
     teardown_stack,
 )
 
-__all__ = ["ADMIN_URL", "CANARY_SECRET", "CLAIM_KEY", "DB_ROLES", "REDIS_URL", "ROOT", "SETTLED", "Stack",
+__all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "REDIS_URL", "ROOT", "SETTLED", "Stack",
            "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "release_redis_db",
            "role_urls", "start_process", "start_workers", "stop_process", "teardown_stack", "wait_for", "wait_port",
            "with_database"]
@@ -49,12 +50,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: ``indirect`` parameters of ``stack`` for a test of broker behaviour: the same deployment on each
+#: broker (Redis is the default stack's, so the suite builds it once).
+ON_EACH_BROKER = [pytest.param("stdio" if name == "redis" else f"stdio/{name}", id=name) for name in BROKERS]
+
+
 @pytest.fixture(scope="session", params=["stdio"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A running deployment with one Celery worker (two prefork processes). ``indirect``
-    parametrisation with "http" gives the same deployment over streamable HTTP."""
-    transport = request.param
-    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}"))
+    parametrisation with "http" gives the same deployment over streamable HTTP, and "TRANSPORT/BROKER"
+    on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ)."""
+    transport, _, broker = str(request.param).partition("/")
+    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}-{broker or 'redis'}"),
+                    broker=broker or "redis")
     try:
         start_workers(s)
         yield s

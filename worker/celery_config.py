@@ -8,24 +8,22 @@ Choices that matter for correctness:
   before Celery sees the body); anything else is refused and recorded by the guarded consumer
   (``worker/guard.py``), never silently dropped;
 - time limits and pool-process recycling from Settings, so no task and no leak lives forever;
-- a visibility timeout longer than the longest absolute deadline, so Redis does not hand a running
-  task to a second worker; deadlines themselves live in Postgres, never in broker ETAs;
+- on Redis, a visibility timeout longer than the longest absolute deadline, so Redis does not hand
+  a running task to a second worker; on RabbitMQ, quorum queues, publisher confirms and a delivery
+  limit with a dead-letter exchange (``worker/broker.py``); deadlines live in Postgres, never in
+  broker ETAs;
 - results are not stored: the ledger is the record.
 """
 
 from proofline.settings import get_settings, reveal
+from worker import broker as _broker
 
 _settings = get_settings()
 
 broker_url = reveal(_settings.broker_url)
 broker_connection_retry_on_startup = True
-if broker_url.startswith("sqla+"):
-    # kombu's SQLAlchemy transport (the embedded default) hands its options to create_engine and
-    # has no visibility timeout: an unacknowledged message stays with its consumer.
-    broker_transport_options = {"pool_pre_ping": True}
-    broker_pool_limit = 2
-else:
-    broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+# Transport options, and on RabbitMQ the quorum queues, confirms and delivery limit (worker/broker.py).
+globals().update(_broker.celery_options(_settings, broker_url))
 if broker_url.startswith("redis://"):
     # Documents kombu cannot parse become recorded refusals instead of ending the consumer.
     from worker.transport import install as _guard_transport
@@ -54,12 +52,17 @@ task_acks_late = True
 task_reject_on_worker_lost = True
 task_acks_on_failure_or_timeout = True
 worker_prefetch_multiplier = 1
+# When the broker connection drops (a broker restart), a task mid-call goes on and records its
+# result; its message, which can no longer be acknowledged, comes back and is suppressed by the
+# idempotency claim. Cancelling it (Celery 6's announced default) would make every broker blip an
+# unknown outcome to reconcile.
+worker_cancel_long_running_tasks_on_connection_loss = False
 # Task events cost ~2 ms of worker CPU per task; Flower switches them on when it connects.
 worker_send_task_events = _settings.task_events
 task_send_sent_event = _settings.task_events
 
 task_default_queue = "actions"
-task_routes = {
+task_routes = _broker.task_routes(_settings, broker_url, {
     "proofline.execute": {"queue": "actions"},
     "proofline.verify": {"queue": "verify"},
     "proofline.compensate": {"queue": "compensate"},
@@ -67,7 +70,7 @@ task_routes = {
     "proofline.recover": {"queue": "recovery"},
     "proofline.reconcile": {"queue": "reconcile"},
     "proofline.checkpoint": {"queue": "checkpoint"},
-}
+})
 imports = ("worker.tasks",)
 
 # The reconciler re-drives work from the ledger; beat only triggers it. Any number of beats may send

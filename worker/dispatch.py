@@ -20,6 +20,7 @@ from proofline.canonical import canonical_bytes
 from proofline.settings import get_settings
 from proofline.shards import BASE_QUEUE, VERIFY_QUEUE, queue_for_tenant
 from worker import wire
+from worker.broker import whole_seconds
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
@@ -122,7 +123,7 @@ class CeleryDispatch:
         if queue == BASE_QUEUE:
             env = message.get("envelope") if isinstance(message, dict) else None
             queue = queue_for_tenant(env.get("tenant") if isinstance(env, dict) else None, self.tenant_shards)
-        return str(self._send(name, [message], queue=queue, task_id=task_id, countdown=countdown).id)
+        return str(self._send(name, [message], queue=queue, task_id=task_id, countdown=whole_seconds(countdown)).id)
 
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)

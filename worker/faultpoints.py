@@ -29,7 +29,8 @@ from pathlib import Path
 
 from proofline.settings import get_settings
 
-POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit", "during_sweep")
+POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit", "during_sweep",
+          "before_count")
 ACTIONS = ("kill", "stop", "raise", "hold")
 #: How often a held point looks at the file for its release.
 HOLD_POLL_SECONDS = 0.02

@@ -25,7 +25,7 @@ from ledger import store
 from ledger.refusals import record
 from proofline.bounded import safe_repr, safe_str
 from proofline.settings import get_settings, reveal
-from worker import deliveries, wire
+from worker import deliveries, faultpoints, wire
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,14 @@ def _settle_message(message: Any, requeue: bool = False) -> None:
         log.warning("could not settle a refused message", extra={"error": type(exc).__name__})
 
 
+def dead_letter_queue(app: Any) -> Queue:
+    """The ``dead_letter`` queue as this app declares it (a quorum queue on RabbitMQ: a declaration
+    with other arguments would be refused), else a plain durable one."""
+    queues = app.amqp.queues
+    name = deliveries.DEAD_LETTER_QUEUE
+    return queues[name] if name in queues else Queue(name, durable=True)
+
+
 class GuardedConsumer(Consumer):
     """Celery's consumer with every rejection path recorded and no message able to end it."""
 
@@ -182,6 +190,7 @@ class GuardedConsumer(Consumer):
             return True  # a first delivery: counted only if it comes back (worker/deliveries.py)
         key = deliveries.message_key(task_id, _body_of(message))
         try:
+            faultpoints.hit("before_count")  # test-only: a count that fails, as when Postgres is away
             counts = _main.run(lambda conn: deliveries.count(conn, key, task_name, deliveries.claimed_action_id(payload),
                                                              unrecorded_before=True))
         except Exception as exc:  # noqa: BLE001 - counting must not stop work when Postgres is away
@@ -199,7 +208,7 @@ class GuardedConsumer(Consumer):
         try:
             with self.app.producer_or_acquire() as producer:
                 producer.publish(body, exchange="", routing_key=deliveries.DEAD_LETTER_QUEUE,
-                                 declare=[Queue(deliveries.DEAD_LETTER_QUEUE, durable=True)],
+                                 declare=[dead_letter_queue(self.app)],
                                  headers=message.headers, content_type=message.content_type,
                                  content_encoding=message.content_encoding, retry=True,
                                  retry_policy={"max_retries": 3})

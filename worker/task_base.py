@@ -23,6 +23,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from ledger.refusals import record
 from proofline.bounded import safe_repr
 from worker import deliveries, wire
+from worker.broker import whole_seconds
 from worker.dispatch import task_repr
 from worker.validate import claimed_fields
 
@@ -51,6 +52,8 @@ class GuardedTask(Task):
         # retries compute a full repr for their ``task-sent`` event before any hook runs.
         if options.get("argsrepr") is None:
             options["argsrepr"], options["kwargsrepr"] = task_repr(args or (), kwargs)
+        if "countdown" in options:
+            options["countdown"] = whole_seconds(options["countdown"])
         return super().apply_async(args, kwargs, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ from proofline.telemetry.metrics import sweep_finished
 from recovery.settle import after_settle
 from worker import faultpoints
 from worker import node as _node  # noqa: F401 - hands the node name down to the pool processes
+from worker.dead_letters import DeadLetterRecorder
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
@@ -36,6 +37,8 @@ VERIFY = "proofline.verify"
 
 app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("worker.celery_config")
+# On RabbitMQ, what the broker dead-lettered is recorded in the ledger (a no-op step elsewhere).
+app.steps["consumer"].add(DeadLetterRecorder)
 # The control plane (revoke, ping) stays plain JSON; tasks use the guarded wire format only.
 app.control.mailbox.accept = ["json", CONTENT_TYPE]
 app.control.mailbox.serializer = "json"

@@ -30,6 +30,8 @@ CANCEL_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 900, 3600)
 PLAIN_QUEUES = ("compensate", "recovery", "reconcile", "checkpoint")
 #: kombu's Redis transport keeps priorities 3, 6 and 9 of a queue in lists of their own.
 _PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+#: Brokers whose queue depths the exporter reads: Redis (list lengths) and AMQP (queue.declare, passive).
+_READABLE_BROKERS = ("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")
 
 
 def _counter_sql(counter: EventCounter) -> str:
@@ -72,7 +74,7 @@ class LedgerCollector:
 
     def __init__(self, database_url: str, broker_url: str | None = None, queues: list[str] | None = None) -> None:
         self.database_url = database_url
-        self.broker_url = broker_url if broker_url and broker_url.startswith(("redis://", "rediss://")) else None
+        self.broker_url = broker_url if broker_url and broker_url.startswith(_READABLE_BROKERS) else None
         self.queues = queues or []
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
 
@@ -139,25 +141,48 @@ class LedgerCollector:
                          "known final state", cancels, CANCEL_BUCKETS)
 
     def _queue_families(self) -> Iterator[Any]:
-        import redis
-
         depth = GaugeMetricFamily("proofline_queue_depth", "Messages waiting in each broker queue",
                                   labels=["queue"])
         try:
-            client = redis.Redis.from_url(self.broker_url, socket_timeout=5)
+            lengths = self._amqp_lengths() if "amqp" in self.broker_url.split("://", 1)[0] else self._redis_lengths()
+        except Exception as exc:  # noqa: BLE001 - an unreadable broker leaves the gauge out, never the scrape
+            log.warning("broker not readable: %s", type(exc).__name__, extra={"event": "exporter_broker_error"})
+            return
+        for queue, length in zip(self.queues, lengths, strict=True):
+            depth.add_metric([queue], float(length))
+        yield depth
+
+    def _redis_lengths(self) -> list[int]:
+        import redis
+
+        client = redis.Redis.from_url(self.broker_url, socket_timeout=5)
+        try:
             with client.pipeline(transaction=False) as pipe:
                 for queue in self.queues:
                     for suffix in _PRIORITY_SUFFIXES:
                         pipe.llen(queue + suffix)
-                lengths = pipe.execute()
+                raw = pipe.execute()
+        finally:
             client.close()
-        except redis.RedisError as exc:
-            log.warning("broker not readable: %s", type(exc).__name__, extra={"event": "exporter_broker_error"})
-            return
         step = len(_PRIORITY_SUFFIXES)
-        for i, queue in enumerate(self.queues):
-            depth.add_metric([queue], float(sum(lengths[i * step:(i + 1) * step])))
-        yield depth
+        return [sum(raw[i * step:(i + 1) * step]) for i in range(len(self.queues))]
+
+    def _amqp_lengths(self) -> list[int]:
+        """Ready messages per queue (a passive declare); a queue no worker declared yet holds none."""
+        from amqp.exceptions import NotFound
+        from kombu import Connection
+
+        lengths = []
+        with Connection(self.broker_url, connect_timeout=5) as conn:
+            for queue in self.queues:
+                channel = conn.channel()  # a 404 closes the channel, so one per queue
+                try:
+                    lengths.append(int(channel.queue_declare(queue, passive=True).message_count))
+                except NotFound:
+                    lengths.append(0)
+                finally:
+                    channel.close()
+        return lengths
 
 
 def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:

@@ -158,7 +158,8 @@ def test_a_message_that_kills_its_process_is_dead_lettered_then_expired(stack: S
         assert dead["claimed"]["action_id"] == env.action_id
         queued = redis.Redis.from_url(stack.broker_url).lrange("dead_letter", 0, -1)
         assert any(published["task_id"] in item.decode() for item in queued)
-        assert "dead-lettered after 4 deliveries" in worker_log(stack)
+        # The consumer logs after recording: the line may trail the record by a moment.
+        wait_for(lambda: "dead-lettered after 4 deliveries" in worker_log(stack), 10, what="the dead-letter log line")
         row = stack.wait_settled(env.action_id, timeout=60)
     finally:
         faultpoints.arm(stack.faultpoints, "on_delivery", remaining=0)

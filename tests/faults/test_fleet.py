@@ -1,4 +1,5 @@
-"""Two worker nodes, each running its own Celery beat, on one ledger and one broker.
+"""Two worker nodes, each running its own Celery beat, on one ledger and one broker (Redis, and
+RabbitMQ).
 
 Both beats schedule the reconciler every second, so two copies of each sweep arrive every period.
 
@@ -25,11 +26,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import publish_message
 from proofline.ledger_check import check_chains
 from proofline_kit.stack import Stack
-from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
+from tests.conftest import BROKERS, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account, refund_env, ticket_env
 from worker import faultpoints
 
@@ -52,8 +55,9 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def test_two_nodes_with_two_beats_redrive_each_action_once(tmp_path) -> None:
-    s = build_stack("stdio", tmp_path, extra_env={"PROOFLINE_REDRIVE_AFTER_SECONDS": str(REDRIVE_AFTER)})
+@pytest.mark.parametrize("broker", BROKERS)
+def test_two_nodes_with_two_beats_redrive_each_action_once(tmp_path, broker: str) -> None:
+    s = build_stack("stdio", tmp_path, broker=broker, extra_env={"PROOFLINE_REDRIVE_AFTER_SECONDS": str(REDRIVE_AFTER)})
     try:
         nodes = {"n1": start_workers(s, name="n1", beat=True)[0], "n2": start_workers(s, name="n2", beat=True)[0]}
         envs = [ticket_env(s) for _ in range(4)] + [refund_env(s, new_account(s)) for _ in range(4)]

@@ -1,5 +1,6 @@
 """Infrastructure faults on the real stack: the lease's Postgres backend terminated mid-call,
-Redis killed and restarted (without persistence), and the MCP server killed mid-call."""
+the broker killed and restarted (Redis without persistence; a private RabbitMQ node with quorum
+queues), and the MCP server killed mid-call."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
+from proofline_kit.rabbitmq_server import RabbitServer
+from proofline_kit.rabbitmq_server import available as rabbitmq_available
 from proofline_kit.redis_server import RedisServer
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
-from tests.helpers import new_account, refund_env, ticket_env
+from tests.conftest import BROKERS, Stack, build_stack, start_workers, teardown_stack, wait_for
+from tests.helpers import new_account, refund_env
 
 
 def test_lease_backend_terminated_mid_call(stack: Stack) -> None:
@@ -77,37 +80,68 @@ def test_mcp_server_killed_mid_call_over_http(tmp_path) -> None:
         teardown_stack(s)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_redis_killed_and_restarted_loses_nothing(tmp_path) -> None:
-    """A broker without persistence crashes with messages in it. The ledger, not the broker, is
-    the source of truth: the reconciler re-drives what was lost, each with exactly one effect."""
-    redis_server = RedisServer(tmp_path).start()  # our own server, on a port it could bind
+def _killable_broker(name: str, workdir: Path) -> RedisServer | RabbitServer:
+    """A broker of our own that the test may SIGKILL: never the machine's shared one."""
+    if name == "redis":
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed")
+        return RedisServer(workdir).start()  # on a port it could bind
+    if not rabbitmq_available():
+        pytest.skip("RabbitMQ's scripts are not installed")
+    return RabbitServer(workdir).start()  # a private node: its own name, ports, data and cookie
+
+
+def _published_deliveries(s: Stack, task_ids: list[str]) -> list[int]:
+    """Deliveries the consumer counted for each originally published message (0: never delivered)."""
+    with s.conn.cursor() as cur:
+        cur.execute("SELECT message_key, deliveries FROM message_deliveries WHERE message_key = ANY(%s)",
+                    (["task:" + t for t in task_ids],))
+        counted = {r["message_key"]: r["deliveries"] for r in cur.fetchall()}
+    return [counted.get("task:" + t, 0) for t in task_ids]
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_broker_killed_and_restarted_loses_nothing(tmp_path, broker: str) -> None:
+    """The broker is SIGKILLed with messages queued and two deliveries unacknowledged, then started
+    again. The ledger, not the broker, is the source of truth: every action ends verified with one
+    effect and one call on the wire. What differs is who brought the queued ones back: Redis (no
+    persistence) lost them and the reconciler re-drove them from the ledger; RabbitMQ's quorum queues
+    kept every confirmed message across the crash, so each originally published message was delivered."""
+    (tmp_path / "broker").mkdir()
+    server = _killable_broker(broker, tmp_path / "broker")
     try:
-        s = build_stack("stdio", tmp_path, redis_db=0, redis_url=redis_server.url.rsplit("/", 1)[0])
+        if broker == "redis":
+            s = build_stack("stdio", tmp_path, redis_db=0, redis_url=server.url.rsplit("/", 1)[0])
+        else:
+            s = build_stack("stdio", tmp_path, broker="rabbitmq", rabbitmq_url=server.url)
         try:
             start_workers(s)
-            envs = [ticket_env(s) for _ in range(6)]
-            # Both pool processes are busy with slow calls, so the other messages sit in Redis.
-            sor.set_fault(s.sor_db, "create_ticket", "delay", remaining=2, delay_seconds=2.0)
-            for env in envs:
-                s.publish(env)
+            # Six targets, so no delivery waits on another's lock: two pool processes busy with slow
+            # calls, the four other messages unread in the broker (prefetch is one per process).
+            envs = [refund_env(s, new_account(s)) for _ in range(6)]
+            sor.set_fault(s.sor_db, "issue_refund", "delay", remaining=2, delay_seconds=2.0)
+            task_ids = [s.publish(env)["task_id"] for env in envs]
             wait_for(lambda: sum("preconditions_passed" in s.events(e.action_id) for e in envs) >= 2, 30,
                      what="two actions in flight")
-            redis_server.kill()  # SIGKILL: queued messages and unacked deliveries are gone
-            redis_server.start()  # the same port, empty
-            rows = [s.wait_settled(e.action_id, timeout=120) for e in envs]
+            server.kill()  # SIGKILL: no clean shutdown
+            server.start()  # the same port (and, for RabbitMQ, the same node and data directory)
+            rows = [s.wait_settled(e.action_id, timeout=180) for e in envs]
             assert all(r.outcome == Outcome.completed_verified for r in rows)
             assert all(s.effects(e.idempotency_key) == 1 for e in envs)
             # Nothing was sent twice: one request per action reached the server.
             assert [s.witness.count(key=e.idempotency_key) for e in envs] == [1] * len(envs)
-            # What the crash took with it was re-driven from the ledger; the workers reconnected.
             redriven = [e for e in envs if "redriven" in s.events(e.action_id)]
-            assert redriven, "the queued messages died with Redis: the reconciler must have re-driven them"
+            delivered = _published_deliveries(s, task_ids)
+            if broker == "redis":
+                assert redriven, "the queued messages died with Redis: the reconciler must have re-driven them"
+                assert delivered.count(0) >= 1, f"the unread messages must have died with Redis: {delivered}"
+            else:
+                assert all(n >= 1 for n in delivered), f"a confirmed message was lost: {delivered}"
             assert s.workers_alive()
         finally:
             teardown_stack(s)
     finally:
-        redis_server.stop()
+        server.stop()
 
 
 def test_postgres_restarted_mid_flight_loses_nothing(tmp_path) -> None:

@@ -1,7 +1,9 @@
 """A worker process killed (SIGKILL) at each stage of an action: before the request is sent,
 after the response arrived but before the ledger write, after the ledger write but before the
 broker ack, and in verification before its commit. Each time: at most one effect, a terminal
-state reached by itself, and a ledger that was only ever appended to."""
+state reached by itself, and a ledger that was only ever appended to. On both brokers: Redis hands
+the lost delivery back through Celery's requeue on worker loss, RabbitMQ through the channel's
+unacknowledged message (its quorum queue counts the delivery)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, wait_for
+from tests.conftest import ON_EACH_BROKER, Stack, wait_for
 from tests.helpers import new_account, refund_env
 from worker.faultpoints import arm, fired
 
 
+@pytest.mark.parametrize("stack", ON_EACH_BROKER, indirect=True)
 @pytest.mark.parametrize("point", ["before_send", "after_send", "after_ledger", "before_verify_commit"])
 def test_worker_killed_at_each_stage_leaves_exactly_one_effect(stack: Stack, point: str) -> None:
     account = new_account(stack)

@@ -1,0 +1,86 @@
+"""Poison messages on both brokers: the message guard's dead-lettering (counted in Postgres) and,
+on RabbitMQ, the quorum queue's own delivery limit behind it. Either way the message ends in
+``dead_letter`` with one ``dead_lettered`` record naming who moved it, and the action is not lost."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ledger.states import ActionStatus, Outcome
+from tests.conftest import BROKERS, Stack, build_stack, start_workers, teardown_stack, wait_for
+from tests.containment.helpers import worker_log
+from tests.helpers import ticket_env
+from worker import faultpoints
+from worker.broker import INBOX
+
+GUARD_LIMIT = 3
+BROKER_LIMIT = 5
+
+
+@pytest.fixture(scope="module", params=BROKERS)
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp(f"dead-letters-{request.param}")
+    s = build_stack("stdio", tmp, broker=request.param, extra_env={
+        "PROOFLINE_MAX_UNSETTLED_DELIVERIES": str(GUARD_LIMIT), "PROOFLINE_BROKER_DELIVERY_LIMIT": str(BROKER_LIMIT)})
+    try:
+        start_workers(s)
+        yield s
+    finally:
+        teardown_stack(s)
+
+
+def dead_letter_records(stack: Stack, action_id: str) -> list[dict[str, Any]]:
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT evidence FROM ledger_events WHERE event = 'dead_lettered' AND "
+                    "evidence->'claimed'->>'action_id' = %s ORDER BY id", (action_id,))
+        return [r["evidence"] for r in cur.fetchall()]
+
+
+def poison(stack: Stack, *points: str) -> tuple[Any, dict[str, Any]]:
+    """Publish an action whose every delivery kills its pool process (plus ``points``), and wait for
+    its dead-letter record; then let deliveries live again."""
+    for point in ("on_delivery", *points):
+        faultpoints.arm(stack.faultpoints, point, remaining=1000, action="raise" if point == "before_count" else "kill")
+    try:
+        env = ticket_env(stack)
+        task_id = stack.publish(env)["task_id"]
+        record = wait_for(lambda: dead_letter_records(stack, env.action_id), 120, what="a dead_lettered record")
+    finally:
+        for point in ("on_delivery", *points):
+            faultpoints.arm(stack.faultpoints, point, remaining=0)
+    assert len(record) == 1, record
+    assert task_id in stack.queued("dead_letter")
+    return env, record[0]
+
+
+def test_the_guard_dead_letters_first_on_either_broker(stack: Stack) -> None:
+    """Counted in Postgres, the guard moves the message after GUARD_LIMIT deaths, before the
+    broker's higher limit could: its record says so, with the count."""
+    env, record = poison(stack)
+    assert (record["by"], record["deliveries"], record["unsettled"]) == ("consumer", GUARD_LIMIT + 1, GUARD_LIMIT + 1)
+    assert record["queue"] == "dead_letter"
+    # The action stays published; once deliveries survive again, the reconciler's re-send runs it.
+    row = stack.wait_settled(env.action_id, timeout=90)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert stack.effects(env.idempotency_key) == 1
+
+
+@pytest.mark.parametrize("stack", ["rabbitmq"], indirect=True)  # Redis has no delivery limit
+def test_the_broker_limit_catches_what_the_guard_could_not_count(stack: Stack) -> None:
+    """RabbitMQ only: the consumer cannot count (as when Postgres is away), so the guard never
+    dead-letters; the quorum queue does, after BROKER_LIMIT + 1 failed deliveries, into the inbox.
+    The consumer records it (``by: broker``, RabbitMQ's reason) and moves it to ``dead_letter``."""
+    env, record = poison(stack, "before_count")
+    assert (record["by"], record["broker_reason"]) == ("broker", "delivery_limit"), record
+    assert record["deliveries"] == BROKER_LIMIT + 1 and record["from_queue"].startswith("actions")
+    # Deliveries the guard saw but could not count: one per death, all of them.
+    assert worker_log(stack).count("delivery not counted") >= BROKER_LIMIT + 1
+    # The consumer logs after recording and moving: the line may trail the record by a moment.
+    wait_for(lambda: "dead-lettered by the broker (delivery_limit)" in worker_log(stack), 10, what="the log line")
+    assert stack.queued(INBOX) == []
+    row = stack.wait_settled(env.action_id, timeout=90)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert stack.effects(env.idempotency_key) == 1
