@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+from pydantic import ValidationError
+
+from proofline.settings import Settings
 from proofline.telemetry import tracing
-from proofline.telemetry.events import COUNTERS, Path, bounded
+from proofline.telemetry.events import COUNTERS, Path, bounded, tenant_label
 
 
 def test_label_values_are_short_identifiers_or_other() -> None:
@@ -17,6 +21,17 @@ def test_label_values_are_short_identifiers_or_other() -> None:
     assert Path("reason", ("failures", 0, "reason")).read("e", {"failures": [{"reason": "stale_version"}]}) == \
         "stale_version"
     assert Path("reason", ("failures", 0, "reason")).read("e", {"failures": []}) == "none"
+
+
+def test_tenant_label_names_only_configured_tenants() -> None:
+    named = Settings(telemetry_tenants="acme, globex,,").metric_tenants
+    assert named == {"acme", "globex"}
+    assert [tenant_label(t, named) for t in ("acme", "globex", "initech", "", None)] == \
+        ["acme", "globex", "other", "other", "none"]
+    # A configured name that is not a short identifier is still not a label value.
+    assert tenant_label("a b", frozenset({"a b"})) == "other"
+    with pytest.raises(ValidationError, match="more than 100"):
+        Settings(telemetry_tenants=",".join(f"t{i}" for i in range(101)))
 
 
 def test_every_counter_has_unique_name_and_label_names() -> None:
