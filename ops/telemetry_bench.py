@@ -9,6 +9,8 @@ waits until each is settled; throughput is N over the ledger's own window (first
 last ``final_state``, database clock).
 
 - off: no metrics endpoint, no ``OTEL_*`` (tracing's null context), text logs.
+- metrics, spans, logs (``--parts``): one part on alone (the endpoint and multiprocess counters;
+  tracing to span files; JSON logs), to break the cost down.
 - on: ``proofline worker --metrics-port`` (prometheus_client multiprocess mode, scraped every
   5 s by this process during the window; Prometheus's default is 15 s), tracing with every span
   written by the ``jsonl`` exporter (batched, as the OTLP exporter is), JSON logs. The controller
@@ -30,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ops.bench import cpu_delta, cpu_seconds, log, process_tree, runtime_defaults
+from ops.bench import cpu_delta, cpu_seconds, log, process_tree, runtime_defaults, source_state
 from tests.conftest import (
     SETTLED,
     Stack,
@@ -42,6 +44,9 @@ from tests.conftest import (
     wait_for,
 )
 from tests.helpers import ticket_env
+
+#: The parts telemetry is made of, each of which a window can turn on alone.
+PARTS = frozenset({"metrics", "spans", "logs"})
 
 
 def settled(stack: Stack, ids: list[str]) -> bool:
@@ -65,11 +70,14 @@ def window(stack: Stack, ids: list[str]) -> tuple[float, int]:
 def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict[str, Any]:
     env = dict(stack.env)
     port = None
-    if mode == "on":
+    parts = PARTS if mode == "on" else {mode} & PARTS
+    if "metrics" in parts:
         port = free_port()
-        env.update(PROOFLINE_METRICS_PORT=str(port), PROOFLINE_LOG_FORMAT="json", OTEL_TRACES_EXPORTER="jsonl",
-                   PROOFLINE_TRACES_DIR=str(stack.workdir / f"traces-{index}"),
-                   PROMETHEUS_MULTIPROC_DIR=str(stack.workdir / f"metrics-{index}"))
+        env.update(PROOFLINE_METRICS_PORT=str(port), PROMETHEUS_MULTIPROC_DIR=str(stack.workdir / f"metrics-{index}"))
+    if "spans" in parts:
+        env.update(OTEL_TRACES_EXPORTER="jsonl", PROOFLINE_TRACES_DIR=str(stack.workdir / f"traces-{index}"))
+    if "logs" in parts:
+        env.update(PROOFLINE_LOG_FORMAT="json")
     worker = start_workers(stack, name=f"{mode}{index}-", beat=False, env=env)[0]
     scraping = threading.Event()
     scrapes = [0]
@@ -103,7 +111,7 @@ def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict
     finally:
         stop_process(worker)
         stack.workers.remove(worker)
-    spans = sum(1 for p in (stack.workdir / f"traces-{index}").glob("*.jsonl") for _ in p.open()) if port else 0
+    spans = sum(1 for p in (stack.workdir / f"traces-{index}").glob("*.jsonl") for _ in p.open())
     result = {"mode": mode, "actions": n, "verified": verified, "seconds": round(seconds, 3),
               "actions_per_s": round(n / seconds, 2), "worker_cpu_ms_per_action": round(cpu_ms, 1), "spans": spans, "scrapes": scrapes[0]}
     log(json.dumps(result))
@@ -113,11 +121,13 @@ def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.telemetry_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--actions", type=int, default=150, help="actions per timed window")
-    parser.add_argument("--rounds", type=int, default=2, help="pairs of windows (off, on)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of windows (off, on and with --parts each part), order reversed every other round")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--transport", choices=("http", "stdio"), default="http")
+    parser.add_argument("--parts", action="store_true", help="also a window per part (metrics, spans, logs) each round")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    modes = ["off", "on", *(sorted(PARTS) if args.parts else [])]
     stack = build_stack(args.transport, Path(tempfile.mkdtemp(prefix="proofline-telemetry-bench-")),
                         extra_env=runtime_defaults())
     try:
@@ -125,21 +135,24 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for round_ in range(args.rounds):
             # off-on, then on-off (ABBA): a machine getting busier or quieter favours neither.
-            for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+            for mode in modes if round_ % 2 == 0 else modes[::-1]:
                 results.append(run_window(stack, mode, args.actions, args.warmup, len(results)))
     finally:
         teardown_stack(stack)
     rate = {m: sum(r["actions"] for r in results if r["mode"] == m) / sum(r["seconds"] for r in results
-                                                                            if r["mode"] == m) for m in ("off", "on")}
-    cpu = {m: statistics.mean(r["worker_cpu_ms_per_action"] for r in results if r["mode"] == m) for m in ("off", "on")}
-    by_round = [{r["mode"]: r for r in results[i:i + 2]} for i in range(0, len(results), 2)]
+                                                                            if r["mode"] == m) for m in modes}
+    cpu = {m: statistics.mean(r["worker_cpu_ms_per_action"] for r in results if r["mode"] == m) for m in modes}
+    by_round = [{r["mode"]: r for r in results[i:i + len(modes)]} for i in range(0, len(results), len(modes))]
     pairs = [p["on"]["actions_per_s"] / p["off"]["actions_per_s"] for p in by_round]
     summary = {"off_actions_per_s": round(rate["off"], 2), "on_actions_per_s": round(rate["on"], 2),
                "on_over_off": round(rate["on"] / rate["off"], 3), "pair_ratios": [round(p, 3) for p in pairs],
                "median_pair_ratio": round(statistics.median(pairs), 3),
                "worker_cpu_ms_per_action": {m: round(v, 1) for m, v in cpu.items()},
-               "cpu_on_over_off": round(cpu["on"] / cpu["off"], 3), "windows": results,
-               "config": {"transport": args.transport, "actions": args.actions, "rounds": args.rounds}}
+               "cpu_on_over_off": round(cpu["on"] / cpu["off"], 3),
+               # What each part adds alone: its windows' CPU per action minus the off windows'.
+               "cpu_ms_added_by_part": {m: round(cpu[m] - cpu["off"], 1) for m in modes if m in PARTS},
+               "source": source_state(), "windows": results,
+               "config": {"transport": args.transport, "actions": args.actions, "rounds": args.rounds, "modes": modes}}
     print(json.dumps({k: v for k, v in summary.items() if k != "windows"}, indent=2))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
