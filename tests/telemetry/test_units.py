@@ -4,11 +4,14 @@ allow-list, and tracing switched off."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
 
-from proofline.settings import Settings
+from proofline.settings import ROOT, Settings
 from proofline.telemetry import tracing
 from proofline.telemetry.events import COUNTERS, Path, bounded, tenant_label
 
@@ -55,3 +58,21 @@ def test_tracing_off_is_a_shared_null_context() -> None:
     stages = tracing.Stages()
     stages.enter("proofline.preflight")
     stages.close()  # nothing was started, nothing to end
+
+
+def test_tracing_off_loads_no_tracer_and_instruments_nothing() -> None:
+    """Off means no cost: in a fresh process with no OTEL_* set, importing the worker's tasks and
+    the SDK and asking for tracing starts no tracer provider and wraps no client library."""
+    probe = ("import sys, psycopg, httpx2, worker.tasks, proofline.client\n"
+             "from proofline.telemetry import tracing\n"
+             "assert not tracing.setup('proofline-worker', 'development')\n"
+             "loaded = sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', "
+             "'opentelemetry.instrumentation')))\n"
+             "wrapped = [f for f in (psycopg.connect, httpx2.AsyncHTTPTransport.handle_async_request) "
+             "if hasattr(f, '__wrapped__')]\n"
+             "print(loaded, wrapped)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] []", done.stdout
