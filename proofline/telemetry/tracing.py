@@ -53,7 +53,6 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
     names = configured()
     if not names or _state["enabled"]:
         return _state["enabled"]
-    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -62,9 +61,10 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
     for name in names:
         provider.add_span_processor(_processor(name))
-    # The global provider serves libraries that trace on their own (the MCP SDK); it can be set
-    # once per process, so Proofline's spans and the instrumentations use this one directly.
-    trace.set_tracer_provider(provider)
+    # Proofline's spans and the instrumentations use this provider directly; it is not made the
+    # global one, so libraries tracing on their own (the MCP SDK's "MCP send <method>" spans, one
+    # per request, each a repeat of the stage span it sits in) record nothing: a sixth of an
+    # action's spans, for no information the stages and HTTP spans do not carry.
     _state.update(enabled=True, provider=provider, tracer=provider.get_tracer("proofline"))
     from proofline.telemetry import observe  # the app level: the ledger records the trace id on every event
 
