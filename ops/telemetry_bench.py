@@ -10,6 +10,7 @@ waits until each is settled; throughput is N over the ledger's own window (first
 last ``final_state``, database clock).
 
 - off: no metrics endpoint, no ``OTEL_*`` (tracing's null context), text logs.
+- sampled (``--sampled``): as on, with one action in ten traced (the standard ratio sampler).
 - metrics, spans, logs (``--parts``): one part on alone (the endpoint and multiprocess counters;
   tracing to span files; JSON logs), to break the cost down.
 - on: ``proofline worker --metrics-port`` (prometheus_client multiprocess mode, scraped every
@@ -48,6 +49,9 @@ from tests.conftest import (
 
 #: The parts telemetry is made of, each of which a window can turn on alone.
 PARTS = frozenset({"metrics", "spans", "logs"})
+#: The share of actions traced in the "sampled" windows (``--sampled``): OpenTelemetry's standard
+#: ``parentbased_traceidratio`` sampler; the others' spans are non-recording and never exported.
+SAMPLED = 0.1
 
 
 def settled(stack: Stack, ids: list[str]) -> bool:
@@ -81,7 +85,7 @@ def ticket(stack: Stack) -> Any:
 def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict[str, Any]:
     env = dict(stack.env)
     port = None
-    parts = PARTS if mode == "on" else {mode} & PARTS
+    parts = PARTS if mode in ("on", "sampled") else {mode} & PARTS
     if "metrics" in parts:
         port = free_port()
         env.update(PROOFLINE_METRICS_PORT=str(port), PROMETHEUS_MULTIPROC_DIR=str(stack.workdir / f"metrics-{index}"))
@@ -89,6 +93,8 @@ def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict
         env.update(OTEL_TRACES_EXPORTER="jsonl", PROOFLINE_TRACES_DIR=str(stack.workdir / f"traces-{index}"))
     if "logs" in parts:
         env.update(PROOFLINE_LOG_FORMAT="json")
+    if mode == "sampled":
+        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(SAMPLED))
     worker = start_workers(stack, name=f"{mode}{index}-", beat=False, env=env)[0]
     scraping = threading.Event()
     scrapes = [0]
@@ -137,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--transport", choices=("http", "stdio"), default="http")
     parser.add_argument("--parts", action="store_true", help="also a window per part (metrics, spans, logs) each round")
+    parser.add_argument("--sampled", action="store_true", help=f"also a window with everything on and "
+                        f"{SAMPLED:.0%} of actions traced (OTEL_TRACES_SAMPLER=parentbased_traceidratio)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    modes = ["off", "on", *(sorted(PARTS) if args.parts else [])]
+    modes = ["off", "on", *(["sampled"] if args.sampled else []), *(sorted(PARTS) if args.parts else [])]
     stack = build_stack(args.transport, Path(tempfile.mkdtemp(prefix="proofline-telemetry-bench-")),
                         extra_env=runtime_defaults())
     try:
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                "cpu_on_over_off": round(cpu["on"] / cpu["off"], 3),
                # What each part adds alone: its windows' CPU per action minus the off windows'.
                "cpu_ms_added_by_part": {m: round(cpu[m] - cpu["off"], 1) for m in modes if m in PARTS},
+               "cpu_over_off": {m: round(cpu[m] / cpu["off"], 3) for m in modes if m != "off"},
+               "throughput_over_off": {m: round(rate[m] / rate["off"], 3) for m in modes if m != "off"},
                "source": source_state(), "windows": results,
                "config": {"transport": args.transport, "actions": args.actions, "rounds": args.rounds, "modes": modes}}
     print(json.dumps({k: v for k, v in summary.items() if k != "windows"}, indent=2))
