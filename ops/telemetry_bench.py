@@ -82,6 +82,21 @@ def ticket(stack: Stack) -> Any:
                           target={"type": "ticket_queue", "id": f"acme-ops-{name}"})
 
 
+def by_role(root: int, procs: list[Any], before: dict[int, float], after: dict[int, float], n: int) -> dict[str, float]:
+    """CPU-ms per action of the supervisor, Celery's main process and the pool processes."""
+    parents = {}
+    for proc in procs:
+        try:
+            parents[proc.pid] = proc.ppid()
+        except Exception:  # noqa: BLE001 - a process that ended has no role left to report
+            continue
+    roles: dict[str, float] = {"supervisor": 0.0, "celery_main": 0.0, "pool": 0.0}
+    for pid, value in after.items():
+        role = "supervisor" if pid == root else "celery_main" if parents.get(pid) == root else "pool"
+        roles[role] += (value - before.get(pid, 0.0)) * 1000 / n
+    return {k: round(v, 1) for k, v in roles.items()}
+
+
 def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict[str, Any]:
     env = dict(stack.env)
     port = None
@@ -120,7 +135,10 @@ def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict
             stack.publish(env_)
         ids = [e.action_id for e in batch]
         wait_for(lambda: settled(stack, ids), 600, interval=0.5, what=f"{n} actions ({mode})")
-        cpu_ms = cpu_delta(cpu0, cpu_seconds(process_tree(worker.pid))) * 1000 / n
+        after = process_tree(worker.pid)
+        cpu1 = cpu_seconds(after)
+        cpu_ms = cpu_delta(cpu0, cpu1) * 1000 / n
+        roles = by_role(worker.pid, after, cpu0, cpu1, n)
         scraping.set()
         if scraper:
             scraper.join(5)
@@ -130,7 +148,8 @@ def run_window(stack: Stack, mode: str, n: int, warmup: int, index: int) -> dict
         stack.workers.remove(worker)
     spans = sum(1 for p in (stack.workdir / f"traces-{index}").glob("*.jsonl") for _ in p.open())
     result = {"mode": mode, "actions": n, "verified": verified, "seconds": round(seconds, 3),
-              "actions_per_s": round(n / seconds, 2), "worker_cpu_ms_per_action": round(cpu_ms, 1), "spans": spans, "scrapes": scrapes[0],
+              "actions_per_s": round(n / seconds, 2), "worker_cpu_ms_per_action": round(cpu_ms, 1), "cpu_ms_by_process": roles, "spans": spans,
+              "scrapes": scrapes[0],
               "target_busy": busy}
     log(json.dumps(result))
     return result
