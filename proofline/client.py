@@ -37,6 +37,7 @@ from proofline.controller import prepare, publish_many, publish_message, signed_
 from proofline.envelope import Envelope
 from proofline.errors import IdempotencyConflict, WaitTimedOut
 from proofline.settings import Settings, get_settings, reveal
+from proofline.telemetry import tracing
 
 #: Longest sleep between two reads of the row when no notification comes (the polling fallback).
 POLL_SECONDS = 1.0
@@ -98,6 +99,9 @@ class Client:
         self._url = (database_url or reveal(self.settings.controller_database_url)
                      or reveal(self.settings.database_url))
         self._app = app
+        # Traced when OTEL_TRACES_EXPORTER names an exporter: each publication is the root of its
+        # action's trace (proofline/telemetry/tracing.py); a no-op otherwise, or when already set up.
+        tracing.setup("proofline-controller", self.settings.environment, self.settings.release)
         self._conn = store.connect(self._url)
         self._listener: psycopg.Connection | None = None
 
@@ -200,6 +204,7 @@ class Client:
         self._conn.close()
         if self._listener is not None:
             self._listener.close()
+        tracing.flush()  # the spans of this client's publications are exported, not left queued
 
     def __enter__(self) -> Client:
         return self

@@ -150,12 +150,22 @@ def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[E
     for message in messages:
         checked_for_publish(settings, conn, message, actor)
     seal_key = seal.sealer_for(settings)
-    with store.transaction(conn) as cur:
-        recorded = [record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor)
-                    for m, e in zip(messages, envelopes, strict=True)]
-    for message, outcome in zip(messages, recorded, strict=True):
-        if isinstance(outcome, dict):
-            dispatch.execute(message, task_id=outcome["task_id"])
+    # One trace per action: its span is current while its publication is recorded and sent.
+    spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e), **{"proofline.stage": "publish"})
+             for e in envelopes]
+    try:
+        with store.transaction(conn) as cur:
+            recorded = []
+            for m, e, span in zip(messages, envelopes, spans, strict=True):
+                with tracing.current(span):
+                    recorded.append(record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor))
+        for message, outcome, span in zip(messages, recorded, spans, strict=True):
+            if isinstance(outcome, dict):
+                with tracing.current(span):
+                    dispatch.execute(message, task_id=outcome["task_id"])
+    finally:
+        for span in spans:
+            tracing.end(span)
     return recorded
 
 

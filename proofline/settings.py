@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where the ``proofline`` package is installed (site-packages, or the checkout in development).
@@ -93,6 +93,21 @@ class Settings(BaseSettings):
     sentry_traces_sample_rate: float | None = Field(default=None, ge=0.0, le=1.0)
     #: Log lines as text (Celery's format plus the action's fields) or one JSON object per line.
     log_format: Literal["text", "json"] = "text"
+    #: Tenants that metrics label by name (comma-separated, at most 100); every other tenant is
+    #: ``tenant="other"``, so a metric's series stay bounded however many tenants send actions.
+    telemetry_tenants: str = ""
+
+    @field_validator("telemetry_tenants")
+    @classmethod
+    def _few_tenants(cls, value: str) -> str:
+        if len({t.strip() for t in value.split(",") if t.strip()}) > 100:
+            raise ValueError("names more than 100 tenants: label fewer, the others are counted as 'other'")
+        return value
+
+    @property
+    def metric_tenants(self) -> frozenset[str]:
+        """The tenants named in ``telemetry_tenants`` (the labels a metric may carry)."""
+        return frozenset(t.strip() for t in self.telemetry_tenants.split(",") if t.strip())
 
     #: The Celery node this process belongs to (``name@host``); set by the worker's main process at
     #: start for its pool processes (``worker/node.py``), so the ledger's actors name the node.

@@ -25,6 +25,7 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     from proofline.controller import publish as do_publish
     from proofline.errors import BrokerUnavailable, MalformedEnvelope
     from proofline.keys import check_process_keys
+    from proofline.telemetry import tracing
     from worker.tasks import app
 
     target, arguments = json_value("--target", target_json), json_value("--args", args_json)
@@ -37,12 +38,18 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"])
         raise MalformedEnvelope(f"the envelope is not valid: {where}: {first['msg']}") from None
-    with connect("controller") as conn:
-        try:
-            result = do_publish(s, conn, app, envelope)
-        except OperationalError as exc:
-            raise BrokerUnavailable(f"{action_id} is recorded as published but the broker is unreachable ({exc}); "
-                                    "the reconciler sends it once the broker is back", action_id=action_id) from None
+    # The action's trace starts here when OTEL_TRACES_EXPORTER names an exporter (nothing otherwise):
+    # the controller's span, its statements, and the context the message carries to the worker.
+    tracing.setup("proofline-controller", s.environment, s.release)
+    try:
+        with connect("controller") as conn:
+            try:
+                result = do_publish(s, conn, app, envelope)
+            except OperationalError as exc:
+                raise BrokerUnavailable(f"{action_id} is recorded as published but the broker is unreachable ({exc}); "
+                                        "the reconciler sends it once the broker is back", action_id=action_id) from None
+    finally:
+        tracing.shutdown()  # exports the spans before the process exits
     emit(result, f"published {result['action_id']} (task {result['task_id']})" if not result["republished"]
          else f"{result['action_id']} was already published with these arguments: sent again (task {result['task_id']})")
 

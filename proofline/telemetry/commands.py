@@ -24,7 +24,7 @@ def exporter(port: int, host: str) -> None:
     settings = get_settings()
     url = reveal(settings.reader_database_url or settings.database_url)
     queues = [*role_queues("all", settings.tenant_shards).split(","), "checkpoint"]
-    collector = LedgerCollector(url, reveal(settings.broker_url), queues)
+    collector = LedgerCollector(url, reveal(settings.broker_url), queues, settings.metric_tenants)
     server, thread = serve_registry(port, host, collector)
     click.echo(f"proofline exporter: serving http://{host}:{port}/metrics", err=True)
     stop = threading.Event()

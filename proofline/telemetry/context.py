@@ -30,7 +30,7 @@ def bind(action_id: str, *, run_id: str | None = None, tenant: str | None = None
 
     _current.set(ActionContext(action_id, run_id, tenant, action_type, stage))
     if action_type:
-        ACTIONS.remember(action_id, action_type, irreversible)
+        ACTIONS.remember(action_id, action_type, irreversible, tenant)
 
 
 def stage(name: str) -> None:

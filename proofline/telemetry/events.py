@@ -6,7 +6,8 @@ SQL each label and condition gives (``proofline/telemetry/ledger_metrics.py``). 
 whenever every write went through an observed worker since it started.
 
 Labels are low-cardinality by construction: a value is kept only if it is a short identifier
-(``reason:detail`` keeps the part before the colon), anything else becomes ``other``.
+(``reason:detail`` keeps the part before the colon), anything else becomes ``other``; a tenant is
+named only if the configuration names it (``PROOFLINE_TELEMETRY_TENANTS``), else ``other``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,21 @@ def bounded(value: Any) -> str:
         return "none"
     text = str(value).split(":", 1)[0] if isinstance(value, str) else str(value).lower()
     return text if _IDENT.match(text) else "other"
+
+
+def tenant_label(tenant: Any, named: frozenset[str]) -> str:
+    """A tenant's label value: its name if ``PROOFLINE_TELEMETRY_TENANTS`` names it (and it is a
+    short identifier), ``none`` when there is no action (refusals of messages that named none),
+    ``other`` for every other tenant, so the label stays bounded by configuration."""
+    if tenant is None:
+        return "none"
+    return tenant if tenant in named and _IDENT.match(str(tenant)) else "other"
+
+
+def tenant_sql(column: str) -> str:
+    """The SQL form of :func:`tenant_label` (the named tenants are the ``%(tenants)s`` parameter)."""
+    return (f"CASE WHEN {column} IS NULL THEN 'none' WHEN {column} = ANY(%(tenants)s) "
+            f"AND {column} ~ '^[A-Za-z0-9_.\\-]{{1,48}}$' THEN {column} ELSE 'other' END")
 
 
 def _at(value: Any, path: tuple[str | int, ...]) -> Any:
@@ -97,8 +113,8 @@ class Mentions:
 
 @dataclass(frozen=True)
 class EventCounter:
-    """``proofline_<name>_total``: the events named, labelled by action type (``none`` for chains
-    that are not actions) and ``labels``, counted when every condition in ``when`` holds."""
+    """``proofline_<name>_total``: the events named, labelled by action type and tenant (``none``
+    for chains that are not actions) and ``labels``, counted when every condition in ``when`` holds."""
 
     name: str
     doc: str
@@ -110,7 +126,7 @@ class EventCounter:
 
     @property
     def label_names(self) -> tuple[str, ...]:
-        return ("action_type", *(["irreversible"] if self.irreversible else []), *(p.name for p in self.labels))
+        return ("action_type", "tenant", *(["irreversible"] if self.irreversible else []), *(p.name for p in self.labels))
 
     def matches(self, event: str, evidence: dict[str, Any]) -> bool:
         return event in self.events and all(c.holds(evidence) for c in self.when)

@@ -19,7 +19,7 @@ import psycopg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from psycopg.rows import dict_row
 
-from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded_sql
+from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded_sql, tenant_sql
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ _READABLE_BROKERS = ("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://"
 
 
 def _counter_sql(counter: EventCounter) -> str:
-    labels = [bounded_sql("e.action_type")]
+    labels = [bounded_sql("e.action_type"), tenant_sql("e.tenant")]
     if counter.irreversible:
         labels.append("CASE WHEN e.irreversible = 'true' THEN 'true' ELSE 'false' END")
     labels += [p.sql() for p in counter.labels]
@@ -47,23 +47,29 @@ def _counter_sql(counter: EventCounter) -> str:
 
 #: One statement, one scan of the counted events: every counter's totals by label set.
 COUNTERS_SQL = (
-    "WITH ev AS MATERIALIZED (SELECT l.event, l.evidence, a.action_type, a.envelope->>'irreversible' AS irreversible "
+    "WITH ev AS MATERIALIZED (SELECT l.event, l.evidence, a.action_type, a.tenant, "
+    "a.envelope->>'irreversible' AS irreversible "
     "FROM ledger_events l LEFT JOIN actions a ON a.action_id = l.action_id WHERE l.event = ANY(%(events)s))\n"
     + "\nUNION ALL\n".join(_counter_sql(c) for c in COUNTERS)
 )
 
-ACTIONS_SQL = """SELECT action_type, status::text AS status, coalesce(outcome::text, 'none') AS outcome, count(*) AS n
-FROM actions GROUP BY 1, 2, 3"""
+ACTIONS_SQL = f"""SELECT action_type, {tenant_sql("tenant")} AS tenant, status::text AS status,
+  coalesce(outcome::text, 'none') AS outcome, count(*) AS n
+FROM actions GROUP BY 1, 2, 3, 4"""
 
 OPEN_SQL = """SELECT status::text AS status, extract(epoch FROM clock_timestamp() - min(updated_at)) AS age
 FROM actions WHERE status::text = ANY(%(open)s) GROUP BY 1"""
 
-GAUGES_SQL = """SELECT
-  (SELECT count(*) FROM actions WHERE status = 'escalated' AND envelope->>'irreversible' = 'true') AS review_irreversible,
-  (SELECT count(*) FROM actions WHERE status = 'escalated') AS review_all,
-  (SELECT count(*) FROM actions WHERE outcome = 'unknown_outcome' AND status NOT IN ('closed', 'cancelled'))
-    AS unknown_open,
-  (SELECT count(*) FROM leases WHERE released_at IS NULL AND expires_at < clock_timestamp()) AS leases_expired"""
+#: Open actions needing attention, by tenant: escalated (irreversible or not), outcome unknown.
+ATTENTION_SQL = f"""SELECT {tenant_sql("tenant")} AS tenant,
+  count(*) FILTER (WHERE status = 'escalated' AND envelope->>'irreversible' = 'true') AS review_irreversible,
+  count(*) FILTER (WHERE status = 'escalated') AS review_all,
+  count(*) FILTER (WHERE outcome = 'unknown_outcome' AND status NOT IN ('closed', 'cancelled')) AS unknown_open
+FROM actions WHERE status = 'escalated' OR (outcome = 'unknown_outcome' AND status NOT IN ('closed', 'cancelled'))
+GROUP BY 1"""
+
+LEASES_SQL = """SELECT count(*) AS leases_expired FROM leases
+WHERE released_at IS NULL AND expires_at < clock_timestamp()"""
 
 CANCEL_SQL = """SELECT extract(epoch FROM updated_at - cancel_requested_at) AS seconds FROM actions
 WHERE cancel_requested_at IS NOT NULL AND status IN ('cancelled', 'closed', 'escalated')"""
@@ -72,8 +78,11 @@ WHERE cancel_requested_at IS NOT NULL AND status IN ('cancelled', 'closed', 'esc
 class LedgerCollector:
     """A prometheus_client collector reading the ledger (as a read-only role) at each scrape."""
 
-    def __init__(self, database_url: str, broker_url: str | None = None, queues: list[str] | None = None) -> None:
+    def __init__(self, database_url: str, broker_url: str | None = None, queues: list[str] | None = None,
+                 tenants: frozenset[str] = frozenset()) -> None:
         self.database_url = database_url
+        #: The tenants labelled by name (``PROOFLINE_TELEMETRY_TENANTS``); the others are "other".
+        self.tenants = sorted(tenants)
         self.broker_url = broker_url if broker_url and broker_url.startswith(_READABLE_BROKERS) else None
         self.queues = queues or []
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
@@ -101,14 +110,16 @@ class LedgerCollector:
     def _ledger_families(self) -> Iterator[Any]:
         conn = self._connection()
         with conn.cursor() as cur:
-            cur.execute(COUNTERS_SQL, {"events": sorted(COUNTED_EVENTS)})
+            cur.execute(COUNTERS_SQL, {"events": sorted(COUNTED_EVENTS), "tenants": self.tenants})
             totals = list(cur.fetchall())
-            cur.execute(ACTIONS_SQL)
+            cur.execute(ACTIONS_SQL, {"tenants": self.tenants})
             actions = list(cur.fetchall())
             cur.execute(OPEN_SQL, {"open": list(OPEN_STATUSES)})
             ages = {r["status"]: float(r["age"]) for r in cur.fetchall()}
-            cur.execute(GAUGES_SQL)
-            gauges = cur.fetchone()
+            cur.execute(ATTENTION_SQL, {"tenants": self.tenants})
+            attention = list(cur.fetchall())
+            cur.execute(LEASES_SQL)
+            leases = cur.fetchone()
             cur.execute(CANCEL_SQL)
             cancels = [float(r["seconds"]) for r in cur.fetchall()]
         for counter in COUNTERS:
@@ -118,10 +129,10 @@ class LedgerCollector:
                 if row["counter"] == counter.name:
                     family.add_metric(list(row["labels"]), float(row["n"]))
             yield family
-        by_status = GaugeMetricFamily("proofline_ledger_actions", "Actions by type, status and outcome",
-                                      labels=["action_type", "status", "outcome"])
+        by_status = GaugeMetricFamily("proofline_ledger_actions", "Actions by type, tenant, status and outcome",
+                                      labels=["action_type", "tenant", "status", "outcome"])
         for row in actions:
-            by_status.add_metric([row["action_type"], row["status"], row["outcome"]], float(row["n"]))
+            by_status.add_metric([row["action_type"], row["tenant"], row["status"], row["outcome"]], float(row["n"]))
         yield by_status
         oldest = GaugeMetricFamily("proofline_ledger_oldest_seconds", "Age of the oldest action in each open "
                                    "status since its last change (0 when none)", labels=["status"])
@@ -129,14 +140,20 @@ class LedgerCollector:
             oldest.add_metric([status], ages.get(status, 0.0))
         yield oldest
         review = GaugeMetricFamily("proofline_ledger_awaiting_review", "Escalated actions waiting for an operator",
-                                   labels=["irreversible"])
-        review.add_metric(["true"], float(gauges["review_irreversible"]))
-        review.add_metric(["false"], float(gauges["review_all"] - gauges["review_irreversible"]))
+                                   labels=["irreversible", "tenant"])
+        unknown = GaugeMetricFamily("proofline_ledger_unknown_outcome_open", "Actions whose outcome is unknown and "
+                                    "not yet settled", labels=["tenant"])
+        # Zero series are exported for every tenant (a rule comparing with 0 sees the 0, not nothing).
+        counts = {t: (0, 0, 0) for t in [*self.tenants, "other"]}
+        counts.update({r["tenant"]: (r["review_irreversible"], r["review_all"], r["unknown_open"]) for r in attention})
+        for tenant, (irreversible, every, open_) in counts.items():
+            review.add_metric(["true", tenant], float(irreversible))
+            review.add_metric(["false", tenant], float(every - irreversible))
+            unknown.add_metric([tenant], float(open_))
         yield review
-        yield GaugeMetricFamily("proofline_ledger_unknown_outcome_open", "Actions whose outcome is unknown and "
-                                "not yet settled", value=float(gauges["unknown_open"]))
+        yield unknown
         yield GaugeMetricFamily("proofline_ledger_leases_expired", "Leases past their expiry and not released",
-                                value=float(gauges["leases_expired"]))
+                                value=float(leases["leases_expired"]))
         yield _histogram("proofline_ledger_cancellation_containment_seconds", "From a cancellation request to a "
                          "known final state", cancels, CANCEL_BUCKETS)
 

@@ -16,22 +16,12 @@ from typing import Any
 
 from celery import current_task as _current_task
 
-from proofline.telemetry import context
+from proofline.telemetry import context, tracing
 
 #: The fields that name the action a line is about, in the order they are written.
 ACTION_FIELDS = ("action_id", "run_id", "tenant", "stage", "trace_id")
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "color"}
 TEXT_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
-
-
-def current_trace_id() -> str | None:
-    """The trace id of the active span (32 hex digits), None without one or without OpenTelemetry."""
-    try:
-        from opentelemetry import trace
-    except ImportError:
-        return None
-    ctx = trace.get_current_span().get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
 def current_task() -> Any:
@@ -53,7 +43,7 @@ class ActionFields(logging.Filter):
         if task is not None and getattr(record, "task_id", None) is None:
             record.task, record.task_id = task.name, task.request.id
         if getattr(record, "trace_id", None) is None:
-            trace_id = current_trace_id()
+            trace_id = tracing.trace_id()  # one flag test when tracing is off
             if trace_id is not None:
                 record.trace_id = trace_id
         return True

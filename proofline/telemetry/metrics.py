@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded
+from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded, tenant_label
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +45,30 @@ RECONCILER_LAST_SWEEP = Gauge(PREFIX + "reconciler_last_sweep_timestamp_seconds"
 
 
 class ActionInfo:
-    """What the counters' labels need about an action, cached per process (bounded)."""
+    """What the counters' labels need about an action (type, tenant, irreversible), cached per
+    process (bounded)."""
 
     LIMIT = 20_000
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[str, str]] = {}
+        self._known: dict[str, tuple[str, str, str]] = {}
+        self._tenants: frozenset[str] | None = None
 
-    def remember(self, action_id: str, action_type: str, irreversible: Any) -> None:
+    def tenant(self, tenant: Any) -> str:
+        if self._tenants is None:
+            from proofline.settings import get_settings
+
+            self._tenants = get_settings().metric_tenants
+        return tenant_label(tenant, self._tenants)
+
+    def remember(self, action_id: str, action_type: str, irreversible: Any, tenant: Any) -> None:
         if len(self._known) >= self.LIMIT:
             self._known.clear()
-        self._known[action_id] = (bounded(action_type), "true" if str(irreversible).lower() == "true" else "false")
+        self._known[action_id] = (bounded(action_type), self.tenant(tenant),
+                                  "true" if str(irreversible).lower() == "true" else "false")
 
-    def get(self, action_id: str) -> tuple[str, str]:
-        return self._known.get(action_id, ("none", "false"))
+    def get(self, action_id: str) -> tuple[str, str, str]:
+        return self._known.get(action_id, ("none", "none", "false"))
 
     def missing(self, action_ids: set[str]) -> list[str]:
         return sorted(a for a in action_ids if a not in self._known)
@@ -78,20 +88,20 @@ class LedgerEventMetrics:
         if missing:
             # Labels for actions this process has not seen (re-drives, children): one read, same
             # transaction. Chains that are not actions (refusals) stay "none".
-            cur.execute("SELECT action_id, action_type, envelope->>'irreversible' AS irreversible FROM actions "
-                        "WHERE action_id = ANY(%s)", (missing,))
+            cur.execute("SELECT action_id, action_type, tenant, envelope->>'irreversible' AS irreversible "
+                        "FROM actions WHERE action_id = ANY(%s)", (missing,))
             for row in cur.fetchall():
-                ACTIONS.remember(row["action_id"], row["action_type"], row["irreversible"])
+                ACTIONS.remember(row["action_id"], row["action_type"], row["irreversible"], row["tenant"])
         return counted
 
     def committed(self, counted: list[Any]) -> None:
         try:
             for item in counted:
-                action_type, irreversible = ACTIONS.get(item.action_id)
+                action_type, tenant, irreversible = ACTIONS.get(item.action_id)
                 for counter in _BY_EVENT[item.event]:
                     if not counter.matches(item.event, item.evidence):
                         continue
-                    values = [action_type, *([irreversible] if counter.irreversible else []),
+                    values = [action_type, tenant, *([irreversible] if counter.irreversible else []),
                               *(p.read(item.event, item.evidence) for p in counter.labels)]
                     EVENT_COUNTERS[counter.name].labels(*values).inc()
         except Exception:  # noqa: BLE001 - metrics never fail the write they describe

@@ -13,15 +13,16 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 
-def span_record(span: ReadableSpan) -> dict[str, Any]:
+def span_record(span: ReadableSpan, pid: int | None = None) -> dict[str, Any]:
     ctx = span.get_span_context()
+    parent = span.parent
     return {
-        "name": span.name, "trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x"),
-        "parent_id": format(span.parent.span_id, "016x") if span.parent else None,
+        "name": span.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{parent.span_id:016x}" if parent else None,
         "kind": span.kind.name, "start": span.start_time, "end": span.end_time,
-        "status": span.status.status_code.name, "attributes": dict(span.attributes or {}),
-        "events": [{"name": e.name, "attributes": dict(e.attributes or {})} for e in span.events],
-        "service": (span.resource.attributes or {}).get("service.name"), "pid": os.getpid(),
+        "status": span.status.status_code.name, "attributes": dict(span.attributes or ()),
+        "events": [{"name": e.name, "attributes": dict(e.attributes or ())} for e in span.events],
+        "service": (span.resource.attributes or {}).get("service.name"), "pid": pid or os.getpid(),
     }
 
 
@@ -41,7 +42,8 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         out = self._file()
-        out.write("".join(json.dumps(span_record(span), default=str) + "\n" for span in spans))
+        pid = self._pid
+        out.write("".join(json.dumps(span_record(span, pid), default=str) + "\n" for span in spans))
         out.flush()  # a reader (or a crash) sees every finished span
         return SpanExportResult.SUCCESS
 

@@ -26,7 +26,12 @@ ALLOWED = frozenset({
     "proofline.error_category", "proofline.verification_finding", "proofline.stage", "proofline.attempt",
 })
 _NULL = nullcontext()
-_state: dict[str, Any] = {"enabled": False, "provider": None, "celery": None}
+_state: dict[str, Any] = {"enabled": False, "provider": None, "tracer": None, "instrumentors": []}
+#: The client libraries instrumented when tracing is on (names as ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``
+#: spells them): a span per statement (its text, never its parameters) and per HTTP request to a
+#: tool server (the MCP SDK's client is httpx2; the request carries ``traceparent`` as a header
+#: too). Each is a child of the stage it ran in.
+CLIENTS = ("psycopg", "httpx")
 
 
 def configured() -> list[str]:
@@ -43,11 +48,11 @@ def enabled() -> bool:
 
 def setup(service_name: str, environment: str, release: str | None = None, *, celery: bool = True) -> bool:
     """Start tracing in this process when configured (idempotent); instrument Celery publishing and
-    task runs. Returns whether tracing is on."""
+    task runs, Postgres statements and HTTP requests (:data:`CLIENTS`, less those
+    ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names). Returns whether tracing is on."""
     names = configured()
     if not names or _state["enabled"]:
         return _state["enabled"]
-    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -56,18 +61,38 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
     for name in names:
         provider.add_span_processor(_processor(name))
-    trace.set_tracer_provider(provider)
-    _state.update(enabled=True, provider=provider)
+    # Proofline's spans and the instrumentations use this provider directly; it is not made the
+    # global one, so libraries tracing on their own (the MCP SDK's "MCP send <method>" spans, one
+    # per request, each a repeat of the stage span it sits in) record nothing: a sixth of an
+    # action's spans, for no information the stages and HTTP spans do not carry.
+    _state.update(enabled=True, provider=provider, tracer=provider.get_tracer("proofline"))
     from proofline.telemetry import observe  # the app level: the ledger records the trace id on every event
 
     observe.install_annotator(_ids)
-    if celery:
+    disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
+    for name in ("celery", *CLIENTS) if celery else CLIENTS:
+        if name not in disabled:
+            instrumentor = _instrumentor(name)
+            instrumentor.instrument(tracer_provider=provider)
+            _state["instrumentors"].append(instrumentor)
+    return True
+
+
+def _instrumentor(name: str) -> Any:
+    if name == "celery":
         from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
-        instrumentor = CeleryInstrumentor()
-        instrumentor.instrument(tracer_provider=provider)
-        _state["celery"] = instrumentor
-    return True
+        return CeleryInstrumentor()
+    if name == "psycopg":
+        from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+
+        # Statement text only: capture_parameters and the SQL commenter stay off (their defaults).
+        return PsycopgInstrumentor()
+    from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor
+
+    # The request's method, URL (credentials redacted) and status; no header or body is captured
+    # unless OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_* names one.
+    return HTTPX2ClientInstrumentor()
 
 
 def _processor(name: str) -> Any:
@@ -92,11 +117,17 @@ def shutdown() -> None:
     from proofline.telemetry import observe
 
     observe.install_annotator(None)
-    if _state["celery"] is not None:
-        _state["celery"].uninstrument()
+    for instrumentor in _state["instrumentors"]:
+        instrumentor.uninstrument()
     if _state["provider"] is not None:
         _state["provider"].shutdown()
-    _state.update(enabled=False, provider=None, celery=None)
+    _state.update(enabled=False, provider=None, tracer=None, instrumentors=[])
+
+
+def flush() -> None:
+    """Export every finished span now (a controller about to exit or wait)."""
+    if _state["provider"] is not None:
+        _state["provider"].force_flush()
 
 
 def release_name(configured: str | None) -> str:
@@ -121,10 +152,28 @@ def span(name: str, **attributes: Any) -> Any:
 
 @contextmanager
 def _span(name: str, attributes: dict[str, Any]) -> Iterator[Any]:
+    with _state["tracer"].start_as_current_span(name, attributes=clean(attributes)) as current:
+        yield current
+
+
+def started(name: str, **attributes: Any) -> Any:
+    """A span started but not current (None when tracing is off): make it current with
+    :func:`current` as often as needed, then :func:`end` it."""
+    return _state["tracer"].start_span(name, attributes=clean(attributes)) if _state["enabled"] else None
+
+
+def current(started_span: Any) -> Any:
+    """A context in which ``started_span`` is the current span (without ending it on exit)."""
+    if started_span is None or not _state["enabled"]:
+        return _NULL
     from opentelemetry import trace
 
-    with trace.get_tracer("proofline").start_as_current_span(name, attributes=clean(attributes)) as current:
-        yield current
+    return trace.use_span(started_span, end_on_exit=False)
+
+
+def end(started_span: Any) -> None:
+    if started_span is not None:
+        started_span.end()
 
 
 def about(envelope: Any) -> dict[str, Any]:
@@ -181,7 +230,7 @@ def _resumed(tid: int, sid: int, name: str, attributes: dict[str, Any]) -> Itera
 
     parent = trace.SpanContext(tid, sid, is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
     sweep = trace.get_current_span().get_span_context()
-    with trace.get_tracer("proofline").start_as_current_span(
+    with _state["tracer"].start_as_current_span(
             name, context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
             links=[trace.Link(sweep)] if sweep.is_valid else None, attributes=clean(attributes)) as current:
         yield current
@@ -229,7 +278,7 @@ class Stages:
         self.close()
         from opentelemetry import context, trace
 
-        self._span = trace.get_tracer("proofline").start_span(
+        self._span = _state["tracer"].start_span(
             name, attributes={**self.attributes, **clean(attributes), "proofline.stage": name.rsplit(".", 1)[-1]})
         self._token = context.attach(trace.set_span_in_context(self._span))
 

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import Stack, build_stack, free_port, start_workers, teardown_stack
 from tests.security.test_secrets import SentryReceiver
 
+#: The tenant the metrics label by name (the mixed batch's); others are "other".
+NAMED_TENANT = "acme"
 #: The release the workers report to Sentry.
 RELEASE = f"proofline@telemetry-{os.getpid()}"
 
@@ -39,6 +41,8 @@ def sentry_receiver() -> Iterator[SentryReceiver]:
 @pytest.fixture(scope="package")
 def observed(tmp_path_factory: pytest.TempPathFactory, sentry_receiver: SentryReceiver) -> Iterator[Observed]:
     stack = build_stack("stdio", tmp_path_factory.mktemp("observed"))
+    # Metrics name this tenant; every other one is counted as tenant="other".
+    stack.env["PROOFLINE_TELEMETRY_TENANTS"] = NAMED_TENANT
     ports = [free_port(), free_port()]
     traces = stack.workdir / "traces"
     try:

@@ -5,12 +5,13 @@ and as a plain count of the ledger's events."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 
 from proofline.telemetry.events import COUNTERS
 from tests.conftest import wait_for
-from tests.telemetry.conftest import Observed
+from tests.telemetry.conftest import NAMED_TENANT, Observed
 from tests.telemetry.helpers import families, mixed_batch, scrape, start_exporter
 from tests.telemetry.test_alerts import alert_series
 from tests.telemetry.test_dashboard import dashboard_series
@@ -37,7 +38,12 @@ def summed(per_worker: list[Samples]) -> dict[str, dict[tuple[tuple[str, str], .
 def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed) -> None:
     stack, ports = observed.stack, observed.ports
     _, exporter_port = start_exporter(stack)
+    unnamed = f"beta-{os.getpid()}"  # a tenant the configuration does not name
+    elsewhere = stack.envelope("ticket.create", tenant=unnamed, target={"type": "ticket_queue", "id": "beta-ops"},
+                               arguments={"tenant": unnamed, "title": f"t-{os.getpid()}", "owner": "ops"})
+    stack.publish(elsewhere)
     mixed_batch(stack)
+    stack.wait_settled(elsewhere.action_id)
 
     def agree() -> tuple[dict, dict] | None:
         workers = summed([scrape(port) for port in ports])
@@ -64,6 +70,18 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed
     assert total("verifications", finding="expected") >= 3
     assert total("recovery_actions", kind="compensation") == 1
     assert total("compensations", result="compensated") == 1
+    # Tenants: the named one by name, the unnamed one as "other", never by its own name; the
+    # same on the exporter's gauges.
+    assert total("actions_started", tenant=NAMED_TENANT) >= 4
+    assert total("actions_started", tenant="other") == 1
+    assert total("verifications", tenant="other", finding="expected") == 1
+    gauges = scrape(exporter_port)
+    seen = {dict(k).get("tenant") for name in ledger for k in ledger[name]}
+    seen |= {dict(k)["tenant"] for name in ("proofline_ledger_actions", "proofline_ledger_awaiting_review",
+                                            "proofline_ledger_unknown_outcome_open") for k in gauges[name]}
+    assert unnamed not in seen and seen <= {NAMED_TENANT, "other", "none"}, seen
+    assert gauges["proofline_ledger_actions"][(("action_type", "ticket.create"), ("outcome", "completed_verified"),
+                                              ("status", "closed"), ("tenant", "other"))] == 1
     # Every series the alert rules read is exported by a worker or the exporter.
     exported = families(exporter_port).union(*(families(p) for p in ports))
     assert alert_series() <= exported, alert_series() - exported

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,9 +50,9 @@ def traced(observed: Observed) -> Iterator[Observed]:
                 os.environ[key] = value
 
 
-def spans(observed: Observed) -> list[Span]:
+def spans(directory: Path) -> list[Span]:
     out = []
-    for path in sorted(observed.traces.glob("spans-*.jsonl")):
+    for path in sorted(directory.glob("spans-*.jsonl")):
         out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return out
 
@@ -68,9 +69,14 @@ def one_trace(stack: Stack, *action_ids: str) -> str:
 
 
 def trace_spans(observed: Observed, trace_id: str, *needed: str) -> list[Span]:
+    return spans_in(observed.traces, trace_id, *needed)
+
+
+def spans_in(directory: Path, trace_id: str, *needed: str) -> list[Span]:
+    """The spans of one trace once every parent and the ``needed`` names have been written."""
     def ready() -> list[Span]:
         # A span is written when it ends: a task's span after the spans of the tasks it published.
-        mine = [s for s in spans(observed) if s["trace_id"] == trace_id]
+        mine = [s for s in spans(directory) if s["trace_id"] == trace_id]
         ids = {s["span_id"] for s in mine}
         complete = all(s["parent_id"] is None or s["parent_id"] in ids for s in mine)
         return mine if complete and set(needed) <= {s["name"] for s in mine} else []
