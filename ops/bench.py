@@ -79,8 +79,12 @@ from psycopg.rows import dict_row
 from ledger import store
 from ops import baseline_tasks
 from ops.pgwire import CountingProxy, Counts, per_role_delta
+from proofline.contracts import contract_for
+from proofline.controller import describe_server, publish_many
 from proofline.settings import ROOT, Settings, get_settings
 from proofline.shards import sharded_queues
+from proofline_kit.witness import WitnessLog
+from proofline_kit.witness.placement import witness_stdio_servers
 from tests.conftest import (
     ADMIN_URL,
     REDIS_URL,
@@ -92,7 +96,10 @@ from tests.conftest import (
     teardown_stack,
     wait_for,
 )
+from worker.dispatch import CeleryDispatch
 
+DEFAULT_ARGUMENTS = {"tenant": "acme", "title": "bench {label} {i}", "owner": "ops"}
+DEFAULT_TARGET = {"type": "ticket_queue", "id": "acme-{queue}"}
 TARGET_COMMITS = 3.0
 TARGET_RATIO = 0.5
 #: Postgres 15 holds an idle backend's pending statistics for up to PGSTAT_IDLE_INTERVAL (10 s).
@@ -131,6 +138,31 @@ def percentile(values: list[float], p: float) -> float | None:
     k = (len(ordered) - 1) * p / 100
     lo, hi = math.floor(k), math.ceil(k)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def filled(template: Any, values: dict[str, str]) -> Any:
+    """``template`` (JSON) with ``{i}``, ``{run}``, ``{label}`` and ``{queue}`` in its strings filled in."""
+    if isinstance(template, str):
+        for name, value in values.items():
+            template = template.replace("{" + name + "}", value)
+        return template
+    if isinstance(template, dict):
+        return {k: filled(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [filled(v, values) for v in template]
+    return template
+
+
+def mcp_requests(witness: WitnessLog | None, mark: int, n: int) -> dict[str, Any]:
+    """MCP requests the servers received since ``mark``, per action, as the witness relays counted
+    them on the wire (every ``tools/call``, ``tools/list`` and other request); None without relays."""
+    if witness is None or not witness.path.exists():
+        return {"per_action": None, "tools_list_per_action": None, "by_method": {}}
+    by_method: dict[str, int] = {"tools/call": witness.count(since=mark)}
+    for record in witness.requests(since=mark):
+        by_method[record["method"]] = by_method.get(record["method"], 0) + 1
+    return {"per_action": per(sum(by_method.values()), n), "tools_list_per_action": per(by_method.get("tools/list", 0), n),
+            "by_method": by_method}
 
 
 def per(value: float | None, n: int) -> float | None:
@@ -249,6 +281,7 @@ class Bench:
     baseline_proc: Any = None
     proxy: CountingProxy | None = None
     results: dict[str, Any] = field(default_factory=dict)
+    approved_live: tuple[str | None, dict[str, str]] | None = None
 
     # --- database probes -----------------------------------------------------------------------
     def pg_stats(self) -> dict[str, int]:
@@ -327,20 +360,30 @@ class Bench:
             time.sleep(0.01)
 
     # --- full path ------------------------------------------------------------------------------
+    def live(self) -> tuple[str | None, dict[str, str]]:
+        """The live server version and tool hashes the controller approves against (listed once)."""
+        if self.approved_live is None:
+            server = contract_for(self.stack.settings.contracts_dir, self.args.action_type).server
+            self.approved_live = describe_server(self.stack.settings, server)
+        return self.approved_live
+
     def envelopes(self, count: int, label: str) -> list[Any]:
         run = uuid.uuid4().hex[:8]
         out = []
         for i in range(count):
-            target = f"acme-{label}-{run}-{i}" if self.args.targets <= 0 else f"acme-q{i % self.args.targets}"
+            queue = f"{label}-{run}-{i}" if self.args.targets <= 0 else f"q{i % self.args.targets}"
+            fill = {"i": str(i), "run": run, "label": label, "queue": queue}
             out.append(self.stack.envelope(
-                "ticket.create", arguments={"tenant": "acme", "title": f"bench {label} {i}", "owner": "ops"},
-                target={"type": "ticket_queue", "id": target}))
+                self.args.action_type, arguments=filled(self.args.arguments, fill),
+                target=filled(self.args.target, fill), tenant=self.args.tenant, live=self.live()))
         return out
 
     def publish_all(self, envelopes: list[Any]) -> tuple[float, float]:
+        """Publish through the SDK's batched path: one ledger transaction per ``--batch`` envelopes."""
         started = time.monotonic()
-        for envelope in envelopes:
-            self.stack.publish(envelope)
+        dispatch = CeleryDispatch(self.stack.app, self.stack.settings.tenant_shards)
+        for at in range(0, len(envelopes), self.args.batch):
+            publish_many(self.stack.settings, self.stack.conn, dispatch, envelopes[at:at + self.args.batch])
         return started, time.monotonic()
 
     def warm_full(self, probe: psycopg.Connection, worker: Any) -> None:
@@ -374,11 +417,13 @@ class Bench:
         stats0, xid0, probes0 = self.pg_stats(), self.xid_horizon(), self.probe_queries
         maintenance0 = self.maintenance_runs(probe)
         self.probe_queries += 1  # that read is a transaction in the window too
+        mark = stack.witness.mark() if stack.witness else 0
         cpu0, busy0 = groups.sample(), machine_busy_seconds()
-        log(f"full path: publishing {n} ticket.create actions")
+        log(f"full path: publishing {n} {args.action_type} actions")
         t_pub0, t_pub1 = self.publish_all(envs)
         t_done = self.wait_full_path(ids, probe, timeout=60 + n * 0.5, worker=worker)
         cpu1, busy1 = groups.sample(), machine_busy_seconds()
+        mcp = mcp_requests(stack.witness, mark, n)
         probes = self.probe_queries - probes0
         xid1 = self.xid_horizon()
         # Stop everything that talks to the bench database so its counters are flushed (on exit).
@@ -461,9 +506,9 @@ class Bench:
             "bench_probe_queries": probes,
             "autovacuum_runs_in_window": maintenance,
             "commits_per_action": per(db_commits, n),
-            # Stack.publish runs one transaction per action (the accounting pass counts it on the wire).
-            "controller_commits_per_action": 1.0,
-            "worker_commits_per_action": per(db_commits - n, n),
+            # publish_many runs one transaction per batch (the accounting pass counts it on the wire).
+            "controller_commits_per_action": per(math.ceil(n / args.batch), n),
+            "worker_commits_per_action": per(db_commits - math.ceil(n / args.batch), n),
             "write_txns_per_action_ledger_xmin": per(xmins["all_txns"], n),
             "worker_write_txns_per_action_ledger_xmin": per(xmins["worker_txns"], n),
             "write_txns_per_action_cluster_xids": per(xid1 - xid0, n),
@@ -473,10 +518,13 @@ class Bench:
             "lease_held_ms_p50": leases["held_ms_p50"],
             "stage_medians_ms": dict(stages),
             "tool_call_ms": {"p50": calls["p50"], "p99": calls["p99"]},
+            "mcp": mcp,
         }
 
     # --- baseline -------------------------------------------------------------------------------
-    def run_baseline(self, broker: str) -> dict[str, Any]:
+    def run_baseline(self, broker: str, same_calls: bool) -> dict[str, Any]:
+        """One bare baseline: ``same_calls`` makes the runtime's three MCP requests per action (from
+        the contract), else the first baseline's two ``ticket.create`` calls."""
         args, stack = self.args, self.stack
         n = args.actions
         client = redis.Redis.from_url(broker)
@@ -491,8 +539,14 @@ class Bench:
         app = Celery("proofline-bench-baseline-client", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         run = uuid.uuid4().hex[:8]
+        docs = {label: [e.model_dump(mode="json") for e in self.envelopes(count, f"bare{label}")] if same_calls else []
+                for label, count in (("warm", args.warmup), ("run", n))}
 
         def send(i: int, label: str) -> None:
+            if same_calls:
+                app.send_task(baseline_tasks.SAME_CALLS_TASK, queue=baseline_tasks.QUEUE,
+                              args=[i, args.action_type, docs[label][i], time.time()])
+                return
             app.send_task(baseline_tasks.TASK, queue=baseline_tasks.QUEUE, args=[
                 i, f"bare-{run}-{label}-{i}", {"tenant": "acme", "title": f"bare {label} {i}", "owner": "ops"},
                 time.time()])
@@ -514,7 +568,8 @@ class Bench:
                 "redis": lambda: [p for pid in redis_server_pids() for p in process_tree(pid)],
                 "bench": lambda: [psutil.Process()],
             })
-            log(f"baseline: publishing {n} bare tasks")
+            log(f"baseline ({'same calls' if same_calls else 'two calls'}): publishing {n} bare tasks")
+            mark = stack.witness.mark() if stack.witness else 0
             cpu0, busy0 = groups.sample(), machine_busy_seconds()
             t0_wall, t0 = time.time(), time.monotonic()
             for i in range(n):
@@ -522,6 +577,7 @@ class Bench:
             t_pub = time.monotonic()
             wait_done(n, 60 + n * 0.2)
             cpu1, busy1, t1 = groups.sample(), machine_busy_seconds(), time.monotonic()
+            mcp = mcp_requests(stack.witness, mark, n)
             log(f"baseline: {n} done in {t1 - t0:.1f}s")
         finally:
             stop_process(self.baseline_proc)
@@ -543,7 +599,44 @@ class Bench:
             "cpu_ms_per_action": {k: per(v, n) for k, v in cpu_ms.items()},
             "cpu_ms_per_action_all": per(sum(cpu_ms.values()), n),
             "foreign_load": foreign_load(busy0, busy1, sum(cpu_ms.values()), t1 - t0),
+            "mcp": mcp,
         }
+
+    # --- open loop ------------------------------------------------------------------------------
+    def run_open_loop(self, rate: float) -> dict[str, Any]:
+        """Publish ``--open-loop-actions`` actions one by one at ``rate`` per second (a fresh, warmed
+        worker), wait until all are settled, and read publish -> final state from the ledger."""
+        args, stack = self.args, self.stack
+        n = args.open_loop_actions
+        stack.conn = store.connect(stack.urls["controller"], application_name=CONTROLLER_APP)
+        worker = start_workers(stack, count=1, concurrency=args.concurrency, name="open")[0]
+        probe = self.connect_probe()
+        try:
+            self.warm_full(probe, worker)
+            envs = self.envelopes(n, "open")
+            log(f"open loop: {n} actions at {rate:.1f}/s")
+            started = time.monotonic()
+            late = 0.0
+            for k, envelope in enumerate(envs):
+                wait = started + k / rate - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    late = max(late, -wait)
+                self.publish_all([envelope])
+            self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + n * 0.5, worker=worker)
+            rows = probe.execute(
+                """SELECT extract(epoch FROM f.at - p.at)::float8 * 1000 AS ms
+                   FROM ledger_events p JOIN ledger_events f ON f.action_id = p.action_id AND f.event = 'final_state'
+                   WHERE p.event = 'published' AND p.action_id = ANY(%s)""", ([e.action_id for e in envs],)).fetchall()
+        finally:
+            probe.close()
+            stop_process(worker)
+        latencies = [r["ms"] for r in rows]
+        return {"actions": n, "settled": len(latencies), "rate_per_second": rate,
+                "publisher_most_behind_ms": late * 1000,
+                "latency_ms": {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
+                               "p99": percentile(latencies, 99), "max": max(latencies, default=None)}}
 
     # --- accounting pass --------------------------------------------------------------------------
     def run_accounting(self) -> dict[str, Any]:
@@ -598,6 +691,29 @@ class Bench:
 # --- report ----------------------------------------------------------------------------------------
 
 
+def summary(results: dict[str, Any], ratio_same: float | None) -> dict[str, Any]:
+    """The headline figures, flat, for ``--json`` readers."""
+    full = results.get("full") or {}
+    same = results.get("baseline_same_calls") or {}
+    acct = (results.get("accounting") or {}).get("per_role_per_action", {}).get("worker", {})
+    return {
+        "actions_per_s_full": full.get("actions_per_second"),
+        "actions_per_s_bare_same_calls": same.get("actions_per_second"),
+        "actions_per_s_bare_two_calls": (results.get("baseline") or {}).get("actions_per_second"),
+        "ratio_same_calls": ratio_same,
+        "ratio_two_calls": results.get("throughput_ratio_full_over_bare"),
+        "commits_per_action": full.get("commits_per_action"),
+        "worker_round_trips_per_action": acct.get("round_trips"),
+        "mcp_requests_per_action": (full.get("mcp") or {}).get("per_action"),
+        "mcp_requests_per_action_bare_same_calls": (same.get("mcp") or {}).get("per_action"),
+        "cpu_ms_per_action_all": full.get("cpu_ms_per_action_all"),
+        "cpu_ms_per_action_all_bare_same_calls": same.get("cpu_ms_per_action_all"),
+        "p50_ms_half_load": ((results.get("open_loop") or {}).get("latency_ms") or {}).get("p50"),
+        "p99_ms_half_load": ((results.get("open_loop") or {}).get("latency_ms") or {}).get("p99"),
+        "rate_half_load": (results.get("open_loop") or {}).get("rate_per_second"),
+    }
+
+
 def fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "n/a"
@@ -613,6 +729,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if full and bare and full["actions_per_second"] and bare["actions_per_second"]:
         ratio = full["actions_per_second"] / bare["actions_per_second"]
     results["throughput_ratio_full_over_bare"] = ratio
+    same = results.get("baseline_same_calls")
+    ratio_same = None
+    if full and same and full["actions_per_second"] and same["actions_per_second"]:
+        ratio_same = full["actions_per_second"] / same["actions_per_second"]
+    results.update(summary(results, ratio_same))
     role = (acct or {}).get("per_role_per_action", {})
     worker_wire = role.get("worker", {})
     total_wire = (acct or {}).get("total_per_action", {})
@@ -662,7 +783,22 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines[-1] += f"   worker {fmt(worker_wire.get('write_transactions'), 2)}"
     else:
         lines.append("  round trips/action: not measured (pg_stat_statements is not loaded; accounting pass disabled)")
-    lines.append(f"  {'throughput ratio full / bare':<54} {fmt(ratio, 2):>12}")
+    lines.append(f"  {'throughput ratio full / bare (two calls)':<54} {fmt(ratio, 2):>12}")
+    if same:
+        lines.append(f"  {'bare Celery, the same MCP requests as the runtime:':<54}")
+        lines.append(f"  {'  actions/s':<54} {fmt(same['actions_per_second']):>12}")
+        lines.append(f"  {'  CPU-ms per action, all':<54} {fmt(same['cpu_ms_per_action_all'], 2):>12}")
+        lines.append(f"  {'  MCP requests per action (witness)':<54} {fmt(same['mcp']['per_action'], 2):>12}")
+        lines.append(f"  {'throughput ratio full / bare (same calls)':<54} {fmt(ratio_same, 2):>12}")
+    if full:
+        lines.append(f"  {'MCP requests per action, full path (witness)':<54} {fmt(full['mcp']['per_action'], 2):>12}"
+                     f"   tools/list {fmt(full['mcp']['tools_list_per_action'], 2)}; by method {full['mcp']['by_method']}")
+    open_loop = results.get("open_loop")
+    if open_loop:
+        lat = open_loop["latency_ms"]
+        lines.append(f"  open loop at {open_loop['rate_per_second']:.1f}/s ({open_loop['settled']}/{open_loop['actions']} "
+                     f"settled): publish -> final p50 {fmt(lat['p50'])} ms, p95 {fmt(lat['p95'])} ms, "
+                     f"p99 {fmt(lat['p99'])} ms (publisher at most {fmt(open_loop['publisher_most_behind_ms'])} ms late)")
     if full:
         unexpected = {k: v for k, v in full["events"].items() if k not in HAPPY_EVENTS}
         if unexpected:
@@ -738,10 +874,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stall-seconds", type=float, default=30.0,
                         help="give up when the broker's pending messages stay unchanged this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
+    parser.add_argument("--servers", type=Path, default=None,
+                        help="a servers file of your own (stdio servers are put behind the witness relay to count "
+                             "MCP requests); default: the demo system of record")
+    parser.add_argument("--contracts", type=Path, default=None, help="the contracts folder for --action-type")
+    parser.add_argument("--action-type", default="ticket.create")
+    parser.add_argument("--arguments", type=json.loads, default=DEFAULT_ARGUMENTS,
+                        help="JSON template of the action's arguments; {i}, {run}, {label}, {queue} are filled in")
+    parser.add_argument("--target", type=json.loads, default=DEFAULT_TARGET, help="JSON template of the target")
+    parser.add_argument("--tenant", default="acme")
+    parser.add_argument("--batch", type=int, default=50, help="envelopes per publish_many call (one transaction)")
+    parser.add_argument("--open-loop-actions", type=int, default=200,
+                        help="actions of the open-loop run at half the saturation throughput (0: skip it)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="open-loop rate (actions/s) instead of half the measured saturation")
     args = parser.parse_args(argv)
-    if args.actions < 1 or args.warmup < 1:
-        parser.error("--actions and --warmup must be at least 1")
+    if args.actions < 1 or args.warmup < 1 or args.batch < 1:
+        parser.error("--actions, --warmup and --batch must be at least 1")
     return args
+
+
+def use_servers_file(stack: Stack, servers: Path) -> Path:
+    """Point the stack at ``servers`` instead of the demo's, with every stdio identity behind the
+    witness relay. The copy sits next to the original (relative paths in it stay valid) and is
+    removed at the end; HTTP servers are not relayed, so their requests are not counted."""
+    wrapped = servers.resolve().parent / f".proofline-bench-{uuid.uuid4().hex[:8]}.yaml"
+    assert stack.witness is not None
+    wrapped.write_text(witness_stdio_servers(servers.read_text(), stack.witness.path))
+    stack.env["PROOFLINE_SERVERS_FILE"] = str(wrapped)
+    stack.servers_file = wrapped
+    stack.settings = stack.settings.model_copy(update={"servers_file": wrapped})
+    return wrapped
 
 
 def _terminate(signum: int, _frame: Any) -> None:
@@ -757,24 +920,33 @@ def main(argv: list[str] | None = None) -> int:
                else free_redis_db([15, 11, 10], {full_db}))
     stack: Stack | None = None
     bench: Bench | None = None
+    wrapped: Path | None = None
     failed = True
     try:
         bench_source = source_state()
         log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
         timings = {} if args.test_timings else runtime_defaults()
-        stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=timings)
+        extra = {**timings, **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {})}
+        stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=extra)
+        if args.servers is not None:
+            wrapped = use_servers_file(stack, args.servers)
         admin = psycopg.connect(ADMIN_URL, autocommit=True, row_factory=dict_row)
         bench = Bench(args, stack, admin, stack.admin_url.rsplit("/", 1)[1])
         bench.results["source"] = bench_source
         bench.results["timings"] = "test stack (--test-timings)" if args.test_timings else timings
-        stack.live()
+        bench.live()
         worker = start_workers(stack, count=1, concurrency=args.concurrency)[0]
         probe = bench.connect_probe()
         log(f"warming up the full path ({args.warmup} actions)")
         bench.warm_full(probe, worker)
         quiet_since = time.monotonic()
-        bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}")
+        if args.servers is None:
+            bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=False)
+        bench.results["baseline_same_calls"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=True)
         bench.results["full"] = bench.run_full(worker, probe, quiet_since)
+        if args.open_loop_actions > 0:
+            saturation = bench.results["full"]["actions_per_second"]
+            bench.results["open_loop"] = bench.run_open_loop(args.rate or saturation / 2)
         if args.accounting_actions > 0:
             bench.results["accounting"] = bench.run_accounting()
         lines = report(bench.results, args)
@@ -788,13 +960,16 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {args.json}")
         full = bench.results["full"]
         bad = full["actions"] - full["verified"]
-        bare_bad = bench.results["baseline"]["tasks"] - bench.results["baseline"]["ok"]
+        bare_bad = sum(b["tasks"] - b["ok"] for b in (bench.results.get("baseline"), bench.results["baseline_same_calls"])
+                       if b)
         if bad or bare_bad:
             log(f"ERROR: {bad} actions did not end closed/completed_verified; {bare_bad} bare tasks failed")
             return 1
         failed = False
         return 0
     finally:
+        if wrapped is not None:
+            wrapped.unlink(missing_ok=True)
         if bench is not None:
             if bench.baseline_proc is not None:
                 stop_process(bench.baseline_proc)
