@@ -1,6 +1,13 @@
-"""Throughput and cost of the full Proofline path against a bare-Celery baseline, in one run.
+"""Throughput and cost of the full Proofline path against bare-Celery baselines, in one run.
 
     .venv/bin/python -m ops.bench [--actions N] [--transport http] [--json PATH]
+    .venv/bin/python -m ops.bench --servers FILE --contracts DIR --action-type TYPE \
+        --arguments '{"query": "... {n} ..."}' --target '{"type": "order", "id": "{n}"}'
+
+The second form runs against servers you did not write: stdio identities of FILE are put behind
+the witness relay (a copy of FILE next to it, removed at the end), so MCP requests are counted on
+the wire; HTTP servers of FILE are not relayed. ``{n}`` is unique across the run (each template
+fill is one envelope), so a target the action changes is never reused.
 
 What it does, in order:
 
@@ -8,19 +15,28 @@ What it does, in order:
    the system-of-record MCP server (writer and reader identities) and one Proofline worker with two
    prefork processes;
 2. warms the full path up (``--warmup`` actions, excluded from every figure);
-3. runs the **baseline** (``ops.baseline_tasks``): a bare Celery task, no durability, the same two MCP
-   calls against the same server, its own worker with two prefork processes on its own Redis
-   database. It runs while the ledger database is idle, which also lets Postgres flush the warm-up's
+3. runs the **baselines** (``ops.baseline_tasks``): bare Celery tasks, no durability, against the
+   same server, their own worker with two prefork processes on their own Redis database: first the
+   same two MCP calls as before (demo server only), then the **same MCP requests the runtime makes
+   per action** (precondition read, write, verification read, arguments built from the contract).
+   They run while the ledger database is idle, which also lets Postgres flush the warm-up's
    statistics (see "Commits" below);
-4. runs the **full path**: publishes N ``ticket.create`` envelopes (``Stack.publish``: ledger
-   ``published`` + signed message), waits until every one is settled, then stops the worker so
-   that Postgres flushes its statistics, and reads the figures;
-5. runs an **accounting pass** (``--accounting-actions``, default 50) with a fresh worker whose
+4. runs the **full path**: publishes N envelopes through the SDK's batched path (``publish_many``,
+   ``--batch`` per ledger transaction, then the signed messages), waits until every one is settled,
+   then stops the worker so that Postgres flushes its statistics, and reads the figures; MCP
+   requests per action are the witness relays' records over the window (``tools/call`` and every
+   other request, ``tools/list`` included): measured on the wire, not computed;
+5. runs the **open loop** (``--open-loop-actions``): a fresh warmed worker, actions published one by
+   one at half the saturation throughput of step 4 (or ``--rate``), p50/p99 publish -> final state;
+6. runs an **accounting pass** (``--accounting-actions``, default 50) with a fresh worker whose
    database connections go through a counting wire-protocol proxy (``ops.pgwire``), to count
    statements, round trips and transactions per action exactly (``pg_stat_statements`` is not
    loaded on this server; loading it needs a restart). The proxy adds latency and CPU, so it is
    kept out of the timed window;
-6. prints the table and the two targets, optionally writes JSON, and tears everything down.
+7. prints the table and the targets, optionally writes JSON (headline figures flat at the top level:
+   ``actions_per_s_full``, ``actions_per_s_bare_same_calls``, ``ratio_same_calls``,
+   ``commits_per_action``, ``worker_round_trips_per_action``, ``mcp_requests_per_action``,
+   ``cpu_ms_per_action_all``, ``p99_ms_half_load``, ...), and tears everything down.
 
 Figures
 -------
@@ -141,7 +157,7 @@ def percentile(values: list[float], p: float) -> float | None:
 
 
 def filled(template: Any, values: dict[str, str]) -> Any:
-    """``template`` (JSON) with ``{i}``, ``{run}``, ``{label}`` and ``{queue}`` in its strings filled in."""
+    """``template`` (JSON) with ``{n}``, ``{i}``, ``{run}``, ``{label}`` and ``{queue}`` in its strings filled in."""
     if isinstance(template, str):
         for name, value in values.items():
             template = template.replace("{" + name + "}", value)
@@ -282,6 +298,8 @@ class Bench:
     proxy: CountingProxy | None = None
     results: dict[str, Any] = field(default_factory=dict)
     approved_live: tuple[str | None, dict[str, str]] | None = None
+    #: Envelopes made so far (``{n}`` in the templates: unique across the whole run).
+    serial: int = 0
 
     # --- database probes -----------------------------------------------------------------------
     def pg_stats(self) -> dict[str, int]:
@@ -365,6 +383,7 @@ class Bench:
         if self.approved_live is None:
             server = contract_for(self.stack.settings.contracts_dir, self.args.action_type).server
             self.approved_live = describe_server(self.stack.settings, server)
+            self.stack._live = self.approved_live  # what Stack.envelope approves against otherwise lists "sor"
         return self.approved_live
 
     def envelopes(self, count: int, label: str) -> list[Any]:
@@ -372,7 +391,8 @@ class Bench:
         out = []
         for i in range(count):
             queue = f"{label}-{run}-{i}" if self.args.targets <= 0 else f"q{i % self.args.targets}"
-            fill = {"i": str(i), "run": run, "label": label, "queue": queue}
+            self.serial += 1
+            fill = {"i": str(i), "n": str(self.serial), "run": run, "label": label, "queue": queue}
             out.append(self.stack.envelope(
                 self.args.action_type, arguments=filled(self.args.arguments, fill),
                 target=filled(self.args.target, fill), tenant=self.args.tenant, live=self.live()))
@@ -741,7 +761,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     def row(label: str, f: Any, b: Any, digits: int = 1) -> None:
         lines.append(f"  {label:<54} {fmt(f, digits):>12} {fmt(b, digits):>12}")
 
-    lines.append(f"Proofline bench: {args.actions} ticket.create actions, transport {args.transport}, "
+    where = f"servers {args.servers}" if args.servers else f"demo server over {args.transport}"
+    lines.append(f"Proofline bench: {args.actions} {args.action_type} actions, {where}, "
                  f"1 worker x {args.concurrency} prefork processes, {os.cpu_count()} CPUs, "
                  f"source {results.get('source', '?')}")
     timings = results.get("timings")
@@ -880,7 +901,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contracts", type=Path, default=None, help="the contracts folder for --action-type")
     parser.add_argument("--action-type", default="ticket.create")
     parser.add_argument("--arguments", type=json.loads, default=DEFAULT_ARGUMENTS,
-                        help="JSON template of the action's arguments; {i}, {run}, {label}, {queue} are filled in")
+                        help="JSON template of the action's arguments; {n} (unique in the run), {i} (index in its batch), "
+                             "{run}, {label}, {queue} are filled in")
     parser.add_argument("--target", type=json.loads, default=DEFAULT_TARGET, help="JSON template of the target")
     parser.add_argument("--tenant", default="acme")
     parser.add_argument("--batch", type=int, default=50, help="envelopes per publish_many call (one transaction)")
@@ -926,7 +948,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_source = source_state()
         log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
         timings = {} if args.test_timings else runtime_defaults()
-        extra = {**timings, **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {})}
+        # Fault points off, as in production (the test stack arms them per test).
+        extra = {**timings, "PROOFLINE_FAULT_POINTS_ENABLED": "false",
+                 **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {})}
         stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=extra)
         if args.servers is not None:
             wrapped = use_servers_file(stack, args.servers)
