@@ -908,11 +908,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=50, help="envelopes per publish_many call (one transaction)")
     parser.add_argument("--open-loop-actions", type=int, default=200,
                         help="actions of the open-loop run at half the saturation throughput (0: skip it)")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the stack's workers (for example PROOFLINE_TOOL_LIST_MAX_AGE_SECONDS=0); "
+                             "repeatable")
     parser.add_argument("--rate", type=float, default=None,
                         help="open-loop rate (actions/s) instead of half the measured saturation")
     args = parser.parse_args(argv)
     if args.actions < 1 or args.warmup < 1 or args.batch < 1:
         parser.error("--actions, --warmup and --batch must be at least 1")
+    if any("=" not in item for item in args.worker_env):
+        parser.error("--worker-env takes NAME=VALUE")
     return args
 
 
@@ -950,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         timings = {} if args.test_timings else runtime_defaults()
         # Fault points off, as in production (the test stack arms them per test).
         extra = {**timings, "PROOFLINE_FAULT_POINTS_ENABLED": "false",
-                 **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {})}
+                 **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {}),
+                 **dict(item.split("=", 1) for item in args.worker_env)}
         stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=extra)
         if args.servers is not None:
             wrapped = use_servers_file(stack, args.servers)
