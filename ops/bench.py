@@ -99,6 +99,7 @@ from proofline.contracts import contract_for
 from proofline.controller import describe_server, publish_many
 from proofline.settings import ROOT, Settings, get_settings
 from proofline.shards import sharded_queues
+from proofline_kit.resources import CLAIM_KEY, claim_redis_db, release_redis_db
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import witness_stdio_servers
 from tests.conftest import (
@@ -185,15 +186,11 @@ def per(value: float | None, n: int) -> float | None:
     return None if value is None or n <= 0 else value / n
 
 
-def free_redis_db(preferred: Iterable[int], exclude: set[int]) -> int:
-    """The first of ``preferred`` (then 15..1) that is empty and not excluded."""
-    candidates = [*preferred, *range(15, 0, -1)]
-    for db in candidates:
-        if db in exclude:
-            continue
-        if redis.Redis.from_url(f"{REDIS_URL}/{db}").dbsize() == 0:
-            return db
-    raise RuntimeError("no empty Redis database found; pass --redis-db / --baseline-redis-db")
+def clear_except_claim(client: redis.Redis) -> None:
+    """Empty a claimed database but for its claim (what a previous baseline left behind)."""
+    keys = [k for k in client.scan_iter(count=1000) if k != CLAIM_KEY.encode()]
+    if keys:
+        client.delete(*keys)
 
 
 def with_port(url: str, port: int) -> str:
@@ -548,7 +545,7 @@ class Bench:
         args, stack = self.args, self.stack
         n = args.actions
         client = redis.Redis.from_url(broker)
-        client.flushdb()
+        clear_except_claim(client)
         env = {**stack.env, "BENCH_BASELINE_BROKER": broker}
         argv = [sys.executable, "-m", "celery", "-A", "ops.baseline_tasks", "worker", "-Q", baseline_tasks.QUEUE,
                 "-c", str(args.concurrency), "-P", "prefork", "-l", "WARNING", "--without-gossip",
@@ -886,7 +883,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="actions counted on the wire through the proxy after the timed window (0: skip)")
     parser.add_argument("--targets", type=int, default=0,
                         help="spread actions over this many ticket queues (0: one queue per action, no lock contention)")
-    parser.add_argument("--redis-db", type=int, default=None, help="Redis database of the full path (default: a free one)")
+    parser.add_argument("--redis-db", type=int, default=None,
+                        help="Redis database of the full path (default: the first free one, claimed)")
     parser.add_argument("--baseline-redis-db", type=int, default=None, help="Redis database of the baseline")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
     parser.add_argument("--trace", action="store_true", help="print the statements of one action on the wire")
@@ -942,22 +940,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="proofline-bench-"))
-    full_db = args.redis_db if args.redis_db is not None else free_redis_db([14, 13, 12], set())
-    bare_db = (args.baseline_redis_db if args.baseline_redis_db is not None
-               else free_redis_db([15, 11, 10], {full_db}))
+    # Both Redis databases are claimed (proofline_kit.resources): another bench or test run on this
+    # machine never shares one, which would mix their tasks and completion lists.
+    bare_claim = claim_redis_db(REDIS_URL, range(args.baseline_redis_db, args.baseline_redis_db + 1)
+                                if args.baseline_redis_db is not None else range(15, 0, -1))
+    bare_db = bare_claim.number
+    full_db = args.redis_db
     stack: Stack | None = None
     bench: Bench | None = None
     wrapped: Path | None = None
     failed = True
     try:
         bench_source = source_state()
-        log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
+        log(f"building the stack ({args.transport}, baseline Redis db {bare_db}, {workdir})")
         timings = {} if args.test_timings else runtime_defaults()
         # Fault points off, as in production (the test stack arms them per test).
         extra = {**timings, "PROOFLINE_FAULT_POINTS_ENABLED": "false",
                  **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {}),
                  **dict(item.split("=", 1) for item in args.worker_env)}
         stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=extra)
+        assert stack.redis_claim is not None
+        full_db = stack.redis_claim.number
         if args.servers is not None:
             wrapped = use_servers_file(stack, args.servers)
         admin = psycopg.connect(ADMIN_URL, autocommit=True, row_factory=dict_row)
@@ -1011,11 +1014,10 @@ def main(argv: list[str] | None = None) -> int:
                 teardown_stack(stack)
             except Exception as exc:  # noqa: BLE001 - report, keep cleaning up
                 log(f"teardown failed: {exc!r}")
-        for db in {full_db, bare_db}:
-            try:
-                redis.Redis.from_url(f"{REDIS_URL}/{db}").flushdb()
-            except redis.RedisError:
-                pass
+        try:
+            release_redis_db(bare_claim)  # the stack's own claim is released by teardown_stack
+        except redis.RedisError:
+            pass
         if failed:
             for worker_log in sorted(workdir.glob("worker-*.log")):
                 tail = worker_log.read_text(errors="replace").splitlines()[-8:]
