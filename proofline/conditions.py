@@ -89,6 +89,27 @@ def compile_expression(source: str, limits: ConditionLimits = DEFAULT_LIMITS) ->
     return _compiled(source, limits)[0]
 
 
+class Variables:
+    """One set of variables for several expressions: converted to CEL values once (the conversion
+    costs far more than running a small program), the first time an expression needs it."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self._context: Any = None
+
+    def context(self) -> Any:
+        if self._context is None:
+            context = cel.Context()
+            for name, value in self.values.items():
+                context.add_variable(name, value)
+            self._context = context
+        return self._context
+
+
+def _plain(variables: dict[str, Any] | Variables) -> dict[str, Any]:
+    return variables.values if isinstance(variables, Variables) else variables
+
+
 def _longest_list(value: Any, limit: int) -> int:
     """The longest list anywhere in ``value`` (iteratively: inputs may nest deeply), stopping early
     past ``limit``."""
@@ -114,32 +135,33 @@ def _check_inputs(source: str, shape: Shape, variables: dict[str, Any]) -> None:
                                          f"is {DEFAULT_LIMITS.max_list_items}")
 
 
-def evaluate_here(source: str, variables: dict[str, Any], compiled: CompiledConditions | None = None) -> Any:
+def evaluate_here(source: str, variables: dict[str, Any] | Variables, compiled: CompiledConditions | None = None
+                  ) -> Any:
     """Evaluate in this process (limits checked, program cached, every library failure a ConditionError)."""
     program, shape = compiled.get(source) if compiled is not None else _compiled(source)
-    _check_inputs(source, shape, variables)
+    _check_inputs(source, shape, _plain(variables))
     try:
-        return program.execute(variables)
+        return program.execute(variables.context() if isinstance(variables, Variables) else variables)
     except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
         if _must_propagate(exc):
             raise
         raise ConditionError(f"cannot evaluate {source[:200]!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def evaluate(source: str, variables: dict[str, Any], compiled: CompiledConditions | None = None) -> Any:
+def evaluate(source: str, variables: dict[str, Any] | Variables, compiled: CompiledConditions | None = None) -> Any:
     """Evaluate ``source`` (from ``compiled``, the contract's programs, when given). An expression
     with a comprehension, whose cost grows with its inputs, runs in the watchdog's helper process
     under a time budget (``proofline/cel_watchdog.py``)."""
     _, shape = compiled.get(source) if compiled is not None else _compiled(source)
     if not shape.comprehensions:
         return evaluate_here(source, variables, compiled)
-    _check_inputs(source, shape, variables)
+    _check_inputs(source, shape, _plain(variables))
     from proofline.cel_watchdog import evaluate_guarded
 
-    return evaluate_guarded(source, variables)
+    return evaluate_guarded(source, _plain(variables))
 
 
-def holds(source: str, variables: dict[str, Any], compiled: CompiledConditions | None = None) -> bool:
+def holds(source: str, variables: dict[str, Any] | Variables, compiled: CompiledConditions | None = None) -> bool:
     """True only when the expression evaluates to exactly ``true``.
 
     A missing field, a type error or a non-boolean value is an evaluation error: lack of evidence
@@ -151,7 +173,7 @@ def holds(source: str, variables: dict[str, Any], compiled: CompiledConditions |
     return value
 
 
-def build_arguments(template: dict[str, str], variables: dict[str, Any],
+def build_arguments(template: dict[str, str], variables: dict[str, Any] | Variables,
                     compiled: CompiledConditions | None = None) -> dict[str, Any]:
     """Evaluate a mapping of argument name to CEL expression (used for read-tool arguments)."""
     return {name: evaluate(expr, variables, compiled) for name, expr in template.items()}

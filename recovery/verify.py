@@ -17,7 +17,7 @@ from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
-from proofline.conditions import CompiledConditions, build_arguments, holds
+from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
@@ -55,9 +55,11 @@ def judge(verification: Verification, variables: dict[str, Any], *, settled: boo
     be evaluated counts as not holding, never as holding.
     """
 
+    bound = Variables(variables)  # converted to CEL once for every condition of this read
+
     def true(expr: str) -> bool:
         try:
-            return holds(expr, variables, compiled)
+            return holds(expr, bound, compiled)
         except ConditionError as exc:
             if errors is not None and len(errors) < READS_KEPT:
                 errors.append({"expr": expr[:200], "reason_code": exc.code, "detail": exc.detail[:300]})

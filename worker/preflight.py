@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proofline.conditions import build_arguments, holds
+from proofline.conditions import Variables, build_arguments, holds
 from proofline.contracts import Contract, extract
 from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed
@@ -77,7 +77,7 @@ def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, st
 
 def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
     """Evaluate every precondition; a condition that cannot be evaluated has failed."""
-    variables = _variables(envelope, before=before)
+    variables = Variables(_variables(envelope, before=before))  # converted to CEL once for every condition
     compiled = contract.compiled()
     failures = []
     conditions = [(c.name, c.expr, c.reason) for c in contract.preconditions]

@@ -71,3 +71,28 @@ def test_the_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         digests.append(contract.digest)
     assert digests[0] not in conditions._by_digest
     assert all(d in conditions._by_digest for d in digests[1:])
+
+
+VALUES = {"args": {"a": 1, "s": "x", "l": [1, 2, 3], "f": 1.5, "n": None, "d": {"k": True}},
+          "before": {"found": False}}
+
+
+@pytest.mark.parametrize("expr", ["args.a == 1", "args.s + 'y'", "size(args.l)", "args.f * 2.0", "args.n == null",
+                                  "args.d.k && !before.found", "args.missing", "args.a / 0",
+                                  "args.l.exists(x, x == 2)"])
+def test_bound_variables_evaluate_as_the_plain_mapping_does(expr: str) -> None:
+    def run(variables: Any) -> tuple[str, Any]:
+        try:
+            return "value", conditions.evaluate(expr, variables)
+        except conditions.ConditionError as exc:
+            return "error", exc.code
+
+    assert run(conditions.Variables(VALUES)) == run(VALUES)
+
+
+def test_bound_variables_are_converted_once() -> None:
+    bound = conditions.Variables(VALUES)
+    assert conditions.holds("args.a == 1", bound)
+    first = bound.context()
+    assert not conditions.holds("before.found", bound)
+    assert bound.context() is first
