@@ -1,5 +1,11 @@
-"""The bench's baseline: a bare Celery task with no durability that makes the same two MCP calls
-as a ``ticket.create`` action (one ``create_ticket`` write, one ``find_ticket_by_key`` read).
+"""The bench's baselines: bare Celery tasks with no durability.
+
+- ``bench.bare``: the same two MCP calls as a ``ticket.create`` action (one ``create_ticket``
+  write, one ``find_ticket_by_key`` read), the first baseline.
+- ``bench.bare_same``: the MCP requests the runtime makes for one action of any contract, in its
+  order: the precondition read and the write through the write identity, the verification read
+  through the read identity, with arguments built from the contract as the runtime builds them.
+  No tool list, no conditions judged, no ledger.
 
 No ledger, no lease, no idempotency record, no verification task, no result backend. It reuses the
 runtime's per-process MCP sessions (``worker.mcp_client.sessions``) and request coroutines
@@ -32,6 +38,7 @@ from worker.mcp_client import close_sessions, sessions
 from worker.servers import Server, server_named
 
 TASK = "bench.bare"
+SAME_CALLS_TASK = "bench.bare_same"
 QUEUE = "bare"
 DONE_KEY = "bench:done"
 TIMEOUT_SECONDS = 5.0
@@ -85,6 +92,42 @@ def bare(i: int, key: str, arguments: dict[str, Any], published_at: float) -> bo
             c, tool="find_ticket_by_key", arguments={"idempotency_key": key}, timeout_seconds=TIMEOUT_SECONDS))
         content = getattr(found, "structured_content", None) or {}
         ok = not getattr(created, "is_error", False) and bool(content.get("found"))
+    finally:
+        _done_list().rpush(DONE_KEY, json.dumps([i, published_at, time.time(), ok]))
+    return ok
+
+
+@app.task(name=SAME_CALLS_TASK)
+def bare_same(i: int, action_type: str, envelope: dict[str, Any], published_at: float) -> bool:
+    """Precondition read, write, verification read for ``envelope`` (an envelope's JSON) against the
+    server its contract names. Records completion; returns whether every request answered without error."""
+    from proofline.conditions import build_arguments
+    from proofline.contracts import contract_for, extract
+    from proofline.settings import get_settings
+
+    settings = get_settings()
+    contract = contract_for(settings.contracts_dir, action_type)
+    compiled = contract.compiled()
+    server = server_named(settings.servers_file, contract.server)
+    mcp = sessions(settings.servers_base_dir, settings.environment)
+    variables = {"envelope": envelope, "args": envelope["arguments"], "target": envelope["target"]}
+    deadline = time.monotonic() + contract.timeout_seconds
+    ok = False
+    try:
+        path = contract.precondition_read
+        before_args = build_arguments(path.arguments, variables, compiled)
+        before = mcp.run(server, "write", lambda c: calls.read_tool(
+            c, tool=path.tool, arguments=before_args, timeout_seconds=contract.timeout_seconds))
+        result, _ = mcp.run(server, "write", lambda c: calls.call_tool(
+            c, tool=contract.tool, arguments=envelope["arguments"], idempotency_key=envelope["idempotency_key"],
+            action_id=envelope["action_id"], timeout_seconds=contract.timeout_seconds,
+            deadline_monotonic=deadline, progress=calls.ProgressLog(limit=20)))
+        values = {} if getattr(result, "is_error", False) else extract(result, contract.result)
+        read = contract.verification_read
+        after_args = build_arguments(read.arguments, {**variables, "before": {}, "result": values}, compiled)
+        after = mcp.run(server, "read", lambda c: calls.read_tool(
+            c, tool=read.tool, arguments=after_args, timeout_seconds=contract.timeout_seconds))
+        ok = not any(getattr(r, "is_error", False) for r in (before, result, after))
     finally:
         _done_list().rpush(DONE_KEY, json.dumps([i, published_at, time.time(), ok]))
     return ok

@@ -1,6 +1,13 @@
-"""Throughput and cost of the full Proofline path against a bare-Celery baseline, in one run.
+"""Throughput and cost of the full Proofline path against bare-Celery baselines, in one run.
 
     .venv/bin/python -m ops.bench [--actions N] [--transport http] [--json PATH]
+    .venv/bin/python -m ops.bench --servers FILE --contracts DIR --action-type TYPE \
+        --arguments '{"query": "... {n} ..."}' --target '{"type": "order", "id": "{n}"}'
+
+The second form runs against servers you did not write: stdio identities of FILE are put behind
+the witness relay (a copy of FILE next to it, removed at the end), so MCP requests are counted on
+the wire; HTTP servers of FILE are not relayed. ``{n}`` is unique across the run (each template
+fill is one envelope), so a target the action changes is never reused.
 
 What it does, in order:
 
@@ -8,19 +15,28 @@ What it does, in order:
    the system-of-record MCP server (writer and reader identities) and one Proofline worker with two
    prefork processes;
 2. warms the full path up (``--warmup`` actions, excluded from every figure);
-3. runs the **baseline** (``ops.baseline_tasks``): a bare Celery task, no durability, the same two MCP
-   calls against the same server, its own worker with two prefork processes on its own Redis
-   database. It runs while the ledger database is idle, which also lets Postgres flush the warm-up's
+3. runs the **baselines** (``ops.baseline_tasks``): bare Celery tasks, no durability, against the
+   same server, their own worker with two prefork processes on their own Redis database: first the
+   same two MCP calls as before (demo server only), then the **same MCP requests the runtime makes
+   per action** (precondition read, write, verification read, arguments built from the contract).
+   They run while the ledger database is idle, which also lets Postgres flush the warm-up's
    statistics (see "Commits" below);
-4. runs the **full path**: publishes N ``ticket.create`` envelopes (``Stack.publish``: ledger
-   ``published`` + signed message), waits until every one is settled, then stops the worker so
-   that Postgres flushes its statistics, and reads the figures;
-5. runs an **accounting pass** (``--accounting-actions``, default 50) with a fresh worker whose
+4. runs the **full path**: publishes N envelopes through the SDK's batched path (``publish_many``,
+   ``--batch`` per ledger transaction, then the signed messages), waits until every one is settled,
+   then stops the worker so that Postgres flushes its statistics, and reads the figures; MCP
+   requests per action are the witness relays' records over the window (``tools/call`` and every
+   other request, ``tools/list`` included): measured on the wire, not computed;
+5. runs the **open loop** (``--open-loop-actions``): a fresh warmed worker, actions published one by
+   one at half the saturation throughput of step 4 (or ``--rate``), p50/p99 publish -> final state;
+6. runs an **accounting pass** (``--accounting-actions``, default 50) with a fresh worker whose
    database connections go through a counting wire-protocol proxy (``ops.pgwire``), to count
    statements, round trips and transactions per action exactly (``pg_stat_statements`` is not
    loaded on this server; loading it needs a restart). The proxy adds latency and CPU, so it is
    kept out of the timed window;
-6. prints the table and the two targets, optionally writes JSON, and tears everything down.
+7. prints the table and the targets, optionally writes JSON (headline figures flat at the top level:
+   ``actions_per_s_full``, ``actions_per_s_bare_same_calls``, ``ratio_same_calls``,
+   ``commits_per_action``, ``worker_round_trips_per_action``, ``mcp_requests_per_action``,
+   ``cpu_ms_per_action_all``, ``p99_ms_half_load``, ...), and tears everything down.
 
 Figures
 -------
@@ -79,8 +95,13 @@ from psycopg.rows import dict_row
 from ledger import store
 from ops import baseline_tasks
 from ops.pgwire import CountingProxy, Counts, per_role_delta
+from proofline.contracts import contract_for
+from proofline.controller import describe_server, publish_many
 from proofline.settings import ROOT, Settings, get_settings
 from proofline.shards import sharded_queues
+from proofline_kit.resources import CLAIM_KEY, claim_redis_db, release_redis_db
+from proofline_kit.witness import WitnessLog
+from proofline_kit.witness.placement import witness_stdio_servers
 from tests.conftest import (
     ADMIN_URL,
     REDIS_URL,
@@ -92,7 +113,10 @@ from tests.conftest import (
     teardown_stack,
     wait_for,
 )
+from worker.dispatch import CeleryDispatch
 
+DEFAULT_ARGUMENTS = {"tenant": "acme", "title": "bench {label} {i}", "owner": "ops"}
+DEFAULT_TARGET = {"type": "ticket_queue", "id": "acme-{queue}"}
 TARGET_COMMITS = 3.0
 TARGET_RATIO = 0.5
 #: Postgres 15 holds an idle backend's pending statistics for up to PGSTAT_IDLE_INTERVAL (10 s).
@@ -133,19 +157,40 @@ def percentile(values: list[float], p: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def filled(template: Any, values: dict[str, str]) -> Any:
+    """``template`` (JSON) with ``{n}``, ``{i}``, ``{run}``, ``{label}`` and ``{queue}`` in its strings filled in."""
+    if isinstance(template, str):
+        for name, value in values.items():
+            template = template.replace("{" + name + "}", value)
+        return template
+    if isinstance(template, dict):
+        return {k: filled(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [filled(v, values) for v in template]
+    return template
+
+
+def mcp_requests(witness: WitnessLog | None, mark: int, n: int) -> dict[str, Any]:
+    """MCP requests the servers received since ``mark``, per action, as the witness relays counted
+    them on the wire (every ``tools/call``, ``tools/list`` and other request); None without relays."""
+    if witness is None or not witness.path.exists():
+        return {"per_action": None, "tools_list_per_action": None, "by_method": {}}
+    by_method: dict[str, int] = {"tools/call": witness.count(since=mark)}
+    for record in witness.requests(since=mark):
+        by_method[record["method"]] = by_method.get(record["method"], 0) + 1
+    return {"per_action": per(sum(by_method.values()), n), "tools_list_per_action": per(by_method.get("tools/list", 0), n),
+            "by_method": by_method}
+
+
 def per(value: float | None, n: int) -> float | None:
     return None if value is None or n <= 0 else value / n
 
 
-def free_redis_db(preferred: Iterable[int], exclude: set[int]) -> int:
-    """The first of ``preferred`` (then 15..1) that is empty and not excluded."""
-    candidates = [*preferred, *range(15, 0, -1)]
-    for db in candidates:
-        if db in exclude:
-            continue
-        if redis.Redis.from_url(f"{REDIS_URL}/{db}").dbsize() == 0:
-            return db
-    raise RuntimeError("no empty Redis database found; pass --redis-db / --baseline-redis-db")
+def clear_except_claim(client: redis.Redis) -> None:
+    """Empty a claimed database but for its claim (what a previous baseline left behind)."""
+    keys = [k for k in client.scan_iter(count=1000) if k != CLAIM_KEY.encode()]
+    if keys:
+        client.delete(*keys)
 
 
 def with_port(url: str, port: int) -> str:
@@ -249,6 +294,9 @@ class Bench:
     baseline_proc: Any = None
     proxy: CountingProxy | None = None
     results: dict[str, Any] = field(default_factory=dict)
+    approved_live: tuple[str | None, dict[str, str]] | None = None
+    #: Envelopes made so far (``{n}`` in the templates: unique across the whole run).
+    serial: int = 0
 
     # --- database probes -----------------------------------------------------------------------
     def pg_stats(self) -> dict[str, int]:
@@ -327,20 +375,32 @@ class Bench:
             time.sleep(0.01)
 
     # --- full path ------------------------------------------------------------------------------
+    def live(self) -> tuple[str | None, dict[str, str]]:
+        """The live server version and tool hashes the controller approves against (listed once)."""
+        if self.approved_live is None:
+            server = contract_for(self.stack.settings.contracts_dir, self.args.action_type).server
+            self.approved_live = describe_server(self.stack.settings, server)
+            self.stack._live = self.approved_live  # what Stack.envelope approves against otherwise lists "sor"
+        return self.approved_live
+
     def envelopes(self, count: int, label: str) -> list[Any]:
         run = uuid.uuid4().hex[:8]
         out = []
         for i in range(count):
-            target = f"acme-{label}-{run}-{i}" if self.args.targets <= 0 else f"acme-q{i % self.args.targets}"
+            queue = f"{label}-{run}-{i}" if self.args.targets <= 0 else f"q{i % self.args.targets}"
+            self.serial += 1
+            fill = {"i": str(i), "n": str(self.serial), "run": run, "label": label, "queue": queue}
             out.append(self.stack.envelope(
-                "ticket.create", arguments={"tenant": "acme", "title": f"bench {label} {i}", "owner": "ops"},
-                target={"type": "ticket_queue", "id": target}))
+                self.args.action_type, arguments=filled(self.args.arguments, fill),
+                target=filled(self.args.target, fill), tenant=self.args.tenant, live=self.live()))
         return out
 
     def publish_all(self, envelopes: list[Any]) -> tuple[float, float]:
+        """Publish through the SDK's batched path: one ledger transaction per ``--batch`` envelopes."""
         started = time.monotonic()
-        for envelope in envelopes:
-            self.stack.publish(envelope)
+        dispatch = CeleryDispatch(self.stack.app, self.stack.settings.tenant_shards)
+        for at in range(0, len(envelopes), self.args.batch):
+            publish_many(self.stack.settings, self.stack.conn, dispatch, envelopes[at:at + self.args.batch])
         return started, time.monotonic()
 
     def warm_full(self, probe: psycopg.Connection, worker: Any) -> None:
@@ -374,11 +434,13 @@ class Bench:
         stats0, xid0, probes0 = self.pg_stats(), self.xid_horizon(), self.probe_queries
         maintenance0 = self.maintenance_runs(probe)
         self.probe_queries += 1  # that read is a transaction in the window too
+        mark = stack.witness.mark() if stack.witness else 0
         cpu0, busy0 = groups.sample(), machine_busy_seconds()
-        log(f"full path: publishing {n} ticket.create actions")
+        log(f"full path: publishing {n} {args.action_type} actions")
         t_pub0, t_pub1 = self.publish_all(envs)
         t_done = self.wait_full_path(ids, probe, timeout=60 + n * 0.5, worker=worker)
         cpu1, busy1 = groups.sample(), machine_busy_seconds()
+        mcp = mcp_requests(stack.witness, mark, n)
         probes = self.probe_queries - probes0
         xid1 = self.xid_horizon()
         # Stop everything that talks to the bench database so its counters are flushed (on exit).
@@ -461,9 +523,9 @@ class Bench:
             "bench_probe_queries": probes,
             "autovacuum_runs_in_window": maintenance,
             "commits_per_action": per(db_commits, n),
-            # Stack.publish runs one transaction per action (the accounting pass counts it on the wire).
-            "controller_commits_per_action": 1.0,
-            "worker_commits_per_action": per(db_commits - n, n),
+            # publish_many runs one transaction per batch (the accounting pass counts it on the wire).
+            "controller_commits_per_action": per(math.ceil(n / args.batch), n),
+            "worker_commits_per_action": per(db_commits - math.ceil(n / args.batch), n),
             "write_txns_per_action_ledger_xmin": per(xmins["all_txns"], n),
             "worker_write_txns_per_action_ledger_xmin": per(xmins["worker_txns"], n),
             "write_txns_per_action_cluster_xids": per(xid1 - xid0, n),
@@ -473,14 +535,17 @@ class Bench:
             "lease_held_ms_p50": leases["held_ms_p50"],
             "stage_medians_ms": dict(stages),
             "tool_call_ms": {"p50": calls["p50"], "p99": calls["p99"]},
+            "mcp": mcp,
         }
 
     # --- baseline -------------------------------------------------------------------------------
-    def run_baseline(self, broker: str) -> dict[str, Any]:
+    def run_baseline(self, broker: str, same_calls: bool) -> dict[str, Any]:
+        """One bare baseline: ``same_calls`` makes the runtime's three MCP requests per action (from
+        the contract), else the first baseline's two ``ticket.create`` calls."""
         args, stack = self.args, self.stack
         n = args.actions
         client = redis.Redis.from_url(broker)
-        client.flushdb()
+        clear_except_claim(client)
         env = {**stack.env, "BENCH_BASELINE_BROKER": broker}
         argv = [sys.executable, "-m", "celery", "-A", "ops.baseline_tasks", "worker", "-Q", baseline_tasks.QUEUE,
                 "-c", str(args.concurrency), "-P", "prefork", "-l", "WARNING", "--without-gossip",
@@ -491,8 +556,14 @@ class Bench:
         app = Celery("proofline-bench-baseline-client", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         run = uuid.uuid4().hex[:8]
+        docs = {label: [e.model_dump(mode="json") for e in self.envelopes(count, f"bare{label}")] if same_calls else []
+                for label, count in (("warm", args.warmup), ("run", n))}
 
         def send(i: int, label: str) -> None:
+            if same_calls:
+                app.send_task(baseline_tasks.SAME_CALLS_TASK, queue=baseline_tasks.QUEUE,
+                              args=[i, args.action_type, docs[label][i], time.time()])
+                return
             app.send_task(baseline_tasks.TASK, queue=baseline_tasks.QUEUE, args=[
                 i, f"bare-{run}-{label}-{i}", {"tenant": "acme", "title": f"bare {label} {i}", "owner": "ops"},
                 time.time()])
@@ -514,7 +585,8 @@ class Bench:
                 "redis": lambda: [p for pid in redis_server_pids() for p in process_tree(pid)],
                 "bench": lambda: [psutil.Process()],
             })
-            log(f"baseline: publishing {n} bare tasks")
+            log(f"baseline ({'same calls' if same_calls else 'two calls'}): publishing {n} bare tasks")
+            mark = stack.witness.mark() if stack.witness else 0
             cpu0, busy0 = groups.sample(), machine_busy_seconds()
             t0_wall, t0 = time.time(), time.monotonic()
             for i in range(n):
@@ -522,6 +594,7 @@ class Bench:
             t_pub = time.monotonic()
             wait_done(n, 60 + n * 0.2)
             cpu1, busy1, t1 = groups.sample(), machine_busy_seconds(), time.monotonic()
+            mcp = mcp_requests(stack.witness, mark, n)
             log(f"baseline: {n} done in {t1 - t0:.1f}s")
         finally:
             stop_process(self.baseline_proc)
@@ -543,7 +616,44 @@ class Bench:
             "cpu_ms_per_action": {k: per(v, n) for k, v in cpu_ms.items()},
             "cpu_ms_per_action_all": per(sum(cpu_ms.values()), n),
             "foreign_load": foreign_load(busy0, busy1, sum(cpu_ms.values()), t1 - t0),
+            "mcp": mcp,
         }
+
+    # --- open loop ------------------------------------------------------------------------------
+    def run_open_loop(self, rate: float) -> dict[str, Any]:
+        """Publish ``--open-loop-actions`` actions one by one at ``rate`` per second (a fresh, warmed
+        worker), wait until all are settled, and read publish -> final state from the ledger."""
+        args, stack = self.args, self.stack
+        n = args.open_loop_actions
+        stack.conn = store.connect(stack.urls["controller"], application_name=CONTROLLER_APP)
+        worker = start_workers(stack, count=1, concurrency=args.concurrency, name="open")[0]
+        probe = self.connect_probe()
+        try:
+            self.warm_full(probe, worker)
+            envs = self.envelopes(n, "open")
+            log(f"open loop: {n} actions at {rate:.1f}/s")
+            started = time.monotonic()
+            late = 0.0
+            for k, envelope in enumerate(envs):
+                wait = started + k / rate - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    late = max(late, -wait)
+                self.publish_all([envelope])
+            self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + n * 0.5, worker=worker)
+            rows = probe.execute(
+                """SELECT extract(epoch FROM f.at - p.at)::float8 * 1000 AS ms
+                   FROM ledger_events p JOIN ledger_events f ON f.action_id = p.action_id AND f.event = 'final_state'
+                   WHERE p.event = 'published' AND p.action_id = ANY(%s)""", ([e.action_id for e in envs],)).fetchall()
+        finally:
+            probe.close()
+            stop_process(worker)
+        latencies = [r["ms"] for r in rows]
+        return {"actions": n, "settled": len(latencies), "rate_per_second": rate,
+                "publisher_most_behind_ms": late * 1000,
+                "latency_ms": {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
+                               "p99": percentile(latencies, 99), "max": max(latencies, default=None)}}
 
     # --- accounting pass --------------------------------------------------------------------------
     def run_accounting(self) -> dict[str, Any]:
@@ -598,6 +708,29 @@ class Bench:
 # --- report ----------------------------------------------------------------------------------------
 
 
+def summary(results: dict[str, Any], ratio_same: float | None) -> dict[str, Any]:
+    """The headline figures, flat, for ``--json`` readers."""
+    full = results.get("full") or {}
+    same = results.get("baseline_same_calls") or {}
+    acct = (results.get("accounting") or {}).get("per_role_per_action", {}).get("worker", {})
+    return {
+        "actions_per_s_full": full.get("actions_per_second"),
+        "actions_per_s_bare_same_calls": same.get("actions_per_second"),
+        "actions_per_s_bare_two_calls": (results.get("baseline") or {}).get("actions_per_second"),
+        "ratio_same_calls": ratio_same,
+        "ratio_two_calls": results.get("throughput_ratio_full_over_bare"),
+        "commits_per_action": full.get("commits_per_action"),
+        "worker_round_trips_per_action": acct.get("round_trips"),
+        "mcp_requests_per_action": (full.get("mcp") or {}).get("per_action"),
+        "mcp_requests_per_action_bare_same_calls": (same.get("mcp") or {}).get("per_action"),
+        "cpu_ms_per_action_all": full.get("cpu_ms_per_action_all"),
+        "cpu_ms_per_action_all_bare_same_calls": same.get("cpu_ms_per_action_all"),
+        "p50_ms_half_load": ((results.get("open_loop") or {}).get("latency_ms") or {}).get("p50"),
+        "p99_ms_half_load": ((results.get("open_loop") or {}).get("latency_ms") or {}).get("p99"),
+        "rate_half_load": (results.get("open_loop") or {}).get("rate_per_second"),
+    }
+
+
 def fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "n/a"
@@ -613,6 +746,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if full and bare and full["actions_per_second"] and bare["actions_per_second"]:
         ratio = full["actions_per_second"] / bare["actions_per_second"]
     results["throughput_ratio_full_over_bare"] = ratio
+    same = results.get("baseline_same_calls")
+    ratio_same = None
+    if full and same and full["actions_per_second"] and same["actions_per_second"]:
+        ratio_same = full["actions_per_second"] / same["actions_per_second"]
+    results.update(summary(results, ratio_same))
     role = (acct or {}).get("per_role_per_action", {})
     worker_wire = role.get("worker", {})
     total_wire = (acct or {}).get("total_per_action", {})
@@ -620,7 +758,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     def row(label: str, f: Any, b: Any, digits: int = 1) -> None:
         lines.append(f"  {label:<54} {fmt(f, digits):>12} {fmt(b, digits):>12}")
 
-    lines.append(f"Proofline bench: {args.actions} ticket.create actions, transport {args.transport}, "
+    where = f"servers {args.servers}" if args.servers else f"demo server over {args.transport}"
+    lines.append(f"Proofline bench: {args.actions} {args.action_type} actions, {where}, "
                  f"1 worker x {args.concurrency} prefork processes, {os.cpu_count()} CPUs, "
                  f"source {results.get('source', '?')}")
     timings = results.get("timings")
@@ -662,7 +801,22 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines[-1] += f"   worker {fmt(worker_wire.get('write_transactions'), 2)}"
     else:
         lines.append("  round trips/action: not measured (pg_stat_statements is not loaded; accounting pass disabled)")
-    lines.append(f"  {'throughput ratio full / bare':<54} {fmt(ratio, 2):>12}")
+    lines.append(f"  {'throughput ratio full / bare (two calls)':<54} {fmt(ratio, 2):>12}")
+    if same:
+        lines.append(f"  {'bare Celery, the same MCP requests as the runtime:':<54}")
+        lines.append(f"  {'  actions/s':<54} {fmt(same['actions_per_second']):>12}")
+        lines.append(f"  {'  CPU-ms per action, all':<54} {fmt(same['cpu_ms_per_action_all'], 2):>12}")
+        lines.append(f"  {'  MCP requests per action (witness)':<54} {fmt(same['mcp']['per_action'], 2):>12}")
+        lines.append(f"  {'throughput ratio full / bare (same calls)':<54} {fmt(ratio_same, 2):>12}")
+    if full:
+        lines.append(f"  {'MCP requests per action, full path (witness)':<54} {fmt(full['mcp']['per_action'], 2):>12}"
+                     f"   tools/list {fmt(full['mcp']['tools_list_per_action'], 2)}; by method {full['mcp']['by_method']}")
+    open_loop = results.get("open_loop")
+    if open_loop:
+        lat = open_loop["latency_ms"]
+        lines.append(f"  open loop at {open_loop['rate_per_second']:.1f}/s ({open_loop['settled']}/{open_loop['actions']} "
+                     f"settled): publish -> final p50 {fmt(lat['p50'])} ms, p95 {fmt(lat['p95'])} ms, "
+                     f"p99 {fmt(lat['p99'])} ms (publisher at most {fmt(open_loop['publisher_most_behind_ms'])} ms late)")
     if full:
         unexpected = {k: v for k, v in full["events"].items() if k not in HAPPY_EVENTS}
         if unexpected:
@@ -729,7 +883,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="actions counted on the wire through the proxy after the timed window (0: skip)")
     parser.add_argument("--targets", type=int, default=0,
                         help="spread actions over this many ticket queues (0: one queue per action, no lock contention)")
-    parser.add_argument("--redis-db", type=int, default=None, help="Redis database of the full path (default: a free one)")
+    parser.add_argument("--redis-db", type=int, default=None,
+                        help="Redis database of the full path (default: the first free one, claimed)")
     parser.add_argument("--baseline-redis-db", type=int, default=None, help="Redis database of the baseline")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
     parser.add_argument("--trace", action="store_true", help="print the statements of one action on the wire")
@@ -738,10 +893,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stall-seconds", type=float, default=30.0,
                         help="give up when the broker's pending messages stay unchanged this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) after a successful run")
+    parser.add_argument("--servers", type=Path, default=None,
+                        help="a servers file of your own (stdio servers are put behind the witness relay to count "
+                             "MCP requests); default: the demo system of record")
+    parser.add_argument("--contracts", type=Path, default=None, help="the contracts folder for --action-type")
+    parser.add_argument("--action-type", default="ticket.create")
+    parser.add_argument("--arguments", type=json.loads, default=DEFAULT_ARGUMENTS,
+                        help="JSON template of the action's arguments; {n} (unique in the run), {i} (index in its batch), "
+                             "{run}, {label}, {queue} are filled in")
+    parser.add_argument("--target", type=json.loads, default=DEFAULT_TARGET, help="JSON template of the target")
+    parser.add_argument("--tenant", default="acme")
+    parser.add_argument("--batch", type=int, default=50, help="envelopes per publish_many call (one transaction)")
+    parser.add_argument("--open-loop-actions", type=int, default=200,
+                        help="actions of the open-loop run at half the saturation throughput (0: skip it)")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the stack's workers (for example PROOFLINE_TOOL_LIST_MAX_AGE_SECONDS=0); "
+                             "repeatable")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="open-loop rate (actions/s) instead of half the measured saturation")
     args = parser.parse_args(argv)
-    if args.actions < 1 or args.warmup < 1:
-        parser.error("--actions and --warmup must be at least 1")
+    if args.actions < 1 or args.warmup < 1 or args.batch < 1:
+        parser.error("--actions, --warmup and --batch must be at least 1")
+    if any("=" not in item for item in args.worker_env):
+        parser.error("--worker-env takes NAME=VALUE")
     return args
+
+
+def use_servers_file(stack: Stack, servers: Path) -> Path:
+    """Point the stack at ``servers`` instead of the demo's, with every stdio identity behind the
+    witness relay. The copy sits next to the original (relative paths in it stay valid) and is
+    removed at the end; HTTP servers are not relayed, so their requests are not counted."""
+    wrapped = servers.resolve().parent / f".proofline-bench-{uuid.uuid4().hex[:8]}.yaml"
+    assert stack.witness is not None
+    wrapped.write_text(witness_stdio_servers(servers.read_text(), stack.witness.path))
+    stack.env["PROOFLINE_SERVERS_FILE"] = str(wrapped)
+    stack.servers_file = wrapped
+    stack.settings = stack.settings.model_copy(update={"servers_file": wrapped})
+    return wrapped
 
 
 def _terminate(signum: int, _frame: Any) -> None:
@@ -752,29 +940,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="proofline-bench-"))
-    full_db = args.redis_db if args.redis_db is not None else free_redis_db([14, 13, 12], set())
-    bare_db = (args.baseline_redis_db if args.baseline_redis_db is not None
-               else free_redis_db([15, 11, 10], {full_db}))
+    # Both Redis databases are claimed (proofline_kit.resources): another bench or test run on this
+    # machine never shares one, which would mix their tasks and completion lists.
+    bare_claim = claim_redis_db(REDIS_URL, range(args.baseline_redis_db, args.baseline_redis_db + 1)
+                                if args.baseline_redis_db is not None else range(15, 0, -1))
+    bare_db = bare_claim.number
+    full_db = args.redis_db
     stack: Stack | None = None
     bench: Bench | None = None
+    wrapped: Path | None = None
     failed = True
     try:
         bench_source = source_state()
-        log(f"building the stack ({args.transport}, Redis db {full_db}, baseline Redis db {bare_db}, {workdir})")
+        log(f"building the stack ({args.transport}, baseline Redis db {bare_db}, {workdir})")
         timings = {} if args.test_timings else runtime_defaults()
-        stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=timings)
+        # Fault points off, as in production (the test stack arms them per test).
+        extra = {**timings, "PROOFLINE_FAULT_POINTS_ENABLED": "false",
+                 **({"PROOFLINE_CONTRACTS_DIR": str(args.contracts.resolve())} if args.contracts else {}),
+                 **dict(item.split("=", 1) for item in args.worker_env)}
+        stack = build_stack(args.transport, workdir, redis_db=full_db, extra_env=extra)
+        assert stack.redis_claim is not None
+        full_db = stack.redis_claim.number
+        if args.servers is not None:
+            wrapped = use_servers_file(stack, args.servers)
         admin = psycopg.connect(ADMIN_URL, autocommit=True, row_factory=dict_row)
         bench = Bench(args, stack, admin, stack.admin_url.rsplit("/", 1)[1])
         bench.results["source"] = bench_source
         bench.results["timings"] = "test stack (--test-timings)" if args.test_timings else timings
-        stack.live()
+        bench.live()
         worker = start_workers(stack, count=1, concurrency=args.concurrency)[0]
         probe = bench.connect_probe()
         log(f"warming up the full path ({args.warmup} actions)")
         bench.warm_full(probe, worker)
         quiet_since = time.monotonic()
-        bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}")
+        if args.servers is None:
+            bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=False)
+        bench.results["baseline_same_calls"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=True)
         bench.results["full"] = bench.run_full(worker, probe, quiet_since)
+        if args.open_loop_actions > 0:
+            saturation = bench.results["full"]["actions_per_second"]
+            bench.results["open_loop"] = bench.run_open_loop(args.rate or saturation / 2)
         if args.accounting_actions > 0:
             bench.results["accounting"] = bench.run_accounting()
         lines = report(bench.results, args)
@@ -788,13 +993,16 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {args.json}")
         full = bench.results["full"]
         bad = full["actions"] - full["verified"]
-        bare_bad = bench.results["baseline"]["tasks"] - bench.results["baseline"]["ok"]
+        bare_bad = sum(b["tasks"] - b["ok"] for b in (bench.results.get("baseline"), bench.results["baseline_same_calls"])
+                       if b)
         if bad or bare_bad:
             log(f"ERROR: {bad} actions did not end closed/completed_verified; {bare_bad} bare tasks failed")
             return 1
         failed = False
         return 0
     finally:
+        if wrapped is not None:
+            wrapped.unlink(missing_ok=True)
         if bench is not None:
             if bench.baseline_proc is not None:
                 stop_process(bench.baseline_proc)
@@ -806,11 +1014,10 @@ def main(argv: list[str] | None = None) -> int:
                 teardown_stack(stack)
             except Exception as exc:  # noqa: BLE001 - report, keep cleaning up
                 log(f"teardown failed: {exc!r}")
-        for db in {full_db, bare_db}:
-            try:
-                redis.Redis.from_url(f"{REDIS_URL}/{db}").flushdb()
-            except redis.RedisError:
-                pass
+        try:
+            release_redis_db(bare_claim)  # the stack's own claim is released by teardown_stack
+        except redis.RedisError:
+            pass
         if failed:
             for worker_log in sorted(workdir.glob("worker-*.log")):
                 tail = worker_log.read_text(errors="replace").splitlines()[-8:]

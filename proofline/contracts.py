@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from proofline.canonical import sha256_hex
-from proofline.conditions import compile_expression
+from proofline.conditions import CompiledConditions, compile_expression, compiled_for
 from proofline.errors import (
     ConditionError,
     ContractInvalid,
@@ -212,6 +212,11 @@ class Contract(_Model):
                 found += [(f"recovery.{kind}.{part}.{k}", e) for k, e in (getattr(derived, part).items()
                                                                           if derived else ())]
         return found
+
+    def compiled(self) -> CompiledConditions:
+        """Every expression of this contract compiled, once per process and contract digest."""
+        digest = self.digest or sha256_hex(self.model_dump(mode="json"))
+        return compiled_for(digest, lambda: [expr for _, expr in self._expressions()])
 
     @property
     def verification_read(self) -> ReadPath:

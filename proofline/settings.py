@@ -170,6 +170,11 @@ class Settings(BaseSettings):
                 if not data.get(name):
                     data[name] = Path(str(data["keys_dir"])) / default
         return data
+    #: How long a worker session may check tool contracts against the tool list it already has
+    #: (seconds; 0 lists the tools on every action). The list is also listed again when the server
+    #: says it changed, on a new session and when the HTTP connections it came over are gone.
+    #: ``tool_list_max_age_seconds`` in the servers file sets it for one server.
+    tool_list_max_age_seconds: float = Field(default=60.0, ge=0)
     # --- containment: conditions, outputs and budgets ---
     #: Largest tool result (bytes of text, binary and structured content) a worker reads. A server
     #: (``max_result_bytes`` in the servers file) or a contract may lower it, never raise it.

@@ -19,7 +19,7 @@ from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
-from proofline.conditions import build_arguments, holds
+from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
@@ -50,16 +50,18 @@ class Observation:
 
 
 def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
-          errors: list[dict[str, str]] | None = None) -> VerificationFinding:
+          errors: list[dict[str, str]] | None = None, compiled: CompiledConditions | None = None) -> VerificationFinding:
     """Evaluate one read. ``settled`` is true once the expected consistency delay has passed.
 
     Prohibited wins over everything; expected needs every condition true; a condition that cannot
     be evaluated counts as not holding, never as holding.
     """
 
+    bound = Variables(variables)  # converted to CEL once for every condition of this read
+
     def true(expr: str) -> bool:
         try:
-            return holds(expr, variables)
+            return holds(expr, bound, compiled)
         except ConditionError as exc:
             if errors is not None and len(errors) < READS_KEPT:
                 errors.append({"expr": expr[:200], "reason_code": exc.code, "detail": exc.detail[:300]})
@@ -88,10 +90,11 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
     bound = started + v.max_duration_seconds
     obs = Observation(VerificationFinding.unavailable)
     limit = result_limit(rt.settings, server, contract)
+    compiled = contract.compiled()
     while True:
         settled = time.monotonic() - started >= v.consistency_delay_seconds
         try:
-            arguments = build_arguments(read.arguments, base)
+            arguments = build_arguments(read.arguments, base, compiled)
             with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
                 trace_meta = tracing.carrier()
                 result = rt.mcp.run(server, "read", lambda c, a=arguments, m=trace_meta: calls.read_tool(  # type: ignore[arg-type]
@@ -114,7 +117,8 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
         else:
             obs.reads += 1
             obs.after = after
-            finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors)
+            finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors,
+                            compiled=compiled)
             if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
                 obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
             if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):

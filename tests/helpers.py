@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import psutil
+
 from proofline.envelope import Envelope
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
@@ -75,3 +77,21 @@ class LosingBroker:
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None) -> str:
         self.lost.append(message)
         return task_id or ""
+
+
+def sor_processes(stack: Stack, role: str | None = None) -> list[psutil.Process]:
+    """The stdio system-of-record servers the workers spawned (``role``: writer or reader only),
+    not the sh/bwrap processes that sandbox them nor the witness relay wrapping each."""
+    found = []
+    for worker in stack.workers:
+        for child in psutil.Process(worker.pid).children(recursive=True):
+            try:
+                # The witness relay names the server in its argv: not a server itself.
+                cmdline = " ".join(child.cmdline())
+                if ("proofline_kit.sor" in cmdline and "proofline_kit.witness" not in cmdline
+                        and child.name().startswith("python")
+                        and (role is None or child.environ().get("SOR_ROLE") == role)):
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+    return found

@@ -127,7 +127,7 @@ def classify(report: CallReport, contract: Contract, limit: int | None = None) -
     operation_id = None
     if contract.operation_id:
         try:
-            operation_id = evaluate(contract.operation_id, {"result": values})
+            operation_id = evaluate(contract.operation_id, {"result": values}, contract.compiled())
         except ConditionError as exc:
             return Classification(Outcome.unknown_outcome, "operation_id_missing", values=values,
                                   evidence=exc.as_evidence())

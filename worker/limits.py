@@ -54,7 +54,8 @@ def action_amount(contract: Contract, envelope: Envelope) -> int | None:
         return None
     doc = envelope.model_dump(mode="json")
     try:
-        amount = evaluate(contract.amount_cents, {"envelope": doc, "args": doc["arguments"], "target": doc["target"]})
+        amount = evaluate(contract.amount_cents, {"envelope": doc, "args": doc["arguments"], "target": doc["target"]},
+                          contract.compiled())
     except ConditionError as exc:
         raise AuthorityBudgetExceeded(f"the amount cannot be read: {exc.detail}", expr=contract.amount_cents) from None
     if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:

@@ -28,16 +28,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
+import httpx2
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from proofline.errors import McpUnavailable
-from worker import sandbox
+from worker import calls, sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_audit import Auditor
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
+from worker.tool_list import ToolListCache
 
 T = TypeVar("T")
 Role = Literal["write", "read"]
@@ -78,13 +80,15 @@ def _alive(pid: int) -> bool:
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
                     environment: str = "development", status_path: str | None = None,
-                    max_message_bytes: int | None = None, audit: Auditor | None = None) -> Any:
-    """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials),
-    or a stdio command, sandboxed unless the servers file disables it with a reason, read through a
-    transport that bounds every message to ``max_message_bytes`` when given."""
+                    max_message_bytes: int | None = None, audit: Auditor | None = None,
+                    watch: Callable[[WatchedTransport], None] | None = None) -> Any:
+    """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials, or
+    one whose connection pool is handed to ``watch`` for the tool-list cache), or a stdio command, sandboxed
+    unless the servers file disables it with a reason, read through a transport that bounds every
+    message to ``max_message_bytes`` when given."""
     if endpoint.transport == "http":
-        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file:
-            return _credentialed_http(endpoint)
+        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None:
+            return _http_transport(endpoint, watch)
         return endpoint.url
     argv = endpoint.argv()
     cwd = endpoint.working_directory(base_dir)
@@ -126,12 +130,24 @@ def _read_secret(path: str) -> str:
         raise McpUnavailable(f"cannot read the credential file {path}: {exc.strerror}") from None
 
 
-def _credentialed_http(endpoint: Endpoint) -> Any:
+class WatchedTransport(httpx2.AsyncHTTPTransport):
+    """An HTTP transport that can say which connections it holds open, for the tool-list cache."""
+
+    def open_connections(self) -> frozenset[Any]:
+        """The pool's connections when every one is still usable; empty when any was closed or the
+        server ended it (end-of-file on an idle keep-alive connection, as when the server restarts)."""
+        held = list(self._pool.connections)
+        if any(c.is_closed() or c.has_expired() for c in held):
+            return frozenset()
+        return frozenset(held)
+
+
+def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None) -> Any:
     """A streamable-HTTP transport whose client sends this identity's headers (and client
-    certificate), read from their files at each connect so a rotated secret is picked up."""
+    certificate), read from their files at each connect so a rotated secret is picked up; its
+    connection pool is handed to ``watch`` when given."""
     import ssl
 
-    import httpx2
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 
@@ -144,11 +160,16 @@ def _credentialed_http(endpoint: Endpoint) -> Any:
                 verify.load_cert_chain(endpoint.client_cert_file, endpoint.client_key_file)
             except OSError as exc:
                 raise McpUnavailable(f"cannot load the client certificate: {exc.strerror}") from None
+    credentialed = bool(headers) or verify is not True
 
     @asynccontextmanager
     async def transport() -> AsyncIterator[Any]:
+        # The transport carries the TLS settings (a client given a transport ignores its own).
+        pool = WatchedTransport(verify=verify, trust_env=not credentialed)
+        if watch is not None:
+            watch(pool)
         async with httpx2.AsyncClient(
-            headers=headers, verify=verify, trust_env=False,
+            headers=headers, transport=pool, trust_env=not credentialed,
             timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT),
         ) as http:
             async with streamable_http_client(endpoint.url or "", http_client=http) as streams:
@@ -185,6 +206,10 @@ class _Session:
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
         self.auditor: Auditor | None = None
+        #: This session's tool list (a new session starts empty: a reconnection always lists again).
+        self.tools = ToolListCache()
+        self.transport: WatchedTransport | None = None
+        self._child_pid: int | None = None
         if endpoint.transport == "stdio":
             # Refused here (production, no reason) as a configuration error, before anything is spawned.
             sandbox.require_policy(name, role, endpoint.sandbox, environment)
@@ -203,8 +228,10 @@ class _Session:
         try:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
-                                     max_message_bytes=self.max_message_bytes, audit=self.auditor)
-            async with Client(connectable(target, self.name, self.role), mode=self.endpoint.protocol) as client:
+                                     max_message_bytes=self.max_message_bytes, audit=self.auditor,
+                                     watch=self._watch)
+            async with Client(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
+                              message_handler=self.tools.notify) as client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()
@@ -214,6 +241,28 @@ class _Session:
             self.client = None
             self.dead = True
             self._ready.set()
+
+    def _watch(self, transport: WatchedTransport) -> None:
+        self.transport = transport
+
+    def connections(self) -> frozenset[Any] | None:
+        """What this session talks over now: the HTTP connections it holds open, or the sandboxed
+        stdio server's process while it lives (empty once it is gone, even before the session has
+        read the end of its output); None for an unsandboxed stdio server (its session ends with it)."""
+        if self.transport is not None:
+            return self.transport.open_connections()
+        if self.status_path is None:
+            return None
+        if self._child_pid is None:
+            self._child_pid = sandbox.read_status(self.status_path).get("child-pid")
+        return frozenset({self._child_pid}) if self._child_pid and _alive(self._child_pid) else frozenset()
+
+    async def tool_hashes(self, max_age: float) -> dict[str, str]:
+        """The server's tool contract hashes, from this session's cache while it is valid."""
+        client = self.client
+        if client is None:
+            raise McpUnavailable(f"{self.name}/{self.role}: session closed before the request")
+        return await self.tools.get(lambda: calls.live_tool_hashes(client), max_age, self.connections)
 
     def violation(self) -> dict[str, Any] | None:
         """If this session's sandboxed process was killed by a limit: the evidence (counted once)."""
@@ -376,6 +425,13 @@ class McpSessions:
             return self._portal.call(_cancellable, fn, client, cancel_handle)
         finally:
             self._collect(session, in_flight=True)
+
+    def tool_hashes(self, server: Server, max_age: float, role: Role = "write") -> tuple[dict[str, str], str | None]:
+        """The contract hashes of the tools ``server`` lists, and why they were listed now (None when
+        they came from the session's cache; see worker/tool_list.py)."""
+        session = self._session(server, role)
+        hashes = self._portal.call(session.tool_hashes, max_age)
+        return hashes, session.tools.last_miss
 
     def server_version(self, server: Server, role: Role = "write") -> str | None:
         session = self._session(server, role)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proofline.conditions import build_arguments, holds
+from proofline.conditions import Variables, build_arguments, holds
 from proofline.contracts import Contract, extract
 from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed
@@ -27,7 +27,7 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
     """One authoritative read through the contract's precondition read path."""
     path = contract.precondition_read
     try:
-        arguments = build_arguments(path.arguments, _variables(envelope))
+        arguments = build_arguments(path.arguments, _variables(envelope), contract.compiled())
     except Exception as exc:  # noqa: BLE001 - the read cannot even be asked for: no snapshot
         raise TargetReadFailed(f"read {path.tool} arguments could not be built: {str(exc)[:300]}") from None
     try:
@@ -57,11 +57,15 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
 
 
 def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:
-    """The live server version and tool hashes. Listing tools has no side effect, so a session
-    that turns out to be dead is replaced and asked once more before giving up."""
+    """The live server version and tool hashes (the session's tool list while it is valid: see
+    worker/tool_list.py). Listing tools has no side effect, so a session that turns out to be dead
+    is replaced and asked once more before giving up."""
+    max_age = server.tool_list_max_age_seconds
+    if max_age is None:
+        max_age = rt.settings.tool_list_max_age_seconds
     for attempt in (1, 2):
         try:
-            return rt.mcp.server_version(server), rt.mcp.run(server, "write", calls.live_tool_hashes)
+            return rt.mcp.server_version(server), rt.mcp.tool_hashes(server, max_age)[0]
         except McpUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken session, reported as unavailable
@@ -73,13 +77,14 @@ def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, st
 
 def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
     """Evaluate every precondition; a condition that cannot be evaluated has failed."""
-    variables = _variables(envelope, before=before)
+    variables = Variables(_variables(envelope, before=before))  # converted to CEL once for every condition
+    compiled = contract.compiled()
     failures = []
     conditions = [(c.name, c.expr, c.reason) for c in contract.preconditions]
     conditions += [(f"envelope[{i}]", expr, "precondition_failed") for i, expr in enumerate(envelope.preconditions)]
     for name, expr, reason in conditions:
         try:
-            ok = holds(expr, variables)
+            ok = holds(expr, variables, compiled)
         except ConditionError as exc:
             ok, reason = False, exc.code
         if not ok:

@@ -114,6 +114,9 @@ class Server(BaseModel):
     expected_version: str | None = None
     #: Largest result this server may return (bytes); lowers the settings' limit, never raises it.
     max_result_bytes: int | None = Field(default=None, gt=0)
+    #: How long the tool list may be reused for contract checks (seconds; 0: list on every action);
+    #: unset: the setting ``tool_list_max_age_seconds``.
+    tool_list_max_age_seconds: float | None = Field(default=None, ge=0)
 
 
 #: Never inherited by a read identity: credentials are per identity.

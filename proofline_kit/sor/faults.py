@@ -26,6 +26,8 @@ MODES = frozenset(
         "unavailable",
         "read_lag",
         "operation_ttl",
+        "list_changed",
+        "contract_variant",
     }
 )
 #: Tool name of the switch that takes every read tool down.
@@ -35,6 +37,9 @@ READ_OUTAGE = "*read*"
 READ_LAG = "*lag*"
 #: Tool name of the switch that gives the next operation record a short time to live.
 OPERATION_TTL = "*operation_ttl*"
+#: Tool name of the switch that sets the tool-contract variant a server starts with (its
+#: ``delay_seconds`` holds the variant number; ``SOR_CONTRACT_VARIANT`` in the environment wins).
+CONTRACT_VARIANT = "*contract_variant*"
 #: How long ``drop_response`` sleeps when no delay is given: far past any client timeout.
 DROP_RESPONSE_DEFAULT_SECONDS = 3600.0
 
@@ -102,6 +107,22 @@ def set_replica_position(path: str | os.PathLike[str] | None, at: float | None, 
 def set_operation_ttl(path: str | os.PathLike[str] | None, seconds: float, remaining: int = 1) -> None:
     """Give the next ``remaining`` operation records a time to live of ``seconds`` (from their start)."""
     set_fault(path, OPERATION_TTL, "operation_ttl", remaining=remaining, delay_seconds=seconds)
+
+
+def set_contract_variant(path: str | os.PathLike[str] | None, variant: int | None) -> None:
+    """Servers started from now on publish tool-contract ``variant`` (None: the default, 1). A
+    running server keeps its tools: this is how a test restarts a stdio server, which the worker
+    spawns itself, with a changed schema."""
+    if variant is None:
+        clear_faults(path, CONTRACT_VARIANT)
+    else:
+        set_fault(path, CONTRACT_VARIANT, "contract_variant", remaining=-1, delay_seconds=float(variant))
+
+
+def contract_variant(path: str | os.PathLike[str] | None) -> str | None:
+    """The variant set by :func:`set_contract_variant`, if any."""
+    fault = take_fault(path, CONTRACT_VARIANT, readonly=True)
+    return None if fault is None else str(int(fault.delay_seconds))
 
 
 def _active(conn: sqlite3.Connection, tool: str) -> sqlite3.Row | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 from mcp.server.mcpserver import Context
-from mcp.types import CallToolResult, TextContent, ToolAnnotations
+from mcp.types import CallToolResult, TextContent, ToolAnnotations, ToolListChangedNotification
 
 from proofline_kit.sor import store
 from proofline_kit.sor.db import now
@@ -53,12 +53,21 @@ class SorConfig:
         role = role or os.environ.get("SOR_ROLE", "writer")
         if role not in ("writer", "reader"):
             raise ValueError(f"role must be writer or reader, not {role!r}")
+        path = store.resolve_path(db_path)
         return cls(
-            db_path=str(store.resolve_path(db_path)),
+            db_path=str(path),
             role=role,
-            contract_variant=os.environ.get("SOR_CONTRACT_VARIANT", "1"),
+            contract_variant=os.environ.get("SOR_CONTRACT_VARIANT") or _stored_variant(path) or "1",
             version=os.environ.get("SOR_VERSION", "1.0.0"),
         )
+
+
+def _stored_variant(path: Any) -> str | None:
+    """The variant a test set in the store (``store.set_contract_variant``); none in a new store."""
+    try:
+        return store.contract_variant(path)
+    except sqlite3.Error:
+        return None
 
 
 def error_result(error_class: str, message: str, reason: str | None = None) -> CallToolResult:
@@ -163,6 +172,10 @@ class Runner:
                                     f"{sent[0]} progress notifications sent" if sent[0] else "")
                 raise
             mode = fault.mode if fault else None
+            if mode == "list_changed":
+                # On this request's own stream: it reaches the client on every transport.
+                await ctx.session.send_notification(ToolListChangedNotification(),
+                                                    related_request_id=ctx.request_id)
             if mode == "ignore_cancel":
                 return render(await self._ignoring_cancel(tool, key, fault.delay_seconds, apply))
             if mode == "fail_before_commit":

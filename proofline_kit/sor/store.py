@@ -24,7 +24,9 @@ from proofline_kit.sor.faults import (
     READ_OUTAGE,
     Fault,
     clear_faults,
+    contract_variant,
     list_faults,
+    set_contract_variant,
     set_fault,
     set_operation_ttl,
     set_read_outage,
@@ -58,6 +60,8 @@ __all__ = [
     "set_read_outage",
     "set_replica_position",
     "set_operation_ttl",
+    "set_contract_variant",
+    "contract_variant",
     "take_fault",
     "list_faults",
     # effects (ground truth)

@@ -109,6 +109,11 @@ class WitnessLog:
         """The answers the server sent to matching calls (``is_error`` / ``rpc_error``), in order."""
         return [c.result for c in self.calls(tool, key, server, action, since) if c.result is not None]
 
+    def requests(self, method: str | None = None, server: str | None = None, since: int = 0) -> list[dict[str, Any]]:
+        """Requests other than ``tools/call`` the server was handed (``method``, ``server``, ``at``)."""
+        return [r for r in self.records("request", since)
+                if (method is None or r.get("method") == method) and (server is None or r.get("server") == server)]
+
     def cancels(self, key: str | None = None, since: int = 0) -> list[dict[str, Any]]:
         """``notifications/cancelled`` the client sent (matched to its call when the witness saw it)."""
         return [r for r in self.records("cancel", since) if key is None or r.get("idempotency_key") == key]

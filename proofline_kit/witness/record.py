@@ -3,7 +3,8 @@
 The witness never interprets a call's outcome beyond the wire: it records that a ``tools/call``
 request went to the server (``call``), that the server answered it (``result``, with ``isError``
 or the JSON-RPC error code), that the client cancelled it (``cancel``), that the server sent
-progress for it (``progress``). A request the relay could not hand to the server is never
+progress for it (``progress``); any other request (``tools/list``, discovery, the handshake) is
+one ``request`` record with its method, so requests per action can be counted on the wire. A request the relay could not hand to the server is never
 recorded: the HTTP relay connects upstream before it reads a byte of the request, and the stdio
 relay stops recording once the server's stdin is closed. Every record is one ``write(2)`` on a file opened with ``O_APPEND``, so several
 witness processes (one per worker session) can share one log and a reader never sees half a line
@@ -28,7 +29,7 @@ KEY_META = "proofline/idempotency_key"
 ACTION_META = "proofline/action_id"
 FENCING_META = "proofline/fencing_token"
 
-KINDS = ("call", "result", "cancel", "progress")
+KINDS = ("call", "result", "cancel", "progress", "request")
 
 
 def arguments_sha256(arguments: Any) -> str:
@@ -86,6 +87,9 @@ class Observer:
             params = params if isinstance(params, dict) else {}
             if method == "tools/call" and "id" in item:
                 self._call(item["id"], params)
+            elif isinstance(method, str) and "id" in item:
+                # Every other request (tools/list, discovery, the handshake) is counted, not followed.
+                self.writer.write({**self.base, "kind": "request", "method": method[:100], "id": item["id"]})
             elif method == "notifications/cancelled":
                 rid = params.get("requestId")
                 call = self.pending.get(rid) or self.open_calls.only(self.session, rid)

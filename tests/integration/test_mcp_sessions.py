@@ -13,22 +13,7 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline_kit.sor import store as sor
 from tests.conftest import CANARY_SECRET, Stack, wait_for
-
-
-def sor_processes(stack: Stack) -> list[psutil.Process]:
-    found = []
-    for worker in stack.workers:
-        for child in psutil.Process(worker.pid).children(recursive=True):
-            try:
-                # The server itself, not the sh/bwrap processes that sandbox it.
-                cmdline = " ".join(child.cmdline())
-                # The witness relay wrapping each server names it in its argv: not a server itself.
-                if ("proofline_kit.sor" in cmdline and "proofline_kit.witness" not in cmdline
-                        and child.name().startswith("python")):
-                    found.append(child)
-            except psutil.NoSuchProcess:
-                continue
-    return found
+from tests.helpers import sor_processes
 
 
 def ticket(stack: Stack, title: str = "disk full"):
