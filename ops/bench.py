@@ -646,12 +646,29 @@ class Bench:
                 """SELECT extract(epoch FROM f.at - p.at)::float8 * 1000 AS ms
                    FROM ledger_events p JOIN ledger_events f ON f.action_id = p.action_id AND f.event = 'final_state'
                    WHERE p.event = 'published' AND p.action_id = ANY(%s)""", ([e.action_id for e in envs],)).fetchall()
+            # Where the latency goes: the median gap before each ledger event (one action's events in
+            # order), and the tool call's own duration as the worker measured it.
+            gaps = probe.execute(
+                """WITH e AS (SELECT event, seq, extract(epoch FROM at - lag(at) OVER (PARTITION BY action_id
+                                                                                       ORDER BY seq)) * 1000 AS ms
+                              FROM ledger_events WHERE action_id = ANY(%s))
+                   SELECT event, min(seq) AS first_seq, count(*) AS n,
+                          percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50,
+                          percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99
+                   FROM e WHERE ms IS NOT NULL GROUP BY event ORDER BY first_seq""",
+                ([e.action_id for e in envs],)).fetchall()
+            call = probe.execute(
+                """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY (evidence->>'elapsed_ms')::float8) AS p50
+                   FROM ledger_events WHERE action_id = ANY(%s) AND event = 'tool_called'""",
+                ([e.action_id for e in envs],)).fetchone()
         finally:
             probe.close()
             stop_process(worker)
         latencies = [r["ms"] for r in rows]
         return {"actions": n, "settled": len(latencies), "rate_per_second": rate,
                 "publisher_most_behind_ms": late * 1000,
+                "gap_before_event_ms": {r["event"]: {"n": r["n"], "p50": r["p50"], "p99": r["p99"]} for r in gaps},
+                "tool_call_ms_p50": call["p50"],
                 "latency_ms": {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
                                "p99": percentile(latencies, 99), "max": max(latencies, default=None)}}
 
@@ -817,6 +834,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines.append(f"  open loop at {open_loop['rate_per_second']:.1f}/s ({open_loop['settled']}/{open_loop['actions']} "
                      f"settled): publish -> final p50 {fmt(lat['p50'])} ms, p95 {fmt(lat['p95'])} ms, "
                      f"p99 {fmt(lat['p99'])} ms (publisher at most {fmt(open_loop['publisher_most_behind_ms'])} ms late)")
+        gaps = open_loop.get("gap_before_event_ms") or {}
+        lines.append("    median gap before each event (ms): " + ", ".join(
+            f"{event} {fmt(g['p50'])}" for event, g in gaps.items()) + f"; tool call itself {fmt(open_loop.get('tool_call_ms_p50'))}")
     if full:
         unexpected = {k: v for k, v in full["events"].items() if k not in HAPPY_EVENTS}
         if unexpected:

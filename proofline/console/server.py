@@ -4,7 +4,6 @@ Bound to 127.0.0.1 unless told otherwise."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,16 +11,7 @@ import uvicorn
 
 from proofline.console.access import Sessions, load_users
 from proofline.console.app import create_app
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
+from proofline.listen import listening_socket
 
 
 def operator_role() -> str:
@@ -41,7 +31,7 @@ def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
           on_ready: Callable[[str, int], None] | None = None) -> None:
     """Serve until interrupted. The users file is read once, before the socket opens."""
     sessions = Sessions(load_users(users_file))
-    sock = bind(host, port)
+    sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 
+from proofline.listen import listening_socket
 from proofline_kit.sor import store
 from proofline_kit.sor.runtime import IDEMPOTENCY_META_KEY, SERVER_NAME, Runner, SorConfig
 from proofline_kit.sor.tools import register
@@ -69,7 +69,7 @@ def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Pat
     import anyio
     import uvicorn
 
-    sock = socket.create_server((host, port))
+    sock = listening_socket(host, port)
     tmp = port_file.with_name(port_file.name + ".tmp")
     tmp.write_text(f"{sock.getsockname()[1]}\n")
     os.replace(tmp, port_file)

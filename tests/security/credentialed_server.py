@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import ssl
 import sys
 from collections import Counter
@@ -19,6 +18,8 @@ from typing import Any
 
 import uvicorn
 from mcp.server.mcpserver import MCPServer
+
+from proofline.listen import listening_socket
 
 SEEN: Counter[str] = Counter()
 server = MCPServer("credentialed", version="1.0.0")
@@ -58,9 +59,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 2:
         tls = {"ssl_certfile": argv[2], "ssl_keyfile": argv[3], "ssl_ca_certs": argv[4],
                "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
+    sock = listening_socket("127.0.0.1", 0)
     tmp = port_file.with_name(port_file.name + ".tmp")
     tmp.write_text(str(sock.getsockname()[1]))
     os.replace(tmp, port_file)
