@@ -66,6 +66,9 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_scrubbing(*([logger] if logger is not None else []))
     # After the scrubbing filter: the action's fields and the extras are written as it left them.
     install_log_format(get_settings().log_format, *([logger] if logger is not None else []))
+    # The MCP SDK's HTTP client logs every request at INFO (three lines per action, each carrying
+    # the action's fields): the ledger and the spans already hold them. Its warnings still show.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 @signals.worker_process_shutdown.connect
