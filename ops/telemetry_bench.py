@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=("http", "stdio"), default="http")
     parser.add_argument("--parts", action="store_true", help="also a window per part (metrics, spans, logs) each round")
     parser.add_argument("--sampled", action="store_true", help=f"also a window with everything on and "
-                        f"{SAMPLED:.0%} of actions traced (OTEL_TRACES_SAMPLER=parentbased_traceidratio)")
+                        f"{SAMPLED:.0%}% of actions traced (OTEL_TRACES_SAMPLER=parentbased_traceidratio)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     modes = ["off", "on", *(["sampled"] if args.sampled else []), *(sorted(PARTS) if args.parts else [])]
