@@ -39,23 +39,28 @@ def check_chains(conn: Any, on_event: Callable[[dict[str, Any]], None] | None = 
     heads: dict[str, tuple[int, str]] = {}
     events = 0
     with conn.cursor() as cur:
+        # Anchors first, events second: each statement reads its own snapshot, so an event appended
+        # in between makes a chain longer than its anchor (checked at the anchored seq below), never
+        # shorter (which would read as removed events).
+        cur.execute("SELECT action_id, ledger_seq, ledger_head FROM actions WHERE ledger_seq > 0")
+        anchors = {row["action_id"]: row for row in cur}
         cur.execute(CHECK_SQL)
         for row in cur:
             events += 1
             action_id = row["action_id"]
             chains.add(action_id)
-            heads[action_id] = (row["seq"], row["hash"])
+            anchor = anchors.get(action_id)
+            if anchor is None or row["seq"] <= anchor["ledger_seq"]:
+                heads[action_id] = (row["seq"], row["hash"])  # the last event up to the anchor
             if on_event is not None:
                 on_event(row)
             problem = None if action_id in broken else link_problem(row)
             if problem:
                 broken[action_id] = BrokenLink(action_id, row["seq"], problem)
         # Each action row anchors its chain's head: a chain that ends early lost its last events.
-        cur.execute("SELECT action_id, ledger_seq, ledger_head FROM actions WHERE ledger_seq > 0")
-        for row in cur:
-            action_id = row["action_id"]
+        for action_id, anchor in anchors.items():
             if action_id not in broken:
-                gap = head_problem(action_id, heads.get(action_id, (0, "")), row)
+                gap = head_problem(action_id, heads.get(action_id, (0, "")), anchor)
                 if gap is not None:
                     broken[action_id] = gap
     return len(chains), events, sorted(broken.values(), key=lambda b: b.action_id)
@@ -85,13 +90,15 @@ def head_problem(action_id: str, head: tuple[int, str], anchor: dict[str, Any]) 
 
 def check_chain(cur: Any, action_id: str) -> tuple[int, BrokenLink | None]:
     """One chain: (events, its first broken link or None), by the same rules as :func:`check_chains`."""
+    # The anchor before the events, as in check_chains: a concurrent append only lengthens the chain.
+    cur.execute("SELECT ledger_seq, ledger_head FROM actions WHERE action_id = %s AND ledger_seq > 0", (action_id,))
+    anchor = cur.fetchone()
     cur.execute(CHAIN_CHECK_SQL, (action_id,))
     rows = list(cur.fetchall())
     for row in rows:
         problem = link_problem(row)
         if problem:
             return len(rows), BrokenLink(action_id, row["seq"], problem)
-    cur.execute("SELECT ledger_seq, ledger_head FROM actions WHERE action_id = %s AND ledger_seq > 0", (action_id,))
-    anchor = cur.fetchone()
-    head = (rows[-1]["seq"], rows[-1]["hash"]) if rows else (0, "")
+    upto = [r for r in rows if anchor is None or r["seq"] <= anchor["ledger_seq"]]
+    head = (upto[-1]["seq"], upto[-1]["hash"]) if upto else (0, "")
     return len(rows), head_problem(action_id, head, anchor) if anchor else None
