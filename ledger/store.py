@@ -83,6 +83,14 @@ def begin_with_read(conn: psycopg.Connection[dict[str, Any]], sql: str, params: 
 _held_reads: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 
 
+def holds_read(conn: psycopg.Connection[dict[str, Any]]) -> bool:
+    """Whether the transaction :func:`begin_with_read` opened on ``conn`` is still open and usable.
+    ``ACTIVE`` counts: the lease's session keeper (another thread) may be running its ``SELECT 1``
+    inside it at this moment; the next statement waits for the connection's lock."""
+    return conn in _held_reads and conn.info.transaction_status in (
+        psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.ACTIVE)
+
+
 def end_held_read(conn: psycopg.Connection[dict[str, Any]]) -> None:
     """Roll back the read :func:`begin_with_read` left open on ``conn``, if any (it wrote nothing)."""
     if conn in _held_reads:
@@ -102,7 +110,7 @@ def pipelined(conn: psycopg.Connection[dict[str, Any]], *, begun: bool = False) 
     ``BEGIN``); otherwise, inside another transaction, this is :func:`transaction`.
     """
     if begun:
-        if conn not in _held_reads or conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        if not holds_read(conn):
             raise psycopg.ProgrammingError("pipelined(begun=True) needs the transaction begin_with_read opened")
         _held_reads.discard(conn)
     else:
@@ -399,6 +407,8 @@ def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, actio
     args = (key, action_id, tenant, argument_hash, contract_hash, replay_window_seconds, lease, recovery_data,
             redactor, events, actor)
     try:
+        if conn in _held_reads and not holds_read(conn):
+            end_held_read(conn)  # it failed or ended under us: the claim runs as its own transaction
         if conn in _held_reads:
             # The lock-and-read transaction is still open: the claim and its COMMIT finish it, one flight.
             with pipelined(conn, begun=True) as cur:

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
-
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
@@ -241,7 +239,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     # Polling may have outlasted the session's idle timeout: then rt.conn is a fresh connection (the
     # old one, and the load's transaction with it, is gone) and the verdict has a transaction of its
     # own; the guarded move from verifying re-checks what the load saw either way.
-    begun = rt.conn is conn and conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    begun = rt.conn is conn and store.holds_read(conn)
     if not begun:
         store.end_held_read(conn)
         conn = rt.conn

@@ -626,3 +626,30 @@ def test_a_held_read_is_ended_by_any_other_write(runtime, published):
     with pytest.raises(psycopg.ProgrammingError):
         with store.pipelined(runtime, begun=True):
             pass
+
+
+def test_a_held_read_survives_the_session_keepers_statement(runtime, published):
+    """Regression: the lease's session keeper (another thread) runs ``SELECT 1`` on the worker's
+    connection; while it is in flight the transaction reads as ACTIVE, and the claim took that for a
+    held read that had ended (ProgrammingError, the delivery retried). The read's continuation waits
+    for the connection instead, and commits in the same transaction."""
+    import threading
+
+    action, _ = published
+    assert store.begin_with_read(runtime, "SELECT status FROM actions WHERE action_id = %s", (action,))
+    pid = runtime.info.backend_pid
+    keeper = threading.Thread(target=lambda: runtime.execute("SELECT pg_sleep(0.5)"))
+    keeper.start()
+    try:
+        for _ in range(200):
+            if runtime.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+                break
+            threading.Event().wait(0.005)
+        assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE
+        assert store.holds_read(runtime)
+        with store.pipelined(runtime, begun=True) as cur:
+            cur.execute("SELECT pg_backend_pid() AS pid, txid_current_if_assigned() AS xid")
+        assert cur.fetchone()["pid"] == pid
+    finally:
+        keeper.join()
+    assert runtime.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
