@@ -20,6 +20,7 @@ from proofline_kit.rabbitmq_server import available as rabbitmq_available
 from proofline_kit.redis_server import RedisServer
 from proofline_kit.sor import store as sor
 from tests.conftest import BROKERS, Stack, build_stack, start_workers, teardown_stack, wait_for
+from tests.containment.helpers import worker_log
 from tests.helpers import new_account, refund_env
 
 
@@ -92,12 +93,10 @@ def _killable_broker(name: str, workdir: Path) -> RedisServer | RabbitServer:
 
 
 def _published_deliveries(s: Stack, task_ids: list[str]) -> list[int]:
-    """Deliveries the consumer counted for each originally published message (0: never delivered)."""
-    with s.conn.cursor() as cur:
-        cur.execute("SELECT message_key, deliveries FROM message_deliveries WHERE message_key = ANY(%s)",
-                    (["task:" + t for t in task_ids],))
-        counted = {r["message_key"]: r["deliveries"] for r in cur.fetchall()}
-    return [counted.get("task:" + t, 0) for t in task_ids]
+    """How often the worker received each originally published message (0: never delivered), from
+    Celery's receipt lines in the worker's log (a first delivery is not counted in the database)."""
+    log = worker_log(s)
+    return [log.count(f"Task proofline.execute[{t}] received") for t in task_ids]
 
 
 @pytest.mark.parametrize("broker", BROKERS)
