@@ -32,6 +32,19 @@ _state: dict[str, Any] = {"enabled": False, "provider": None, "tracer": None, "i
 #: tool server (the MCP SDK's client is httpx2; the request carries ``traceparent`` as a header
 #: too). Each is a child of the stage it ran in.
 CLIENTS = ("psycopg", "httpx")
+#: Which of :data:`CLIENTS` to instrument (comma-separated, or ``all``); none by default: a span per
+#: statement and per request doubled tracing's CPU in the worker (measured with
+#: ``ops/telemetry_bench.py``: worker CPU with tracing on 1.11x off without them, 1.38x with them),
+#: and the stage spans already time each statement flight and MCP request.
+CLIENTS_ENV = "PROOFLINE_TRACE_CLIENTS"
+
+
+def traced_clients() -> tuple[str, ...]:
+    """The client libraries :data:`CLIENTS_ENV` asks for, less those
+    ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names."""
+    asked = {n.strip() for n in os.environ.get(CLIENTS_ENV, "").split(",") if n.strip()}
+    disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
+    return tuple(n for n in CLIENTS if ("all" in asked or n in asked) and n not in disabled)
 
 
 def configured() -> list[str]:
@@ -48,8 +61,8 @@ def enabled() -> bool:
 
 def setup(service_name: str, environment: str, release: str | None = None, *, celery: bool = True) -> bool:
     """Start tracing in this process when configured (idempotent); instrument Celery publishing and
-    task runs, Postgres statements and HTTP requests (:data:`CLIENTS`, less those
-    ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names). Returns whether tracing is on."""
+    task runs, and the client libraries :func:`traced_clients` names (Postgres statements, HTTP
+    requests; none unless asked for). Returns whether tracing is on."""
     names = configured()
     if not names or _state["enabled"]:
         return _state["enabled"]
@@ -70,7 +83,7 @@ def setup(service_name: str, environment: str, release: str | None = None, *, ce
 
     observe.install_annotator(_ids)
     disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
-    for name in ("celery", *CLIENTS) if celery else CLIENTS:
+    for name in (*(("celery",) if celery else ()), *traced_clients()):
         if name not in disabled:
             instrumentor = _instrumentor(name)
             instrumentor.instrument(tracer_provider=provider)

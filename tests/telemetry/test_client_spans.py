@@ -23,7 +23,7 @@ from tests.conftest import Stack, build_stack, start_workers, teardown_stack
 from tests.helpers import ticket_env
 from tests.telemetry.test_traces import Span, ancestors, check_tree, no_payload, one_trace, spans_in
 
-TRACING = {"OTEL_TRACES_EXPORTER": "jsonl", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+TRACING = {"OTEL_TRACES_EXPORTER": "jsonl", "OTEL_BSP_SCHEDULE_DELAY": "200", "PROOFLINE_TRACE_CLIENTS": "psycopg,httpx"}
 
 
 @pytest.fixture(scope="module")

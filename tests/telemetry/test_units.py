@@ -76,3 +76,17 @@ def test_tracing_off_loads_no_tracer_and_instruments_nothing() -> None:
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[] []", done.stdout
+
+
+def test_client_libraries_are_traced_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proofline.telemetry import tracing
+
+    monkeypatch.delenv("PROOFLINE_TRACE_CLIENTS", raising=False)
+    monkeypatch.delenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", raising=False)
+    assert tracing.traced_clients() == ()
+    monkeypatch.setenv("PROOFLINE_TRACE_CLIENTS", "httpx")
+    assert tracing.traced_clients() == ("httpx",)
+    monkeypatch.setenv("PROOFLINE_TRACE_CLIENTS", "all")
+    assert tracing.traced_clients() == ("psycopg", "httpx")
+    monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "psycopg")
+    assert tracing.traced_clients() == ("httpx",)
