@@ -85,10 +85,12 @@ def _killable_broker(name: str, workdir: Path) -> RedisServer | RabbitServer:
     """A broker of our own that the test may SIGKILL: never the machine's shared one."""
     if name == "redis":
         if shutil.which("redis-server") is None:
-            pytest.skip("redis-server is not installed")
+            pytest.fail("redis-server is not installed: this test starts a Redis of its own to kill "
+                        "(Debian package redis-server; .ci/run expects it)")
         return RedisServer(workdir).start()  # on a port it could bind
     if not rabbitmq_available():
-        pytest.skip("RabbitMQ's scripts are not installed")
+        pytest.fail("RabbitMQ's scripts are not installed: this test starts a private node to kill "
+                    "(Debian package rabbitmq-server; .ci/run starts it)")
     return RabbitServer(workdir).start()  # a private node: its own name, ports, data and cookie
 
 
