@@ -159,7 +159,7 @@ def json_value(name: str, text: str, *, kind: type = dict) -> Any:
     except ValueError as exc:
         raise click.BadParameter(f"not JSON ({exc})", param_hint=name) from None
     if not isinstance(value, kind):
-        raise click.BadParameter(f"must be a JSON {'object' if kind is dict else kind.__name__}", param_hint=name)
+        raise click.BadParameter(f"not a JSON {'object' if kind is dict else kind.__name__}", param_hint=name)
     return value
 
 

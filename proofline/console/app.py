@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import click
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
@@ -29,7 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ledger.listing import ActionFilter
-from proofline.commands.base import connect, dash, ts
+from proofline.commands.base import connect, dash, json_value, ts
 from proofline.console import overview, reads
 from proofline.console.access import (
     CSRF_FIELD,
@@ -222,13 +223,10 @@ async def resolve(request: Request) -> Response:
         resolution = _field(form, "resolution")
         if resolution not in RESOLUTIONS:
             raise ConsoleInputInvalid(f"choose a resolution: {', '.join(RESOLUTIONS)}")
-        evidence_text = _field(form, "evidence") or "{}"
-        try:
-            evidence = json.loads(evidence_text)
-        except ValueError as exc:
-            raise ConsoleInputInvalid(f"the evidence is not JSON ({exc})") from None
-        if not isinstance(evidence, dict):
-            raise ConsoleInputInvalid("the evidence must be a JSON object")
+        try:  # the CLI's own parsing of `resolve --evidence`
+            evidence = json_value("evidence", _field(form, "evidence") or "{}")
+        except click.BadParameter as exc:
+            raise ConsoleInputInvalid(f"the evidence is {exc.message}") from None
         do_resolve(conn, action_id, resolution, session.user, _reason(form), evidence)
         return f"{action_id} resolved as {resolution}"
 
