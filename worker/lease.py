@@ -23,6 +23,7 @@ import psycopg
 from ledger import store
 from ledger.store import Cursor
 from proofline.errors import LeaseBusy
+from worker import timer
 
 log = logging.getLogger(__name__)
 
@@ -134,35 +135,35 @@ class SessionKeeper:
     """Keeps the lock-holding session busy from the moment the locks are taken until the action
     lets them go, so that Postgres's ``idle_session_timeout`` (the lease TTL) only ends the session
     of a worker that stopped running, never one that waits on a slow MCP server before the call
-    (the call itself also has its :class:`Heartbeat`)."""
+    (the call itself also has its :class:`Heartbeat`). Runs on the process's timer thread
+    (``worker/timer.py``): on the fast path it never fires, and costs no thread of its own."""
 
     def __init__(self, conn: psycopg.Connection, interval: float, touch=lambda: None) -> None:
         self.conn, self.interval, self.touch = conn, interval, touch
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lock-session-keeper", daemon=True)
+        self._job: timer.Job | None = None
 
     def start(self) -> SessionKeeper:
-        self._thread.start()
+        self._job = timer.every(self.interval, self._keep, name="lock-session-keeper")
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval + 5)
+        if self._job is not None:
+            self._job.stop(timeout=self.interval + 5)
 
-    def _run(self) -> None:
+    def _keep(self) -> bool:
         try:
-            while not self._stop.wait(self.interval):
-                if self.conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
-                    # A stage's pipelined flight is in progress otherwise: the session is busy, and a
-                    # statement from this thread would join that flight.
-                    with self.conn.cursor() as cur:
-                        cur.execute("SELECT 1")
-                self.touch()
+            if self.conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
+                # A stage's pipelined flight is in progress otherwise: the session is busy, and a
+                # statement from this thread would join that flight.
+                with self.conn.cursor() as cur:
+                    cur.execute("SELECT 1")
+            self.touch()
         except psycopg.Error:
             # The session is gone, and its locks with it: the claim transaction's lock check
             # (write_lease_txn) refuses to go on.
             log.warning("lock session lost", extra={"event": "lock_session_lost"})
+            return False
+        return True
 
 
 class Heartbeat:
@@ -183,44 +184,43 @@ class Heartbeat:
         self.cancel_seen = False
         self.lost = threading.Event()
         self.renewed_at = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{action_id}", daemon=True)
+        self._job: timer.Job | None = None
 
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        self._job = timer.every(self.interval, self._renew, name="lease-heartbeat")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval + 5)
+        if self._job is not None:
+            self._job.stop(timeout=self.interval + 5)
 
     def valid(self) -> bool:
         """True while the lease is certainly ours: renewed within the TTL, never reported lost."""
         return not self.lost.is_set() and time.monotonic() - self.renewed_at < self.ttl * 0.8
 
-    def _run(self) -> None:
+    def _renew(self) -> bool:
+        before = time.monotonic()
         try:
-            while not self._stop.wait(self.interval):
-                before = time.monotonic()
-                with self.conn.cursor() as cur:
-                    cur.execute(
-                        "UPDATE leases SET heartbeat_at = clock_timestamp(), "
-                        "expires_at = clock_timestamp() + make_interval(secs => %s) "
-                        "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING "
-                        "(SELECT cancel_requested_at IS NOT NULL FROM actions WHERE action_id = %s) AS cancel",
-                        (self.ttl, self.action_id, self.token, self.action_id),
-                    )
-                    row = cur.fetchone()
-                    renewed = row is not None
-                self.touch()
-                if renewed and row["cancel"] and not self.cancel_seen:
-                    self.cancel_seen = True
-                    self.on_cancel()
-                if not renewed:
-                    log.warning("lease lost", extra={"action_id": self.action_id, "event": "lease_lost"})
-                    self.lost.set()
-                    return
-                self.renewed_at = before
+            with self.conn.cursor() as cur:
+                cur.execute(
+                    "UPDATE leases SET heartbeat_at = clock_timestamp(), "
+                    "expires_at = clock_timestamp() + make_interval(secs => %s) "
+                    "WHERE action_id = %s AND fencing_token = %s AND released_at IS NULL RETURNING "
+                    "(SELECT cancel_requested_at IS NOT NULL FROM actions WHERE action_id = %s) AS cancel",
+                    (self.ttl, self.action_id, self.token, self.action_id),
+                )
+                row = cur.fetchone()
         except psycopg.Error:
             log.exception("heartbeat failed", extra={"action_id": self.action_id, "event": "heartbeat_failed"})
             self.lost.set()
+            return False
+        self.touch()
+        if row is not None and row["cancel"] and not self.cancel_seen:
+            self.cancel_seen = True
+            self.on_cancel()
+        if row is None:
+            log.warning("lease lost", extra={"action_id": self.action_id, "event": "lease_lost"})
+            self.lost.set()
+            return False
+        self.renewed_at = before
+        return True
