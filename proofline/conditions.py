@@ -14,6 +14,7 @@ process that asked survives.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -43,6 +44,8 @@ def _compile(source: str, limits: ConditionLimits = DEFAULT_LIMITS) -> tuple[Any
             raise
         raise ConditionError(f"cannot compile {source[:200]!r}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 #: Expressions outside any contract (an envelope's own preconditions), by their text.
 _compiled = lru_cache(maxsize=2048)(_compile)
@@ -91,19 +94,31 @@ def compile_expression(source: str, limits: ConditionLimits = DEFAULT_LIMITS) ->
 
 class Variables:
     """One set of variables for several expressions: converted to CEL values once (the conversion
-    costs far more than running a small program), the first time an expression needs it."""
+    costs far more than running a small program), the first time an expression needs them. Only the
+    variables an expression names are converted for it (the whole envelope is the largest value and
+    few expressions read it); expressions naming the same ones share one context."""
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
-        self._context: Any = None
+        self._contexts: dict[frozenset[str], Any] = {}
 
-    def context(self) -> Any:
-        if self._context is None:
+    def context(self, source: str | None = None) -> Any:
+        names = frozenset(self.values) if source is None else _identifiers(source).intersection(self.values)
+        context = self._contexts.get(names)
+        if context is None:
             context = cel.Context()
-            for name, value in self.values.items():
-                context.add_variable(name, value)
-            self._context = context
-        return self._context
+            for name in names:
+                context.add_variable(name, self.values[name])
+            self._contexts[names] = context
+        return context
+
+
+@lru_cache(maxsize=4096)
+def _identifiers(source: str) -> frozenset[str]:
+    """Every identifier-like word of ``source``: a superset of the variables it can read (CEL has
+    no way to name a variable other than by writing its name; words in string literals only make
+    the set larger, which costs a conversion, never a wrong answer)."""
+    return frozenset(_WORD.findall(source))
 
 
 def _plain(variables: dict[str, Any] | Variables) -> dict[str, Any]:
@@ -141,7 +156,7 @@ def evaluate_here(source: str, variables: dict[str, Any] | Variables, compiled: 
     program, shape = compiled.get(source) if compiled is not None else _compiled(source)
     _check_inputs(source, shape, _plain(variables))
     try:
-        return program.execute(variables.context() if isinstance(variables, Variables) else variables)
+        return program.execute(variables.context(source) if isinstance(variables, Variables) else variables)
     except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
         if _must_propagate(exc):
             raise

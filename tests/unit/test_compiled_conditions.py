@@ -96,3 +96,12 @@ def test_bound_variables_are_converted_once() -> None:
     first = bound.context()
     assert not conditions.holds("before.found", bound)
     assert bound.context() is first
+
+
+def test_only_the_variables_an_expression_names_are_converted() -> None:
+    # A value CEL cannot convert shows whether a variable was converted at all.
+    bound = conditions.Variables({"args": {"a": 1}, "envelope": {"bad": object()}})
+    assert conditions.holds("args.a == 1", bound)
+    with pytest.raises(conditions.ConditionError):
+        conditions.holds("envelope.bad == 1", bound)
+    assert conditions.holds("args.a == 1", bound)  # the failed conversion left the shared context intact
