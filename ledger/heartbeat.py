@@ -1,5 +1,5 @@
-"""The reconciler's heartbeat: every finished sweep stamps its process's row, so an operator (and
-``proofline doctor``) can tell that lost messages are being re-driven at all."""
+"""The reconciler's heartbeat: every sweep that commits stamps its process's row, so an operator
+(and ``proofline doctor``) can tell that lost messages are being re-driven at all."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from datetime import datetime
 from typing import Any
 
 from psycopg.types.json import Jsonb
-
-from ledger import store
 
 BEAT_SQL = """
 INSERT INTO reconciler_heartbeats (sweeper, swept_at, counts) VALUES (%s, clock_timestamp(), %s)
@@ -32,10 +30,9 @@ class Heartbeat:
     age_seconds: float
 
 
-def beat(conn: Any, sweeper: str, counts: dict[str, int]) -> None:
-    """Record that ``sweeper`` finished a sweep now."""
-    with store.transaction(conn) as cur:
-        cur.execute(BEAT_SQL, (sweeper, Jsonb(counts)))
+def beat_txn(cur: Any, sweeper: str, counts: dict[str, int]) -> None:
+    """Record that ``sweeper`` swept now (in the sweep's own transaction: it commits with it)."""
+    cur.execute(BEAT_SQL, (sweeper, Jsonb(counts)))
 
 
 def latest(cur: Any) -> Heartbeat | None:

@@ -3,6 +3,9 @@
 leaving them ``published`` would only hide why they never ran. The reconciler closes each with
 ``deadline_expired_unexecuted`` and the evidence of what was tried: re-drives, deliveries, the last
 refusal or error of any delivery that claimed the action, and the last event of its own chain.
+
+Both functions here write inside the caller's transaction (the reconciler's sweep is one). The
+closed actions' follow-ups (``recovery/settle.py``) are the caller's to run once it committed.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from typing import Any
 from ledger import store
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.errors import DeadlineExpiredUnexecuted
-from recovery.settle import after_settle
-from worker.dispatch import Dispatch
 
 log = logging.getLogger(__name__)
 
@@ -50,32 +51,30 @@ WHERE action_id = %s ORDER BY seq DESC LIMIT 1
 """
 
 
-def expire_overdue(conn: Any, dispatch: Dispatch, actor: str, grace_seconds: float, limit: int = 200) -> int:
-    """Close every overdue unexecuted action; returns how many were closed."""
+def close_overdue_txn(cur: Any, actor: str, grace_seconds: float, limit: int = 200) -> list[str]:
+    """Close every overdue unexecuted action (rows taken with ``SKIP LOCKED``); returns their ids,
+    whose follow-ups the caller runs once its transaction committed."""
     closed: list[str] = []
-    with store.transaction(conn) as cur:
-        cur.execute(DUE_SQL, {"grace": grace_seconds, "limit": limit})
-        for row in list(cur.fetchall()):
-            evidence = _evidence(cur, row, grace_seconds)
-            record = store.get_idempotency_txn(cur, row["idempotency_key"])
-            if record is not None and record.status in (IdempotencyStatus.in_progress, IdempotencyStatus.unknown):
-                # A claim without a known result: nothing is proven either way; an operator decides.
-                status, outcome = ActionStatus.escalated, Outcome.unknown_outcome
-            elif record is not None:
-                status, outcome = ActionStatus.closed, Outcome.failed_before_side_effect
-            else:
-                status, outcome = ActionStatus.closed, Outcome.not_started
-            store.append_event_txn(cur, row["action_id"], DeadlineExpiredUnexecuted.code, actor, evidence)
-            store.transition_txn(cur, row["action_id"], [ActionStatus.published], status, outcome=outcome,
-                                 reason_code=DeadlineExpiredUnexecuted.code)
-            closed.append(row["action_id"])
-            log.error("action expired unexecuted", extra={
-                "event": "deadline_expired_unexecuted", "action_id": row["action_id"],
-                "deliveries": evidence["deliveries"]["deliveries"], "redrives": evidence["redrives"],
-                "last_refusal": (evidence["last_refusal"] or {}).get("reason_code")})
-    for action_id in closed:
-        after_settle(conn, actor, action_id, dispatch)
-    return len(closed)
+    cur.execute(DUE_SQL, {"grace": grace_seconds, "limit": limit})
+    for row in list(cur.fetchall()):
+        evidence = _evidence(cur, row, grace_seconds)
+        record = store.get_idempotency_txn(cur, row["idempotency_key"])
+        if record is not None and record.status in (IdempotencyStatus.in_progress, IdempotencyStatus.unknown):
+            # A claim without a known result: nothing is proven either way; an operator decides.
+            status, outcome = ActionStatus.escalated, Outcome.unknown_outcome
+        elif record is not None:
+            status, outcome = ActionStatus.closed, Outcome.failed_before_side_effect
+        else:
+            status, outcome = ActionStatus.closed, Outcome.not_started
+        store.append_event_txn(cur, row["action_id"], DeadlineExpiredUnexecuted.code, actor, evidence)
+        store.transition_txn(cur, row["action_id"], [ActionStatus.published], status, outcome=outcome,
+                             reason_code=DeadlineExpiredUnexecuted.code)
+        closed.append(row["action_id"])
+        log.error("action expired unexecuted", extra={
+            "event": "deadline_expired_unexecuted", "action_id": row["action_id"],
+            "deliveries": evidence["deliveries"]["deliveries"], "redrives": evidence["redrives"],
+            "last_refusal": (evidence["last_refusal"] or {}).get("reason_code")})
+    return closed
 
 
 def _evidence(cur: Any, row: dict[str, Any], grace_seconds: float) -> dict[str, Any]:
@@ -104,9 +103,8 @@ DELETE FROM message_deliveries WHERE message_key IN (
 """
 
 
-def prune_deliveries(conn: Any, older_than_seconds: float, limit: int = 5000) -> int:
+def prune_deliveries_txn(cur: Any, older_than_seconds: float, limit: int = 5000) -> int:
     """Forget settled delivery counts once no action they could explain can still be open (they
     are evidence for the expiry above, which happens within a deadline plus its grace)."""
-    with store.transaction(conn) as cur:
-        cur.execute(PRUNE_SQL, {"age": older_than_seconds, "limit": limit})
-        return cur.rowcount
+    cur.execute(PRUNE_SQL, {"age": older_than_seconds, "limit": limit})
+    return cur.rowcount

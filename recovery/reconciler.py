@@ -10,19 +10,32 @@ Run periodically by Celery beat on the ``reconcile`` queue. Each sweep looks for
 - run steps and compensated parents whose follow-up was lost between a commit and its hook.
 Safe on several workers at once: rows are taken with ``FOR UPDATE SKIP LOCKED`` and pushed back
 by ``next_check_at`` in the same statement, so two sweepers never re-drive the same action twice.
-The reconcile task runs a sweep once per period for the whole fleet (``recovery/sweep_gate.py``).
+
+A sweep is one transaction for all it takes: the deadline expiry's closures, the delivery prune,
+the five claims below (one flight) with their ``redriven`` events. Only once it committed are the
+messages sent and the settled actions' follow-ups run (:func:`send`): a message is never sent
+before the state that explains it is committed, and a sweep that dies before its commit took
+nothing (its rows are found again). The reconcile task (:func:`sweep_once`) runs it once per period
+for the whole fleet (``recovery/sweep_gate.py``), in the same transaction as the period's claim,
+the heartbeat and the run's finish stamp: a sweep that finds nothing is one commit.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-from ledger import store
+import psycopg
+
+from ledger import heartbeat, store
 from proofline.errors import ProoflineError
+from proofline.settings import Settings
 from proofline.telemetry import tracing
-from recovery.expiry import expire_overdue, prune_deliveries
+from recovery.expiry import close_overdue_txn, prune_deliveries_txn
 from recovery.settle import after_settle
+from recovery.sweep_gate import SweepRun, Swept, run_once
+from worker import faultpoints
 from worker.dispatch import Dispatch
 
 log = logging.getLogger(__name__)
@@ -70,30 +83,101 @@ SWEEPS = (
 )
 
 
+@dataclass
+class Taken:
+    """What one sweep took in its transaction, for :func:`send` to act on once that committed."""
+
+    counts: dict[str, int]
+    #: Actions the deadline expiry closed: their follow-ups (a parent to settle, a run to release).
+    expired: list[str] = field(default_factory=list)
+    #: Claimed rows (with ``trace``, and for ``execute`` the ``message`` to send again) and what to do.
+    redrives: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+
+
+def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_seconds: float, limit: int = 200,
+         deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0) -> Taken:
+    """Everything a sweep writes, inside the caller's transaction; nothing is sent."""
+    taken = Taken(counts={})
+    taken.expired = close_overdue_txn(cur, actor, deadline_grace_seconds, limit)
+    taken.counts["deadline_expired"] = len(taken.expired)
+    taken.counts["deliveries_pruned"] = prune_deliveries_txn(cur, delivery_retention_seconds)
+    claimed = _claim_all(cur, {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
+                               "verify_stale": verify_stale_seconds})
+    for (name, _, action), rows in zip(SWEEPS, claimed, strict=True):
+        for row in rows:
+            row["trace"] = _trace_of(cur, row["action_id"])
+            with tracing.resume(row["trace"], "proofline.redrive"):
+                store.append_event_txn(cur, row["action_id"], "redriven", actor,
+                                       {"reason": name, "status": row["status"], "by": "reconciler"})
+                if action == "execute":
+                    row["message"] = _message_or_refusal(cur, actor, row)
+            taken.redrives.append((row, action))
+        taken.counts[name] = len(rows)
+    return taken
+
+
+def _claim_all(cur: store.Cursor, params: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The five claims in one flight (pipeline mode; still the caller's transaction). Their
+    conditions are disjoint by status, so no two claim the same row."""
+    conn = cur.connection
+    cursors = [conn.cursor() for _ in SWEEPS]
+    with conn.pipeline():
+        for each, (_, condition, _) in zip(cursors, SWEEPS, strict=True):
+            each.execute(CLAIM_SQL.format(condition=condition), params)
+    return [list(each.fetchall()) for each in cursors]
+
+
+def _message_or_refusal(cur: store.Cursor, actor: str, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The sealed original to send again, byte for byte what the controller signed (``envelope`` is
+    redacted); None, with ``redrive_refused`` recorded, when it cannot be opened."""
+    try:
+        return store.signed_message_of(row)
+    except ProoflineError as exc:
+        store.append_event_txn(cur, row["action_id"], "redrive_refused", actor, exc.as_evidence())
+        row["refused"] = exc.code
+        return None
+
+
+def send(conn: Any, dispatch: Dispatch, actor: str, taken: Taken) -> None:
+    """What a committed sweep leaves to do: the expired actions' follow-ups, then the re-drives."""
+    for action_id in taken.expired:
+        after_settle(conn, actor, action_id, dispatch)
+    for row, action in taken.redrives:
+        with tracing.resume(row["trace"], "proofline.redrive"):
+            _redrive(conn, dispatch, actor, row, action)
+    if any(taken.counts.values()):
+        log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **taken.counts})
+
+
 def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, verify_stale_seconds: float,
           limit: int = 200, deadline_grace_seconds: float = 60.0,
           delivery_retention_seconds: float = 2 * 3600.0) -> dict[str, int]:
-    counts: dict[str, int] = {"deadline_expired": expire_overdue(conn, dispatch, actor, deadline_grace_seconds,
-                                                                 limit),
-                              "deliveries_pruned": prune_deliveries(conn, delivery_retention_seconds)}
-    for name, condition, action in SWEEPS:
-        with store.transaction(conn) as cur:
-            cur.execute(CLAIM_SQL.format(condition=condition),
-                        {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
-                         "verify_stale": verify_stale_seconds})
-            rows = list(cur.fetchall())
-            for row in rows:
-                row["trace"] = _trace_of(cur, row["action_id"])
-                with tracing.resume(row["trace"], "proofline.redrive"):
-                    store.append_event_txn(cur, row["action_id"], "redriven", actor,
-                                           {"reason": name, "status": row["status"], "by": "reconciler"})
-        for row in rows:
-            with tracing.resume(row["trace"], "proofline.redrive"):
-                _redrive(conn, dispatch, actor, row, action)
-        counts[name] = len(rows)
-    if any(counts.values()):
-        log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **counts})
-    return counts
+    """One sweep now, ungated (``proofline reconcile``): one transaction, then :func:`send`."""
+    with store.transaction(conn) as cur:
+        taken = take(cur, actor, stale_seconds=stale_seconds, verify_stale_seconds=verify_stale_seconds, limit=limit,
+                     deadline_grace_seconds=deadline_grace_seconds,
+                     delivery_retention_seconds=delivery_retention_seconds)
+    send(conn, dispatch, actor, taken)
+    return taken.counts
+
+
+def sweep_once(conn: psycopg.Connection[dict[str, Any]], dispatch: Dispatch, settings: Settings) -> SweepRun | None:
+    """The reconcile task's sweep: run if this process wins the period for the whole fleet, else
+    None. The period's claim, :func:`take`, the heartbeat (what ``proofline doctor`` reads) and the
+    run's finish stamp are one transaction; :func:`send` runs once it committed."""
+    actor = settings.worker_id
+
+    def body(run: SweepRun, cur: store.Cursor) -> Swept:
+        faultpoints.hit("during_sweep")  # the run holds its period and the lock here, uncommitted
+        taken = take(cur, actor, stale_seconds=settings.redrive_after_seconds,
+                     verify_stale_seconds=settings.verify_stall_seconds,
+                     deadline_grace_seconds=settings.deadline_grace_seconds,
+                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
+                     delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds)
+        heartbeat.beat_txn(cur, actor, taken.counts)
+        return Swept(taken.counts, then=lambda: send(conn, dispatch, actor, taken))
+
+    return run_once(conn, "reconcile", settings.reconcile_interval_seconds, actor, body)
 
 
 def _trace_of(cur: Any, action_id: str) -> dict[str, Any] | None:
@@ -107,22 +191,15 @@ def _trace_of(cur: Any, action_id: str) -> dict[str, Any] | None:
 
 def _redrive(conn: Any, dispatch: Dispatch, actor: str, row: dict[str, Any], action: str) -> None:
     if action == "execute":
-        try:
-            # The sealed original, byte for byte what the controller signed (envelope is redacted).
-            message = store.signed_message_of(row)
-        except ProoflineError as exc:
-            with store.transaction(conn) as cur:
-                store.append_event_txn(cur, row["action_id"], "redrive_refused", actor, exc.as_evidence())
+        if row.get("refused"):
             log.error("cannot re-drive: sealed message unreadable",
-                      extra={"event": "redrive_refused", "action_id": row["action_id"], "reason_code": exc.code})
-            return
-        if message is not None:
+                      extra={"event": "redrive_refused", "action_id": row["action_id"], "reason_code": row["refused"]})
+        elif row.get("message") is not None:
             queue = "compensate" if row["kind"] != "action" else "actions"
-            dispatch.execute(message, queue=queue)
+            dispatch.execute(row["message"], queue=queue)
     elif action == "verify":
         dispatch.verify(row["action_id"], row.get("tenant"))
     elif action == "recover":
         dispatch.recover(row["action_id"])
     else:
         after_settle(conn, actor, row["action_id"], dispatch)
-

@@ -1,21 +1,36 @@
 """Fleet-wide sweeps: a periodic sweep runs once per period across all nodes, not once per node.
 
 Every node may run its own Celery beat, so with N beats N copies of the reconcile task arrive each
-period. Before sweeping, a run does two things in one statement:
+period. A run is one transaction, and its first statement does two things:
 
-- takes a session advisory lock named after the sweep (``pg_try_advisory_lock``, never waiting):
-  at most one run of a sweep at a time, fleet-wide. It lives on the sweeping process's own
-  connection, so a holder that dies (or freezes until Postgres ends its idle session) lets the
-  next period's run go ahead without anyone cleaning up;
+- takes a transaction-level advisory lock named after the sweep (``pg_try_advisory_xact_lock``,
+  never waiting): at most one run of a sweep at a time, fleet-wide. Postgres releases it when the
+  transaction ends, committed or rolled back, and with the session of a holder that dies (or
+  freezes until Postgres ends its session for idling in a transaction): nothing ever unlocks it;
 - claims the period: ``INSERT INTO sweep_runs (sweep, slot, holder) ON CONFLICT DO NOTHING``,
   where ``slot`` is the database clock divided by the period. ``(sweep, slot)`` is unique, so a
-  second copy arriving in the same period finds the slot taken and skips.
+  copy arriving later in the same period finds the slot taken and skips (its transaction wrote
+  nothing).
 
-The run id is the run's fencing token (a sequence: later runs have larger ids). When the body
-ends, the run is stamped ``finished_at`` with its counts (or its error) and the lock is released in
-the same round trip. A run left unfinished is one whose holder died mid-sweep; the rows it had
-taken stay safe (the reconciler takes rows with ``SKIP LOCKED`` and pushes them back in the same
-statement), and the next period's run starts afresh. Old runs are pruned when a run finishes.
+The body runs in the same transaction, behind a savepoint, and the run is stamped ``finished_at``
+with the body's counts (old runs pruned) before the one ``COMMIT``: a sweep that finds nothing
+costs one transaction. What the body leaves for after the commit (sending messages) runs only once
+the commit succeeded, so nothing is ever sent before the state that explains it is committed.
+
+What a run leaves in ``sweep_runs``:
+
+- committed: its row, finished, with its counts;
+- a body that raised: its work rolled back to the savepoint, the row stamped ``{"error": <type>}``
+  and committed (the period is used; the next period runs as usual), then the error re-raised;
+- the work after the commit raised: the committed row keeps its counts and gains
+  ``"error_after_commit": <type>`` in a short transaction of its own;
+- a holder that died or froze mid-run: no row. Its claim rolled back with everything it had done,
+  the rows it had taken are as they were, and the next period's run takes them. A run in progress
+  is not visible in ``sweep_runs`` either (its row is not committed yet): its session holds the
+  sweep's advisory lock (:data:`HOLDER_SQL`).
+
+The run id is the run's fencing token (a sequence: later runs have larger ids; a run that rolled
+back used its id, so ids have gaps).
 """
 
 from __future__ import annotations
@@ -29,15 +44,15 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from ledger import store
-from proofline.errors import SweepRunLost
+from proofline.errors import ProoflineError, SweepRunLost
 
 log = logging.getLogger(__name__)
 
-#: How long finished and abandoned runs are kept (an operator reads who swept, and when).
+#: How long finished runs are kept (an operator reads who swept, and when).
 KEEP_SECONDS = 24 * 3600.0
 
 CLAIM_SQL = """
-WITH lock AS MATERIALIZED (SELECT pg_try_advisory_lock(hashtextextended(%(lock)s, 0)) AS got),
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock)s, 0)) AS got),
 claimed AS (
     INSERT INTO sweep_runs (sweep, slot, holder)
     SELECT %(sweep)s, floor(extract(epoch FROM clock_timestamp()) / %(period)s)::bigint, %(holder)s
@@ -57,10 +72,19 @@ WITH finished AS (
     DELETE FROM sweep_runs WHERE sweep = %(sweep)s
         AND started_at < clock_timestamp() - make_interval(secs => %(keep)s)
 )
-SELECT (SELECT count(*) FROM finished) AS finished, pg_advisory_unlock(hashtextextended(%(lock)s, 0)) AS unlocked
+SELECT count(*) AS finished FROM finished
 """
 
-UNLOCK_SQL = "SELECT pg_advisory_unlock(hashtextextended(%s, 0))"
+AFTER_COMMIT_FAILED_SQL = "UPDATE sweep_runs SET counts = counts || %s WHERE run_id = %s"
+
+#: The session running a sweep now, if any (what ``sweep_runs`` cannot show before its commit):
+#: the holder of the sweep's advisory lock. Reading other sessions' state needs ``pg_read_all_stats``.
+HOLDER_SQL = """
+SELECT a.pid, a.application_name, a.state, a.xact_start FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.database = a.datid
+  AND a.datname = current_database()
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended(%s, 0)
+"""
 
 
 def lock_name(sweep: str) -> str:
@@ -77,69 +101,85 @@ class SweepRun:
     counts: dict[str, Any]
 
 
-def claim(conn: psycopg.Connection[dict[str, Any]], sweep: str, period_seconds: float,
-          holder: str) -> tuple[int, int] | None:
-    """Take the sweep's lock and its current period: ``(run_id, slot)``, holding the lock; or None,
-    holding nothing, when another run holds the lock or this period's run already happened."""
-    name = lock_name(sweep)
+@dataclass(frozen=True)
+class Swept:
+    """What a run's body did in the run's transaction: ``counts`` (stamped on the run in that same
+    transaction) and ``then``, what is left to do once the transaction committed (or None)."""
+
+    counts: dict[str, Any]
+    then: Callable[[], None] | None = None
+
+
+#: A run's body: it runs inside the run's transaction, on the cursor it is given.
+Body = Callable[[SweepRun, store.Cursor], Swept]
+
+
+def run_once(conn: psycopg.Connection[dict[str, Any]], sweep: str, period_seconds: float, holder: str,
+             body: Body) -> SweepRun | None:
+    """Run ``body`` if this process wins the sweep's lock and its current period; else None.
+
+    One transaction: the claim, the body (behind a savepoint) and the finish stamp; then, committed,
+    the body's ``then``. A body that raises leaves its run committed with the error's type, and the
+    error is re-raised; so is an error of ``then``, after it is noted on the run."""
+    failure: BaseException | None = None
     with store.transaction(conn) as cur:
-        cur.execute(CLAIM_SQL, {"lock": name, "sweep": sweep, "period": max(period_seconds, 0.001), "holder": holder})
-        row = cur.fetchone()
+        claimed = _claim(cur, sweep, period_seconds, holder)
+        if claimed is None:
+            return None  # nothing was written: the transaction commits empty, the lock goes with it
+        run = SweepRun(sweep=sweep, run_id=claimed[0], slot=claimed[1], counts={})
+        try:
+            with store.transaction(conn) as inner:  # a savepoint: a failing body rolls back to here
+                swept = body(run, inner)
+        except BaseException as exc:
+            if conn.closed or conn.broken:
+                raise  # the session is gone, and the whole run with it (claim included)
+            failure, swept = exc, Swept({"error": type(exc).__name__})
+        _finish(cur, run, swept.counts)
+    if failure is not None:
+        raise failure
+    done = SweepRun(sweep=sweep, run_id=run.run_id, slot=run.slot, counts=swept.counts)
+    if swept.then is not None:
+        try:
+            swept.then()
+        except BaseException as exc:
+            _note_after_commit_failure(conn, done, exc)
+            raise
+    return done
+
+
+def _claim(cur: store.Cursor, sweep: str, period_seconds: float, holder: str) -> tuple[int, int] | None:
+    """Take the sweep's lock and its current period: ``(run_id, slot)``; or None when another run
+    holds the lock or this period's run already happened."""
+    cur.execute(CLAIM_SQL, {"lock": lock_name(sweep), "sweep": sweep, "period": max(period_seconds, 0.001),
+                            "holder": holder})
+    row = cur.fetchone()
     assert row is not None
-    if row["got"] and row["run_id"] is None:
-        # This period's run already happened (another node's beat came first): give the lock back.
-        with conn.cursor() as cur:
-            cur.execute(UNLOCK_SQL, (name,))
-        return None
-    if not row["got"]:
+    if row["run_id"] is None:
+        log.debug("sweep skipped", extra={"event": "sweep_skipped", "sweep": sweep,
+                                          "reason": "period already ran" if row["got"] else "another run holds it"})
         return None
     return row["run_id"], row["slot"]
 
 
-def finish(conn: psycopg.Connection[dict[str, Any]], sweep: str, run_id: int, counts: dict[str, Any]) -> None:
-    """Stamp the run finished and release the lock (one round trip). Raises :class:`SweepRunLost`
-    when the run was not open any more (pruned, or finished by someone else: never silent)."""
-    with store.transaction(conn) as cur:
-        cur.execute(FINISH_SQL, {"counts": Jsonb(counts), "run_id": run_id, "sweep": sweep, "keep": KEEP_SECONDS,
-                                 "lock": lock_name(sweep)})
-        row = cur.fetchone()
-    assert row is not None
-    if row["finished"] != 1:
-        raise SweepRunLost(f"sweep run {run_id} of {sweep} was not open when it finished", run_id=run_id)
+def _finish(cur: store.Cursor, run: SweepRun, counts: dict[str, Any]) -> None:
+    """Stamp the run finished with ``counts`` and prune old runs. Raises :class:`SweepRunLost` when
+    the run was not open any more (never silent)."""
+    cur.execute(FINISH_SQL, {"counts": Jsonb(counts), "run_id": run.run_id, "sweep": run.sweep, "keep": KEEP_SECONDS})
+    row = cur.fetchone()
+    if row is None or row["finished"] != 1:
+        raise SweepRunLost(f"sweep run {run.run_id} of {run.sweep} was not open when it finished", run_id=run.run_id)
 
 
-def run_once(conn: psycopg.Connection[dict[str, Any]], sweep: str, period_seconds: float, holder: str,
-             body: Callable[[SweepRun], dict[str, Any]]) -> SweepRun | None:
-    """Run ``body`` if this process wins the sweep's lock and its current period; else None.
-
-    The lock is released whatever happens (with the finish stamp, or alone when the body raised;
-    a broken connection released it already). A body that raises leaves its run recorded with the
-    error's type and re-raises."""
-    claimed = claim(conn, sweep, period_seconds, holder)
-    if claimed is None:
-        log.debug("sweep skipped: another run holds it or ran this period", extra={"event": "sweep_skipped",
-                                                                                   "sweep": sweep})
-        return None
-    run = SweepRun(sweep=sweep, run_id=claimed[0], slot=claimed[1], counts={})
-    try:
-        counts = body(run)
-    except BaseException as exc:
-        _finish_failed(conn, run, exc)
-        raise
-    finish(conn, sweep, run.run_id, counts)
-    return SweepRun(sweep=sweep, run_id=run.run_id, slot=run.slot, counts=counts)
-
-
-def _finish_failed(conn: psycopg.Connection[dict[str, Any]], run: SweepRun, exc: BaseException) -> None:
+def _note_after_commit_failure(conn: psycopg.Connection[dict[str, Any]], run: SweepRun, exc: BaseException) -> None:
+    """Add ``error_after_commit`` to a committed run whose follow-through raised (a transaction of
+    its own: the failure case only)."""
     if conn.closed or conn.broken:
-        return  # the session is gone, and its advisory lock with it; the run stays unfinished
+        log.warning("failed sweep run not stamped: the session is gone",
+                    extra={"event": "sweep_unstamped", "sweep": run.sweep, "error": type(exc).__name__})
+        return
     try:
-        finish(conn, run.sweep, run.run_id, {"error": type(exc).__name__})
-    except (psycopg.Error, SweepRunLost) as again:
+        with store.transaction(conn) as cur:
+            cur.execute(AFTER_COMMIT_FAILED_SQL, (Jsonb({"error_after_commit": type(exc).__name__}), run.run_id))
+    except (psycopg.Error, ProoflineError) as again:
         log.warning("failed sweep run not stamped", extra={"event": "sweep_unstamped", "sweep": run.sweep,
                                                            "error": type(again).__name__})
-        try:
-            with conn.cursor() as cur:
-                cur.execute(UNLOCK_SQL, (lock_name(run.sweep),))
-        except psycopg.Error:
-            pass  # a broken session holds no lock

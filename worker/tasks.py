@@ -8,14 +8,12 @@ from typing import Any
 import psycopg
 from celery import Celery, signals
 
-from ledger import heartbeat
 from ledger.redact import POLICY, current_redactor, for_message
 from proofline.errors import ProoflineError
 from proofline.settings import get_settings, reveal
 from proofline.telemetry.logs import install as install_log_format
 from proofline.telemetry.metrics import sweep_finished
 from recovery.settle import after_settle
-from worker import faultpoints
 from worker import node as _node  # noqa: F401 - hands the node name down to the pool processes
 from worker.dead_letters import DeadLetterRecorder
 from worker.dispatch import CeleryDispatch
@@ -196,35 +194,25 @@ class SweepTask(GuardedTask):
 @app.task(name="proofline.reconcile", base=SweepTask, ignore_result=True)
 def reconcile_task() -> dict[str, Any]:
     """One reconciler sweep for the whole fleet: every node's beat sends this task each period, and
-    the first copy to claim the period runs it (``recovery/sweep_gate.py``); the others skip."""
-    from recovery.reconciler import sweep
-    from recovery.sweep_gate import SweepRun, run_once
+    the first copy to claim the period runs it (``recovery/sweep_gate.py``); the others skip. The
+    run is one transaction (``recovery/reconciler.py``, ``sweep_once``)."""
+    from recovery.reconciler import sweep_once
 
     current_redactor.set(POLICY)
     rt = runtime()
-    s = rt.settings
-
-    def body(run: SweepRun) -> dict[str, int]:
-        faultpoints.hit("during_sweep")
-        return sweep(conn, dispatch, s.worker_id, stale_seconds=s.redrive_after_seconds,
-                     verify_stale_seconds=s.verify_stall_seconds, deadline_grace_seconds=s.deadline_grace_seconds,
-                     # Longer than any deadline plus its grace: older counts can explain nothing still open.
-                     delivery_retention_seconds=2 * s.max_deadline_seconds + s.deadline_grace_seconds)
-
     conn = rt.conn
-    # The sweep's advisory lock lives on this connection: it must not be swapped for a fresh one
-    # while the sweep runs (that would drop the lock mid-sweep).
+    # The run's transaction (and the sweep's lock with it) lives on this connection: it must not be
+    # swapped for a fresh one while the sweep runs.
     rt.holding_locks = True
     try:
-        run = run_once(conn, "reconcile", s.reconcile_interval_seconds, s.worker_id, body)
-        if run is None:
-            return {"skipped": 1}
-        heartbeat.beat(conn, s.worker_id, run.counts)  # what `proofline doctor` reads
+        run = sweep_once(conn, dispatch, rt.settings)
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
     finally:
         rt.holding_locks = False
+    if run is None:
+        return {"skipped": 1}
     sweep_finished()
     return run.counts
 

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from ledger import store
-from recovery.expiry import prune_deliveries
+from recovery.expiry import prune_deliveries_txn
 from tests.conftest import create_database, drop_database
 from worker import deliveries
 
@@ -45,7 +45,8 @@ def test_only_old_settled_counts_are_pruned(conn: psycopg.Connection) -> None:
             cur.execute("UPDATE message_deliveries SET unsettled = %s, last_at = clock_timestamp() - "
                         "make_interval(secs => %s) WHERE message_key = %s",
                         (unsettled, 0 if key.startswith("new") else 7200, key))
-    assert prune_deliveries(conn, older_than_seconds=3600) == 1
+    with store.transaction(conn) as cur:
+        assert prune_deliveries_txn(cur, older_than_seconds=3600) == 1
     with conn.cursor() as cur:
         cur.execute("SELECT message_key FROM message_deliveries WHERE message_key NOT LIKE 'task:%%' ORDER BY 1")
         assert [r["message_key"] for r in cur.fetchall()] == ["new-settled", "old-open"]

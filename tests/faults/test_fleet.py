@@ -13,7 +13,8 @@ Both beats schedule the reconciler every second, so two copies of each sweep arr
   ledger names both nodes as actors.
 - The sweep runs once per period across the fleet (``recovery/sweep_gate.py``): runs recorded in
   ``sweep_runs`` against the sweep tasks both nodes received, and a node killed while it holds the
-  sweep hands it to the other one.
+  sweep (its run uncommitted: the lock's holder is one of its pool processes) hands it to the other
+  one; the dead holder's run leaves no row.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from typing import Any
 
 import pytest
 
+from ledger import store
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import publish_message
 from proofline.ledger_check import check_chains
 from proofline_kit.stack import Stack
+from recovery.sweep_gate import HOLDER_SQL, lock_name
 from tests.conftest import BROKERS, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account, refund_env, ticket_env
 from worker import faultpoints
@@ -198,14 +201,17 @@ def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_hold
         # n1 takes the sweep and is killed in the middle of it.
         faultpoints.arm(points1, "during_sweep", remaining=1, action="hold", seconds=120)
         wait_for(lambda: faultpoints.fired(points1, "during_sweep") == 1, 60, what="n1 to hold a sweep")
-        held = sweep_runs(s)[-1]
-        assert node_of(held["holder"]) == "n1" and held["finished_at"] is None, held
+        # The held run is not committed, so sweep_runs cannot show it: its session holds the lock.
+        with store.connect(s.admin_url) as admin:
+            [holder] = admin.execute(HOLDER_SQL, (lock_name("reconcile"),)).fetchall()
+        assert int(holder["application_name"].rsplit("-", 1)[1]) in descendants(n1.pid), holder
+        held_after = sweep_runs(s)[-1]["run_id"]
         time.sleep(1.5)  # a period and a half: n2's copies arrive and must not run
-        assert sweep_runs(s, held["run_id"]) == []
+        assert sweep_runs(s, held_after) == []
         kill_node(n1)
-        wait_for(lambda: len(sweep_runs(s, held["run_id"])) >= 3, 60, what="n2 to take the sweep over")
-        after = sweep_runs(s, held["run_id"])
-        assert {node_of(r["holder"]) for r in after} == {"n2"} and all(r["finished_at"] for r in after[:-1])
-        assert sweep_runs(s, held["run_id"] - 1)[0]["finished_at"] is None  # the dead holder's run stays open
+        wait_for(lambda: len(sweep_runs(s, held_after)) >= 3, 60, what="n2 to take the sweep over")
+        after = sweep_runs(s, held_after)
+        # The dead holder's run rolled back with its session (no row); every committed run is finished.
+        assert {node_of(r["holder"]) for r in after} == {"n2"} and all(r["finished_at"] for r in after)
     finally:
         teardown_stack(s)

@@ -2,7 +2,9 @@
 
 Real Postgres, the recovery role's connections (what a sweeping worker uses), and for the death of
 a holder a real process killed with SIGKILL while it sweeps. What is counted is the sweep bodies
-that actually ran (counted in Python, outside the table) against the ``sweep_runs`` rows.
+that actually ran (counted in Python, outside the table) against the ``sweep_runs`` rows. A run is
+one transaction: what its body writes, and its row, commit together or not at all, and what it
+leaves for after the commit runs only once the commit is visible to other sessions.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger import store
+from ledger import heartbeat, store
 from proofline.settings import ROOT
-from recovery.sweep_gate import SweepRun, run_once
+from recovery.sweep_gate import HOLDER_SQL, SweepRun, Swept, lock_name, run_once
 from tests.conftest import create_database, drop_database, role_urls, wait_for
 
 PERIOD = 0.5
@@ -49,12 +51,12 @@ def test_concurrent_sweepers_run_each_period_once_and_never_overlap(db) -> None:
         conn = store.connect(db["recovery"])
         try:
             while not stop.is_set():
-                def body(run: SweepRun, name: str = name) -> dict[str, Any]:
+                def body(run: SweepRun, cur: Any, name: str = name) -> Swept:
                     start = time.monotonic()
                     time.sleep(0.12)  # long enough for the others to try while it runs
                     with guard:
                         ran.append((name, run.slot, start, time.monotonic()))
-                    return {"swept": 1}
+                    return Swept({"swept": 1})
 
                 run_once(conn, "reconcile", PERIOD, name, body)
                 time.sleep(0.05)
@@ -75,7 +77,7 @@ def test_concurrent_sweepers_run_each_period_once_and_never_overlap(db) -> None:
     assert len(slots) == len(set(slots)), f"a period ran twice: {sorted(slots)}"
     # Every period had its run (allowing for the first and last, cut by the window).
     assert len(slots) >= elapsed / PERIOD - 2, (len(slots), elapsed)
-    # Never two bodies at once, across periods too (the advisory lock).
+    # Never two bodies at once, across periods too (the advisory lock, held until the run commits).
     spans = sorted((start, end) for _, _, start, end in ran)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False)), spans
     rows = runs(db["admin"])
@@ -88,14 +90,19 @@ def test_concurrent_sweepers_run_each_period_once_and_never_overlap(db) -> None:
 HOLDER = """
 import sys, time
 from ledger import store
-from recovery.sweep_gate import run_once
+from recovery.sweep_gate import Swept, run_once
 conn = store.connect(sys.argv[1])
-def body(run):
-    print("holding", run.run_id, flush=True)
+def body(run, cur):
+    print("holding", run.run_id, conn.info.backend_pid, flush=True)
     time.sleep(120)
-    return {}
+    return Swept({})
 run_once(conn, "reconcile", float(sys.argv[2]), "doomed", body)
 """
+
+
+def holders(admin: str) -> list[dict[str, Any]]:
+    with store.connect(admin) as conn:
+        return list(conn.execute(HOLDER_SQL, (lock_name("reconcile"),)).fetchall())
 
 
 def test_a_holder_killed_mid_sweep_hands_the_sweep_over(db) -> None:
@@ -106,49 +113,61 @@ def test_a_holder_killed_mid_sweep_hands_the_sweep_over(db) -> None:
         assert holder.stdout is not None
         line = holder.stdout.readline()
         assert line.startswith("holding"), line
-        doomed_run = int(line.split()[1])
-        # While it holds the sweep, nobody else sweeps, in this period or the next ones.
+        doomed_run, doomed_pid = (int(x) for x in line.split()[1:3])
+        # While it holds the sweep, nobody else sweeps, in this period or the next ones. Its run is
+        # not committed, so sweep_runs does not show it; the lock's holder is its session.
         deadline = time.monotonic() + 4 * PERIOD
         while time.monotonic() < deadline:
-            assert run_once(conn, "reconcile", PERIOD, "survivor", lambda run: {"swept": 1}) is None
+            assert run_once(conn, "reconcile", PERIOD, "survivor", lambda run, cur: Swept({"swept": 1})) is None
             time.sleep(0.05)
+        assert runs(db["admin"]) == []
+        assert [(h["pid"], h["state"]) for h in holders(db["admin"])] == [(doomed_pid, "idle in transaction")]
         holder.kill()
         holder.wait(10)
         taken: list[SweepRun] = []
 
         def taken_over() -> bool:
-            run = run_once(conn, "reconcile", PERIOD, "survivor", lambda run: {"swept": 1})
+            run = run_once(conn, "reconcile", PERIOD, "survivor", lambda run, cur: Swept({"swept": 1}))
             if run is not None:
                 taken.append(run)
             return bool(taken)
 
         wait_for(taken_over, 10, what="the survivor to take the sweep over")
         rows = {r["run_id"]: r for r in runs(db["admin"])}
-        assert rows[doomed_run]["holder"] == "doomed" and rows[doomed_run]["finished_at"] is None
+        # The dead holder's run rolled back with its session: no row, claim included.
+        assert doomed_run not in rows and {r["holder"] for r in rows.values()} == {"survivor"}
         assert taken[0].run_id > doomed_run  # the run id is the fencing token: later runs are larger
-        assert rows[taken[0].run_id]["holder"] == "survivor" and rows[taken[0].run_id]["finished_at"] is not None
+        assert rows[taken[0].run_id]["finished_at"] is not None
+        assert holders(db["admin"]) == []
     finally:
         if holder.poll() is None:
             holder.kill()
         conn.close()
 
 
-def test_a_failing_sweep_is_recorded_and_frees_the_next_period(db) -> None:
+def beats(admin: str) -> dict[str, Any]:
+    with store.connect(admin) as conn:
+        return {r["sweeper"]: r["counts"] for r in conn.execute("SELECT * FROM reconciler_heartbeats").fetchall()}
+
+
+def test_a_failing_sweep_rolls_its_work_back_is_recorded_and_frees_the_next_period(db) -> None:
     conn = store.connect(db["recovery"])
     try:
-        def boom(run: SweepRun) -> dict[str, Any]:
+        def boom(run: SweepRun, cur: Any) -> Swept:
+            heartbeat.beat_txn(cur, "w1", {"half": 1})  # written, then rolled back with the body
             raise RuntimeError("sweep defect")
 
         with pytest.raises(RuntimeError):
             run_once(conn, "reconcile", PERIOD, "w1", boom)
         failed = runs(db["admin"])[-1]
         assert failed["counts"] == {"error": "RuntimeError"} and failed["finished_at"] is not None
+        assert beats(db["admin"]) == {}
         other = store.connect(db["recovery"])
         try:
             done: list[SweepRun] = []
 
             def next_period_ran() -> bool:
-                run = run_once(other, "reconcile", PERIOD, "w2", lambda run: {})
+                run = run_once(other, "reconcile", PERIOD, "w2", lambda run, cur: Swept({}))
                 if run is not None:
                     done.append(run)
                 return bool(done)
@@ -161,13 +180,39 @@ def test_a_failing_sweep_is_recorded_and_frees_the_next_period(db) -> None:
         conn.close()
 
 
+def test_what_a_run_leaves_for_after_its_commit_sees_it_committed_and_its_failure_is_noted(db) -> None:
+    conn = store.connect(db["recovery"])
+    try:
+        seen: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+
+        def then() -> None:
+            # Another session sees the run finished and the body's write: both committed first.
+            seen.append((runs(db["admin"]), beats(db["admin"])))
+            raise ConnectionError("broker gone")
+
+        def body(run: SweepRun, cur: Any) -> Swept:
+            heartbeat.beat_txn(cur, "w1", {"found": 2})
+            return Swept({"found": 2}, then=then)
+
+        with pytest.raises(ConnectionError):
+            run_once(conn, "reconcile", PERIOD, "w1", body)
+        [(committed, beat)] = seen
+        assert [(r["holder"], r["counts"], r["finished_at"] is not None) for r in committed] == \
+            [("w1", {"found": 2}, True)]
+        assert beat == {"w1": {"found": 2}}
+        # The failure after the commit is noted on the run; the committed counts stand.
+        assert runs(db["admin"])[-1]["counts"] == {"found": 2, "error_after_commit": "ConnectionError"}
+    finally:
+        conn.close()
+
+
 def test_old_runs_are_pruned_and_only_the_recovery_roles_may_sweep(db) -> None:
     with store.connect(db["admin"]) as admin:
         admin.execute("INSERT INTO sweep_runs (sweep, slot, holder, started_at) "
                       "VALUES ('reconcile', 1, 'ancient', clock_timestamp() - interval '2 days')")
     conn = store.connect(db["recovery"])
     try:
-        assert run_once(conn, "reconcile", PERIOD, "w1", lambda run: {}) is not None
+        assert run_once(conn, "reconcile", PERIOD, "w1", lambda run, cur: Swept({})) is not None
     finally:
         conn.close()
     assert [r["holder"] for r in runs(db["admin"])] == ["w1"]
@@ -175,6 +220,6 @@ def test_old_runs_are_pruned_and_only_the_recovery_roles_may_sweep(db) -> None:
     worker = store.connect(db["worker"])
     try:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            run_once(worker, "reconcile", PERIOD, "w2", lambda run: {})
+            run_once(worker, "reconcile", PERIOD, "w2", lambda run, cur: Swept({}))
     finally:
         worker.close()
