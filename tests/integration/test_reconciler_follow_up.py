@@ -1,5 +1,6 @@
 """The reconciler's follow-up sweep finds the settled actions something still waits on, and only
-those, without reading every settled action in the ledger.
+those, without reading every settled action in the ledger; and two sweeps at once (each one
+transaction for all its claims) never take the same action, nor take it again once it was taken.
 
 Rows are written straight into a migrated database with the ledger's triggers off (this test checks
 the sweep's query, not the transitions that normally lead to these states): a bulk of settled
@@ -12,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ledger import store
-from recovery.reconciler import CLAIM_SQL, SWEEPS
-from tests.conftest import create_database, drop_database
+from recovery.reconciler import CLAIM_SQL, SWEEPS, Taken, take
+from tests.conftest import create_database, drop_database, role_urls
 
 FOLLOW_UP = next(condition for name, condition, _ in SWEEPS if name == "follow_up")
 PARAMS = {"limit": 200, "backoff": 60.0, "stale": 1.0, "verify_stale": 180.0}
@@ -61,5 +62,44 @@ def test_follow_up_finds_only_what_waits_and_reads_no_settled_bulk() -> None:
         assert found == ["parent.compensation", "step-0"]
         # The 50,000 settled actions nothing waits on are not read one by one.
         assert "Seq Scan on actions" not in plan, plan
+    finally:
+        drop_database(admin)
+
+
+def taken_ids(taken: Taken) -> dict[str, str]:
+    return {row["action_id"]: row["status"] for row, _ in taken.redrives}
+
+
+def test_two_sweeps_at_once_take_each_action_once_and_push_it_back() -> None:
+    admin, _ = create_database("pl_twosweeps")
+    try:
+        with store.connect(admin) as conn, conn.transaction():
+            conn.execute("SET LOCAL session_replication_role = replica")  # the ledger's triggers off
+            insert(conn, "step-0", "closed", run="run-x", step=0)
+            insert(conn, "step-1", "pending", run="run-x", step=1)
+            insert(conn, "verifying", "verifying")
+            insert(conn, "recovering", "recovery")
+        options = {"stale_seconds": 1.0, "verify_stale_seconds": 1.0}
+        first, second = store.connect(role_urls(admin)["recovery"]), store.connect(role_urls(admin)["recovery"])
+        try:
+            with store.transaction(first) as one:
+                a = take(one, "sweeper-a", **options)
+                # The first sweep's transaction is still open: the second skips what it holds.
+                with store.transaction(second) as two:
+                    b = take(two, "sweeper-b", **options)
+            # Committed: what was taken is pushed back by next_check_at, not taken again.
+            with store.transaction(second) as two:
+                c = take(two, "sweeper-b", **options)
+        finally:
+            first.close()
+            second.close()
+        assert taken_ids(a) == {"step-0": "closed", "verifying": "verifying", "recovering": "recovery"}
+        assert (taken_ids(b), taken_ids(c)) == ({}, {})
+        with store.connect(admin) as conn:
+            events = conn.execute("SELECT action_id, actor, evidence->>'reason' AS reason FROM ledger_events "
+                                  "WHERE event = 'redriven' ORDER BY action_id").fetchall()
+        assert [(e["action_id"], e["actor"], e["reason"]) for e in events] == [
+            ("recovering", "sweeper-a", "recovery_pending"), ("step-0", "sweeper-a", "follow_up"),
+            ("verifying", "sweeper-a", "verification_stalled")]
     finally:
         drop_database(admin)
