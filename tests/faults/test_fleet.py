@@ -183,7 +183,7 @@ def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_hold
     s = build_stack("stdio", tmp_path)
     try:
         n1, points1 = start_node(s, "n1")
-        start_node(s, "n2")
+        n2, _ = start_node(s, "n2")
         wait_for(lambda: sweep_runs(s), 60, what="a first sweep run")
         first_run = sweep_runs(s)[-1]["run_id"]
         received_before = received_sweeps(s, "n1") + received_sweeps(s, "n2")
@@ -198,9 +198,15 @@ def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_hold
         assert max(slots) - min(slots) + 1 - len(runs) <= 2, slots
         assert {node_of(r["holder"]) for r in runs} <= {"n1", "n2"}
 
-        # n1 takes the sweep and is killed in the middle of it.
+        # n1 takes the sweep and is killed in the middle of it. Each beat ticks once a second at a
+        # phase of its own, so the node whose tick comes first in the second wins every period: n2
+        # is frozen (SIGSTOP, well under the idle session timeout) until n1 holds one.
         faultpoints.arm(points1, "during_sweep", remaining=1, action="hold", seconds=120)
-        wait_for(lambda: faultpoints.fired(points1, "during_sweep") == 1, 60, what="n1 to hold a sweep")
+        os.killpg(n2.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: faultpoints.fired(points1, "during_sweep") == 1, 60, what="n1 to hold a sweep")
+        finally:
+            os.killpg(n2.pid, signal.SIGCONT)
         # The held run is not committed, so sweep_runs cannot show it: its session holds the lock.
         with store.connect(s.admin_url) as admin:
             [holder] = admin.execute(HOLDER_SQL, (lock_name("reconcile"),)).fetchall()
