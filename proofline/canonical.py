@@ -4,9 +4,9 @@ Signatures, argument hashes, contract hashes and idempotency keys are all comput
 canonical JSON, so two processes that hold equal values always produce the same bytes.
 
 The ``rfc8785`` package is the reference and writes every value character by character in Python;
-most documents here (envelopes, arguments, evidence) hold only strings, integers, booleans and
-null, and for those the standard library's C encoder with sorted keys and no whitespace writes the
-very same bytes. :func:`canonical_bytes` takes that path only after checking that the document is
+most documents here (envelopes, arguments, evidence) hold only strings, integers, booleans, null
+and ordinary floats, and for those the standard library's C encoder with sorted keys and no
+whitespace writes the very same bytes. :func:`canonical_bytes` takes that path only after checking that the document is
 one of them, and hands everything else to ``rfc8785`` (which also raises its own errors for what
 cannot be canonicalized): see :func:`_plain_json`.
 """
@@ -27,49 +27,87 @@ _FIRST_SURROGATE = "\ud800"
 _MAX_NODES = 100_000
 
 
-def _plain_json(value: Any) -> bool:
-    """True when ``json.dumps`` with sorted keys writes exactly RFC 8785's bytes for ``value``:
-    only dicts with string keys below U+D800, lists, tuples, strings, booleans, None and integers
-    within the double-precision range, with no container reached twice (so no cycle). Strings are
-    escaped alike by both (the short escapes, lowercase ``\\u00xx`` for other control characters,
-    nothing else); a lone surrogate fails the UTF-8 encoding afterwards, which also falls back."""
+#: Non-integral floats in this range are written alike by Python's ``repr`` (shortest round-trip
+#: digits, fixed notation from 1e-4 to below 1e16) and by RFC 8785 (ECMAScript: the same digits,
+#: fixed notation from 1e-6 to below 1e21).
+_FIXED_FLOATS = (1e-4, 1e16)
+
+_NOT_PLAIN, _PLAIN, _FLOATS = 0, 1, 2
+
+
+def _float_kind(number: float) -> int:
+    """How a float can be written: as an integer (integral, within the safe range), as Python writes
+    it (:data:`_FIXED_FLOATS`), or only by the reference (exponents, NaN, infinities)."""
+    if number.is_integer():
+        return _FLOATS if -_SAFE_INT <= number <= _SAFE_INT else _NOT_PLAIN
+    return _FLOATS if _FIXED_FLOATS[0] <= abs(number) < _FIXED_FLOATS[1] else _NOT_PLAIN
+
+
+def _plain_json(value: Any) -> int:
+    """Whether ``json.dumps`` with sorted keys writes exactly RFC 8785's bytes for ``value``:
+    ``_PLAIN`` for dicts with string keys below U+D800, lists, tuples, strings, booleans, None and
+    integers within the double-precision range, with no container reached twice (so no cycle);
+    ``_FLOATS`` when it also holds floats that :func:`_with_floats_as_written` makes so;
+    ``_NOT_PLAIN`` otherwise. Strings are escaped alike by both (the short escapes, lowercase
+    ``\\u00xx`` for other control characters, nothing else); a lone surrogate fails the UTF-8
+    encoding afterwards, which also falls back."""
     stack = [value]
     seen: set[int] = set()
     nodes = 0
+    kind = _PLAIN
     while stack:
         item = stack.pop()
         nodes += 1
         if nodes > _MAX_NODES:
-            return False
+            return _NOT_PLAIN
         if item is None or isinstance(item, bool | str):
             continue
         if isinstance(item, int):
             if -_SAFE_INT <= item <= _SAFE_INT:
                 continue
-            return False
-        if type(item) is dict:
+            return _NOT_PLAIN
+        if isinstance(item, float):
+            if _float_kind(float(item)) == _NOT_PLAIN:
+                return _NOT_PLAIN
+            kind = _FLOATS
+        elif type(item) is dict:
             if id(item) in seen:
-                return False
+                return _NOT_PLAIN
             seen.add(id(item))
             for key in item:
                 if not isinstance(key, str) or (not key.isascii() and max(key) >= _FIRST_SURROGATE):
-                    return False
+                    return _NOT_PLAIN
             stack.extend(item.values())
         elif type(item) is list or type(item) is tuple:
             if id(item) in seen:
-                return False
+                return _NOT_PLAIN
             seen.add(id(item))
             stack.extend(item)
         else:
-            return False  # floats, other mappings and sequences, anything else: the reference decides
-    return True
+            return _NOT_PLAIN  # other mappings and sequences, anything else: the reference decides
+    return kind
+
+
+def _with_floats_as_written(value: Any) -> Any:
+    """A copy in which every integral float is an integer (RFC 8785 writes ``30.0`` as ``30``); the
+    other floats are left to ``repr``, which writes them as RFC 8785 does (checked by the caller)."""
+    if isinstance(value, float):
+        number = float(value)
+        return int(number) if number.is_integer() else number
+    if type(value) is dict:
+        return {key: _with_floats_as_written(item) for key, item in value.items()}
+    if type(value) is list or type(value) is tuple:
+        return [_with_floats_as_written(item) for item in value]
+    return value
 
 
 def canonical_bytes(value: Any) -> bytes:
     """RFC 8785 canonical JSON of ``value`` (UTF-8)."""
-    if _plain_json(value):
+    kind = _plain_json(value)
+    if kind != _NOT_PLAIN:
         try:
-            return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
+            document = value if kind == _PLAIN else _with_floats_as_written(value)
+            return json.dumps(document, ensure_ascii=False, separators=(",", ":"), sort_keys=True,
                               allow_nan=False).encode("utf-8")
         except (UnicodeEncodeError, ValueError, TypeError, RecursionError):
             pass  # a lone surrogate, a document nested too deep: the reference raises its own error

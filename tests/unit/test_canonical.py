@@ -49,7 +49,9 @@ def test_plain_documents_take_the_fast_path() -> None:
 
 
 @pytest.mark.parametrize("value", [
-    {"f": 1.5},  # floats have RFC 8785's own number format
+    {"f": 1e-7},  # exponent notation differs (Python writes 1e-07)
+    {"f": 1e21},  # so does a large integral float
+    {"f": float("nan")},
     {"n": 2**53},  # beyond a double's integers: refused by the reference
     {"\U0001f600": 1, "\ue000": 2},  # UTF-16 order differs from code point order here
     {1: "non-string key"},
@@ -58,6 +60,14 @@ def test_plain_documents_take_the_fast_path() -> None:
 def test_documents_the_fast_path_leaves_to_the_reference(value: Any) -> None:
     assert not _plain_json(value)
     assert _ours(value) == _reference(value)
+
+
+@pytest.mark.parametrize("number", [30.0, -0.0, 1.5, 0.1, 0.0001, 123456.789, 2.0**52 + 0.5, 9007199254740991.0,
+                                    -1234.5e-3])
+def test_ordinary_floats_take_the_fast_path(number: float) -> None:
+    document = {"timeout_seconds": number, "nested": [number, {"x": number}]}
+    assert _plain_json(document)
+    assert canonical_bytes(document) == rfc8785.dumps(document)
 
 
 def test_a_shared_or_cyclic_container_is_left_to_the_reference() -> None:
