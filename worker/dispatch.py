@@ -107,9 +107,9 @@ class CeleryDispatch:
         self._send("proofline.recover", [action_id], queue="recovery")
 
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
-        argsrepr, kwargsrepr = task_repr(args)
-        return self.app.send_task(name, args=args, serializer=wire.NAME, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
-                                  **options)
+        # The summary is written by ``_hide_arguments`` as the message is published; a placeholder
+        # here only stops Celery computing a full repr of the envelope first.
+        return self.app.send_task(name, args=args, serializer=wire.NAME, argsrepr="()", kwargsrepr="{}", **options)
 
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:
