@@ -50,6 +50,7 @@ from proofline_kit.sor import store as sor
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import READ_SUFFIX, http_relay_argv, witness_stdio_servers
 from worker import broker as broker_options
+from worker.transport import install as guard_transport
 
 #: The brokers a stack can run on; tests of broker behaviour are parametrised over both.
 BROKERS = ("redis", "rabbitmq")
@@ -431,6 +432,10 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
                         **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}),
                         **agreed)
     seal.sealer_for(settings)  # this process opens the stack's sealed messages too
+    if broker.startswith("redis://"):
+        # The transport the SDK's own Client gets from worker.celery_config (guarded reads, one
+        # Redis client per channel), so that what the stack publishes costs what a controller's does.
+        guard_transport()
     app = Celery("proofline-test-controller", broker=broker)
     app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
     # The same queue declarations as the workers' (RabbitMQ refuses a queue redeclared otherwise).
