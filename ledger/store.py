@@ -40,24 +40,13 @@ def transaction(conn: psycopg.Connection[dict[str, Any]]) -> Iterator[Cursor]:
     :func:`begin_with_read` is ended first: it wrote nothing, and a write that is not its
     continuation (:func:`pipelined` with ``begun=True``) commits on its own."""
     end_held_read(conn)
-    events, token = observe.begin()
-    mark, prepared, watcher = len(events), None, observe.observer() if token is not None else None
-    try:
-        with conn.transaction(), conn.cursor() as cur:
-            yield cur
-            if watcher is not None and events:
-                prepared = watcher.prepare(cur, list(events))
-    except psycopg.Error as exc:
-        del events[mark:]
-        _raise_domain_error(exc)
-    except BaseException:
-        del events[mark:]  # a rolled-back (savepoint) block appended nothing
-        raise
-    finally:
-        if token is not None:
-            observe.end(token)
-    if watcher is not None and prepared is not None:
-        watcher.committed(prepared)
+    with observe.Watch() as watch:
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                yield cur
+                watch.prepare(cur)
+        except psycopg.Error as exc:
+            _raise_domain_error(exc)
 
 
 def begin_with_read(conn: psycopg.Connection[dict[str, Any]], sql: str, params: tuple) -> dict[str, Any] | None:
@@ -119,30 +108,23 @@ def pipelined(conn: psycopg.Connection[dict[str, Any]], *, begun: bool = False) 
             with transaction(conn) as cur:
                 yield cur
             return
-    events, token = observe.begin()
-    watcher, prepared = observe.observer() if token is not None else None, None
     cur, control = conn.cursor(), conn.cursor()  # the caller's results stay on ``cur``
-    try:
-        with conn.pipeline():
-            # Explicit BEGIN/COMMIT as statements: a fetch mid-way must not commit half a stage
-            # (between syncs, the extended protocol would otherwise commit what came before).
-            if not begun:
-                control.execute("BEGIN")
-            yield cur
-            if watcher is not None and events:
-                prepared = watcher.prepare(control, list(events))
-            control.execute("COMMIT")
-    except psycopg.Error as exc:
-        roll_back(conn)
-        _raise_domain_error(exc)
-    except BaseException:
-        roll_back(conn)
-        raise
-    finally:
-        if token is not None:
-            observe.end(token)
-    if watcher is not None and prepared is not None:
-        watcher.committed(prepared)
+    with observe.Watch() as watch:
+        try:
+            with conn.pipeline():
+                # Explicit BEGIN/COMMIT as statements: a fetch mid-way must not commit half a stage
+                # (between syncs, the extended protocol would otherwise commit what came before).
+                if not begun:
+                    control.execute("BEGIN")
+                yield cur
+                watch.prepare(control)
+                control.execute("COMMIT")
+        except psycopg.Error as exc:
+            roll_back(conn)
+            _raise_domain_error(exc)
+        except BaseException:
+            roll_back(conn)
+            raise
 
 
 def roll_back(conn: psycopg.Connection[dict[str, Any]]) -> None:
@@ -402,11 +384,9 @@ def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, actio
     claim the record; only if it was free, record the lease (``lease``: the arguments of
     ``proofline_take_lease``) and move the action to executing with ``events``. Returns whether it
     claimed; when it did not, nothing was written and the caller dispatches on the record."""
-    events_seen, token = observe.begin()
-    watcher, prepared = observe.observer() if token is not None else None, None
     args = (key, action_id, tenant, argument_hash, contract_hash, replay_window_seconds, lease, recovery_data,
             redactor, events, actor)
-    try:
+    with observe.Watch() as watch:
         if conn in _held_reads and not holds_read(conn):
             end_held_read(conn)  # it failed or ended under us: the claim runs as its own transaction
         if conn in _held_reads:
@@ -424,13 +404,7 @@ def claim_and_start(conn: psycopg.Connection[dict[str, Any]], *, key: str, actio
         if claimed:
             _note_appended(action_id, batch)
         # Committed already: the observer reads what it needs (immutable labels) afterwards.
-        if watcher is not None and events_seen:
-            prepared = watcher.prepare(conn.cursor(), list(events_seen))
-    finally:
-        if token is not None:
-            observe.end(token)
-    if watcher is not None and prepared is not None:
-        watcher.committed(prepared)
+        watch.prepare(conn.cursor())
     return claimed
 
 

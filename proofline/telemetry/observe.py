@@ -51,18 +51,41 @@ def appended(action_id: str, event: str, evidence: Any) -> None:
         pending.append(Appended(action_id, event, evidence if isinstance(evidence, dict) else {}))
 
 
-def begin() -> tuple[list[Appended], Any]:
-    """Start collecting for an outermost transaction; nested ones share the outer list."""
-    outer = _pending.get()
-    if outer is not None or _observer is None:
-        return (outer if outer is not None else []), None
-    mine: list[Appended] = []
-    return mine, _pending.set(mine)
+class Watch:
+    """One transaction's appended events, told to the observer if (and once) it commits.
 
+    Used as a context manager around the transaction: an outermost one collects its own list, a
+    nested one adds to the outer list (and takes its additions back if it fails: a rolled-back
+    savepoint appended nothing). :meth:`prepare` runs the observer's read inside the transaction;
+    leaving the block without an exception calls ``committed``, after collecting has stopped."""
 
-def end(token: Any) -> None:
-    """Stop collecting (the outermost transaction is over, committed or not)."""
-    _pending.reset(token)
+    def __init__(self) -> None:
+        outer = _pending.get()
+        if outer is not None or _observer is None:
+            self.events: list[Appended] = outer if outer is not None else []
+            self._token: Any = None
+        else:
+            self.events = []
+            self._token = _pending.set(self.events)
+        self._observer = _observer if self._token is not None else None
+        self._mark = len(self.events)
+        self._prepared: Any = None
+
+    def prepare(self, cur: Any) -> None:
+        if self._observer is not None and self.events:
+            self._prepared = self._observer.prepare(cur, list(self.events))
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            del self.events[self._mark:]
+            self._prepared = None
+        if self._token is not None:
+            _pending.reset(self._token)
+        if self._observer is not None and self._prepared is not None:
+            self._observer.committed(self._prepared)
 
 
 _annotator: Any = None
