@@ -99,12 +99,19 @@ def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", second
         raise ValueError(f"unknown fault point {point!r}")
     if action not in ACTIONS:
         raise ValueError(f"unknown fault point action {action!r}")
-    points = json.loads(path.read_text() or "{}") if path.exists() else {}
-    fired_so_far = points.get(point, {}).get("fired", 0)
-    # Earlier shots count as released: only the shots of this arming wait for release().
-    points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far,
-                     "released": fired_so_far}
-    path.write_text(json.dumps(points))
+    # Under the lock hit() takes: a worker firing meanwhile must not write back the old counters
+    # (a disarm lost that way leaves a point firing on).
+    with path.open("a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        points = json.loads(handle.read() or "{}")
+        fired_so_far = points.get(point, {}).get("fired", 0)
+        # Earlier shots count as released: only the shots of this arming wait for release().
+        points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far,
+                         "released": fired_so_far}
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(points))
 
 
 def release(path: Path, point: str) -> None:
