@@ -187,6 +187,9 @@ class Settings(BaseSettings):
     #: (``x-delivery-limit``). The second line behind ``max_unsettled_deliveries``, which it must
     #: exceed: the guard acts first whenever it can count, the broker when it could not (README "Brokers").
     broker_delivery_limit: int = Field(default=10, ge=1)
+    #: AMQP brokers only: how long a broker dead letter the ledger could not record waits,
+    #: unacknowledged, before the consumer's event loop requeues it (``worker/dead_letters.py``).
+    dead_letter_retry_seconds: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _broker_limit_behind_the_guard(self) -> Settings:

@@ -7,15 +7,19 @@ could not count; what it dead-letters lands in :data:`~worker.broker.INBOX` with
 ``x-death`` header. This consumer step reads that queue in every worker's main process, records
 each message on the same refusal chain and with the same event the guard uses (``by: broker``,
 RabbitMQ's reason and count), marks its delivery count dead, and only then moves the message to
-``dead_letter`` for operators. So every dead-lettered message has one record, whoever moved it,
-and ``dead_letter`` holds them all. The action itself stays ``published``: the reconciler re-sends
-it, or closes it past its deadline with the evidence (``recovery/expiry.py``).
+``dead_letter`` for operators. A message whose move failed is requeued and, on its next delivery,
+found already recorded on its chain (one statement, ``deliveries.dead_letter_recorded``): it is
+moved, not recorded again. So every dead-lettered message has one record, whoever moved it, and
+``dead_letter`` holds them all. While the ledger is away a message is not recorded: it stays
+unacknowledged for ``dead_letter_retry_seconds`` (1 s) and is then requeued by the consumer's event
+loop timer, which never waits for it (the worker's other consumers go on). The action itself stays
+``published``: the reconciler re-sends it, or closes it past its deadline with the evidence
+(``recovery/expiry.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from celery import bootsteps, signals
@@ -24,7 +28,7 @@ from kombu import Consumer
 from ledger.refusals import record
 from proofline.bounded import safe_str
 from proofline.settings import get_settings
-from worker import broker, deliveries, wire
+from worker import broker, deliveries, faultpoints, wire
 from worker.guard import _body_of, _main, _settle_message, dead_letter_queue
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class DeadLetterRecorder(bootsteps.ConsumerStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.app = parent.app
+        self.parent = parent
 
     def include_if(self, parent: Any) -> bool:
         return broker.is_amqp(parent.app.conf.broker_url or "")
@@ -81,15 +86,17 @@ class DeadLetterRecorder(bootsteps.ConsumerStep):
     def on_message(self, message: Any) -> None:
         body = _body_of(message)
         key, evidence = evidence_of(message, body)
-        worker_id = get_settings().worker_id
+        chain = "refused:" + wire.digest(body)[:40]
         try:
-            _main.run(record, "refused:" + wire.digest(body)[:40], "dead_lettered", worker_id, evidence)
-            _main.run(deliveries.mark_dead, key)
+            faultpoints.hit("before_dead_letter_record")
+            # A message requeued after its record (its move failed) is not recorded twice.
+            if not _main.run(deliveries.dead_letter_recorded, chain, key):
+                _main.run(record, chain, "dead_lettered", get_settings().worker_id, evidence)
+                _main.run(deliveries.mark_dead, key)
         except Exception as exc:  # noqa: BLE001 - the ledger is away: keep the message for later
             log.error("broker dead-letter not recorded; requeued", extra={"event": "dead_letter_unrecorded",
                                                                            "error": type(exc).__name__})
-            time.sleep(1.0)
-            _settle_message(message, requeue=True)
+            self._requeue_later(message)
             return
         if not self._move(message, body):
             _settle_message(message, requeue=True)  # recorded; moved on a later delivery
@@ -99,9 +106,22 @@ class DeadLetterRecorder(bootsteps.ConsumerStep):
                          "action_id": evidence["claimed"].get("action_id")})
         _settle_message(message)
 
+    def _requeue_later(self, message: Any) -> None:
+        """Requeue ``message`` after ``dead_letter_retry_seconds`` on the consumer's event loop timer,
+        unacknowledged until then (it holds one of the :data:`PREFETCH` slots), so the loop never
+        waits. Without an event loop (a pool that runs none) it is requeued at once, never slept on."""
+        hub = getattr(self.parent, "hub", None)
+        if hub is None:
+            log.warning("no event loop to delay the requeue; requeued at once",
+                        extra={"event": "dead_letter_requeued_now"})
+            _settle_message(message, requeue=True)
+            return
+        hub.call_later(get_settings().dead_letter_retry_seconds, _settle_message, message, True)
+
     def _move(self, message: Any, body: bytes) -> bool:
         """To ``dead_letter``, where the guard's dead letters are, confirmed before the inbox's ack."""
         try:
+            faultpoints.hit("before_dead_letter_move")
             with self.app.producer_or_acquire() as producer:
                 producer.publish(body, exchange="", routing_key=deliveries.DEAD_LETTER_QUEUE,
                                  declare=[dead_letter_queue(self.app)], headers=message.headers,
