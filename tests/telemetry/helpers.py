@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from proofline.envelope import Envelope
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, free_port, start_process, wait_for, wait_port
 from tests.helpers import (
@@ -77,12 +78,29 @@ def mixed_batch(stack: Stack) -> dict[str, str]:
     stack.deliver(stack.message(lost))  # the broker's retry of the lost-response action
     for action in (happy, stale, lost):
         stack.wait_settled(action.action_id, timeout=60)
-    # Same action id, other arguments: a conflict (once settled: while a delivery holds the
-    # action's lease, another is ignored without being read).
-    stack.deliver(stack.message(other))
+    # Same action id, other arguments: a conflict.
+    deliver_until_read(stack, other, "idempotency_conflict")
     assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
-    stack.wait_event(lost.action_id, "idempotency_conflict")
     wait_for(lambda: {"duplicate_suppressed", "redelivery_ignored"} & set(stack.events(happy.action_id)), 30,
              what="the duplicate's record")
     return {"verified": happy.action_id, "not_started": stale.action_id, "unknown": lost.action_id,
             "compensated": steps[0].action_id, "compensation": recovery_action(stack, steps[0].action_id)}
+
+
+def deliver_until_read(stack: Stack, envelope: Envelope, event: str, attempts: int = 5) -> None:
+    """Deliver ``envelope``'s message until its action records ``event``. A delivery that finds
+    the action's lock held (the broker's retry of a settled action may still hold it) is ignored
+    without being read, recorded as ``redelivery_ignored``: then it is sent again."""
+    for _ in range(attempts):
+        ignored = stack.events(envelope.action_id).count("redelivery_ignored")
+        stack.deliver(stack.message(envelope))
+
+        def recorded(ignored: int = ignored) -> str | None:
+            events = stack.events(envelope.action_id)
+            if event in events:
+                return "read"
+            return "ignored" if events.count("redelivery_ignored") > ignored else None
+
+        if wait_for(recorded, 30, what=f"{event} or redelivery_ignored on {envelope.action_id}") == "read":
+            return
+    raise AssertionError(f"{envelope.action_id}: {attempts} deliveries ignored, no {event}")

@@ -16,19 +16,27 @@ from proofline.settings import ROOT
 OPS = ROOT / "ops"
 
 
+def dashboard() -> dict:
+    return json.loads((OPS / "grafana" / "dashboards" / "proofline.json").read_text())
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """Every panel query as written: (panel title and query's refId, PromQL expression)."""
+    return [(f"{panel['title']} [{target.get('refId', '?')}]", target["expr"])
+            for panel in dashboard()["panels"] for target in panel["targets"]]
+
+
 def dashboard_series() -> set[str]:
-    dashboard = json.loads((OPS / "grafana" / "dashboards" / "proofline.json").read_text())
     names: set[str] = set()
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            names |= set(re.findall(r"\bproofline_[a-z_]+", target["expr"]))
+    for _, expr in dashboard_queries():
+        names |= set(re.findall(r"\bproofline_[a-z_]+", expr))
     return names
 
 
 def test_dashboard_panels_have_unique_ids_and_queries() -> None:
-    dashboard = json.loads((OPS / "grafana" / "dashboards" / "proofline.json").read_text())
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids)) and all(p["targets"] for p in dashboard["panels"])
+    panels = dashboard()["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)) and all(p["targets"] for p in panels)
     assert dashboard_series()
 
 
