@@ -8,8 +8,8 @@ could not count; what it dead-letters lands in :data:`~worker.broker.INBOX` with
 each message on the same refusal chain and with the same event the guard uses (``by: broker``,
 RabbitMQ's reason and count), marks its delivery count dead, and only then moves the message to
 ``dead_letter`` for operators. A message whose move failed is requeued and, on its next delivery,
-found already recorded on its chain (one statement, ``deliveries.dead_letter_recorded``): it is
-moved, not recorded again. So every dead-lettered message has one record, whoever moved it, and
+found already recorded on its chain (``deliveries.dead_letter_recorded``): it is moved, not
+recorded again. So every dead-lettered message has one record, whoever moved it, and
 ``dead_letter`` holds them all. While the ledger is away a message is not recorded: it stays
 unacknowledged for ``dead_letter_retry_seconds`` (1 s) and is then requeued by the consumer's event
 loop timer, which never waits for it (the worker's other consumers go on). The action itself stays
@@ -92,7 +92,7 @@ class DeadLetterRecorder(bootsteps.ConsumerStep):
             # A message requeued after its record (its move failed) is not recorded twice.
             if not _main.run(deliveries.dead_letter_recorded, chain, key):
                 _main.run(record, chain, "dead_lettered", get_settings().worker_id, evidence)
-                _main.run(deliveries.mark_dead, key)
+            _main.run(deliveries.mark_dead, key)  # again after a failed move: the latest dead-lettering
         except Exception as exc:  # noqa: BLE001 - the ledger is away: keep the message for later
             log.error("broker dead-letter not recorded; requeued", extra={"event": "dead_letter_unrecorded",
                                                                            "error": type(exc).__name__})

@@ -51,19 +51,10 @@ UPDATE message_deliveries SET dead_lettered_at = clock_timestamp(), unsettled = 
 WHERE message_key = %(key)s
 """
 
-#: Whether a refusal chain already holds this message's ``dead_lettered`` record; when it does, its
-#: count is marked dead too (once), all in one statement.
+#: Whether a refusal chain already holds this message's ``dead_lettered`` record.
 RECORDED_SQL = """
-WITH recorded AS (
-    SELECT EXISTS (SELECT 1 FROM ledger_events WHERE action_id = %(chain)s AND event = 'dead_lettered'
-                     AND evidence->>'message_key' = %(key)s) AS yes
-), dead AS (
-    UPDATE message_deliveries SET dead_lettered_at = clock_timestamp(), unsettled = 0,
-        last_outcome = 'dead_lettered'
-    WHERE message_key = %(key)s AND dead_lettered_at IS NULL AND (SELECT yes FROM recorded)
-    RETURNING 1
-)
-SELECT yes AS recorded FROM recorded
+SELECT EXISTS (SELECT 1 FROM ledger_events WHERE action_id = %(chain)s AND event = 'dead_lettered'
+                 AND evidence->>'message_key' = %(key)s) AS recorded
 """
 
 
@@ -102,8 +93,8 @@ def mark_dead(conn: Any, key: str) -> None:
 
 
 def dead_letter_recorded(conn: Any, chain: str, key: str) -> bool:
-    """Whether ``chain`` already records message ``key`` as dead-lettered (then its count is marked
-    dead as well, unless it already is): a message requeued after its record is not recorded twice."""
+    """Whether ``chain`` already records message ``key`` as dead-lettered: a message requeued after
+    its record is not recorded twice."""
     with conn.cursor() as cur:
         cur.execute(RECORDED_SQL, {"chain": chain, "key": key})
         return bool(cur.fetchone()["recorded"])
