@@ -536,6 +536,14 @@ def settle_idempotency_txn(cur: Cursor, key: str, status: IdempotencyStatus, evi
     )
 
 
+def cancel_arrived_txn(cur: Cursor, action_id: str) -> bool:
+    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
+    transaction is seen here, one that comes after it finds the action settled."""
+    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
+    row = cur.fetchone()
+    return row is not None and row["cancel_requested_at"] is not None
+
+
 def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:
     cur.execute("SELECT *, expires_at < clock_timestamp() AS expired FROM idempotency_records WHERE key = %s", (key,))
     row = cur.fetchone()

@@ -879,7 +879,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 HAPPY_EVENTS = {"published", "validated", "revalidated", "lease_acquired", "idempotency_claimed",
                 "preconditions_passed", "tool_called", "verification_enqueued", "verification_finished",
-                "final_state"}
+                "final_state"}  # verification_enqueued only when the execute task's own read did not decide
 
 
 def print_trace(trace: list[dict[str, Any]]) -> None:

@@ -54,15 +54,16 @@ def latency(stack: Any, action_id: str) -> float:
 
 
 def stages(stack: Any, action_id: str) -> dict[str, float]:
-    """Where the latency went: waiting for the execute queue, executing, then verification (its
-    queue wait included)."""
+    """Where the latency went: waiting for the execute queue, executing, then the verification task
+    (its queue wait included; 0 when the execute task's own read proved the verdict)."""
     at = {e: event_at(stack, [action_id], e, "min") for e in ("published", "validated", "verification_enqueued")}
     end = event_at(stack, [action_id], "final_state", "max")
-    if None in at.values():
+    if None in (at["published"], at["validated"], end):
         return {}
+    handed = at["verification_enqueued"] or end
     return {"execute_queue_s": round((at["validated"] - at["published"]).total_seconds(), 3),
-            "execute_s": round((at["verification_enqueued"] - at["validated"]).total_seconds(), 3),
-            "verify_s": round((end - at["verification_enqueued"]).total_seconds(), 3)}
+            "execute_s": round((handed - at["validated"]).total_seconds(), 3),
+            "verify_s": round((end - handed).total_seconds(), 3)}
 
 
 def settled_count(stack: Any, action_ids: list[str]) -> int:

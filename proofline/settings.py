@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     #: Policy versions this runtime still accepts.
     accepted_policy_versions: list[int] = Field(default_factory=lambda: [5])
 
+    #: The execute task reads the system of record once itself, right after a call the server
+    #: reported complete, and records the result and a proven ``expected`` verdict in one commit;
+    #: any other first read (and every other outcome) goes to the verification task. False: every
+    #: verification is its own task.
+    inline_verification: bool = True
     #: A lease not renewed for this long is expired (database clock).
     lease_ttl_seconds: float = 10.0
     heartbeat_seconds: float = 2.0

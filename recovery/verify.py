@@ -10,125 +10,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
-from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
-from proofline.contracts import Contract, Verification, extract
 from proofline.envelope import CancellationBehaviour, Envelope
-from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge, TransitionRefused
+from proofline.errors import TransitionRefused
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
 from recovery.operation_record import read_operation_record
-from worker import calls, faultpoints, sandbox_events
+from worker import faultpoints, sandbox_events
 from worker.dispatch import Dispatch
-from worker.record_call import verification_key
-from worker.results import measure, result_limit
 from worker.runtime import Runtime
+from worker.verification import finding_evidence, judge, observe
+
+__all__ = ["DISPOSITION", "judge", "observe", "verify"]
 
 log = logging.getLogger(__name__)
-
-READS_KEPT = 5
-
-
-@dataclass
-class Observation:
-    finding: VerificationFinding
-    after: dict[str, Any] | None = None
-    reads: int = 0
-    failed_reads: int = 0
-    last_error: str | None = None
-    kept: list[dict[str, Any]] = field(default_factory=list)
-    #: Conditions that could not be evaluated (recorded, bounded): they counted as not holding.
-    condition_errors: list[dict[str, str]] = field(default_factory=list)
-
-
-def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
-          errors: list[dict[str, str]] | None = None, compiled: CompiledConditions | None = None) -> VerificationFinding:
-    """Evaluate one read. ``settled`` is true once the expected consistency delay has passed.
-
-    Prohibited wins over everything; expected needs every condition true; a condition that cannot
-    be evaluated counts as not holding, never as holding.
-    """
-
-    bound = Variables(variables)  # converted to CEL once for every condition of this read
-
-    def true(expr: str) -> bool:
-        try:
-            return holds(expr, bound, compiled)
-        except ConditionError as exc:
-            if errors is not None and len(errors) < READS_KEPT:
-                errors.append({"expr": expr[:200], "reason_code": exc.code, "detail": exc.detail[:300]})
-            return False
-
-    if any(true(expr) for expr in verification.prohibited):
-        return VerificationFinding.prohibited
-    if all(true(expr) for expr in verification.expected):
-        return VerificationFinding.expected
-    if verification.tolerated and any(true(expr) for expr in verification.tolerated):
-        return VerificationFinding.tolerated
-    if settled and verification.absent and true(verification.absent):
-        return VerificationFinding.absent
-    return VerificationFinding.not_reached
-
-
-def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str, Any]) -> Observation:
-    """Poll the read path until a decisive finding or the bound."""
-    v = contract.verification
-    if envelope.expected_postconditions:
-        # The controller's extra post-conditions must hold too (checked against the limits at revalidation).
-        v = v.model_copy(update={"expected": (*v.expected, *envelope.expected_postconditions)})
-    server = rt.server(envelope.server.name)
-    read = contract.verification_read
-    started = time.monotonic()
-    bound = started + v.max_duration_seconds
-    obs = Observation(VerificationFinding.unavailable)
-    limit = result_limit(rt.settings, server, contract)
-    compiled = contract.compiled()
-    while True:
-        settled = time.monotonic() - started >= v.consistency_delay_seconds
-        try:
-            arguments = build_arguments(read.arguments, base, compiled)
-            with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
-                trace_meta = tracing.carrier()
-                result = rt.mcp.run(server, "read", lambda c, a=arguments, m=trace_meta: calls.read_tool(  # type: ignore[arg-type]
-                    c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds, trace_meta=m))
-            size = measure(result).size
-            if size > limit:
-                raise ResultTooLarge(f"read tool {read.tool} answered {size} bytes; the limit is {limit}")
-            if getattr(result, "is_error", False):
-                text = "".join(getattr(b, "text", "") for b in result.content or [])
-                raise McpUnavailable(f"read tool {read.tool} answered an error: {text[:200]}")
-            after = extract(result, read.extract)
-        except BaseException as exc:  # noqa: BLE001 - an unreadable system is "unavailable", not success
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            if not isinstance(exc, ProoflineError):
-                rt.mcp.discard(server, "read")
-            obs.failed_reads += 1
-            obs.last_error = repr(exc)[:300]
-            finding = None
-        else:
-            obs.reads += 1
-            obs.after = after
-            finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors,
-                            compiled=compiled)
-            if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
-                obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
-            if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):
-                obs.finding = finding
-                return obs
-        if time.monotonic() + v.poll_interval_seconds > bound:
-            # The bound passed: a read path that never answered is "unavailable"; one that answered
-            # but never showed the expected state is "not reached".
-            obs.finding = VerificationFinding.not_reached if obs.reads else VerificationFinding.unavailable
-            return obs
-        time.sleep(v.poll_interval_seconds)
-
 
 # finding -> (status, outcome or None to keep, idempotency status or None to keep, reason code)
 DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, IdempotencyStatus | None, str]] = {
@@ -142,14 +42,6 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
     VerificationFinding.unavailable: (ActionStatus.escalated, Outcome.completed_unverified, None,
                                       "verification_unavailable"),
 }
-
-
-def _cancel_arrived(cur, action_id: str) -> bool:
-    """Whether a cancellation is recorded now, read under the row lock: one that commits before this
-    transaction is seen here, one that comes after it finds the action settled."""
-    cur.execute("SELECT cancel_requested_at FROM actions WHERE action_id = %s FOR UPDATE", (action_id,))
-    row = cur.fetchone()
-    return row is not None and row["cancel_requested_at"] is not None
 
 
 def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
@@ -221,14 +113,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
         outcome = None  # an unknown outcome stays unknown: we never learned more
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
         outcome = Outcome.partially_completed
-    evidence = {
-        "verification_key": verification_key(envelope), "finding": obs.finding.value, "reads": obs.reads,
-        "failed_reads": obs.failed_reads, "last_error": obs.last_error, "timeline": obs.kept,
-        "after": obs.after, "prior_outcome": action.outcome.value if action.outcome else None,
-        "read_tool": contract.verification_read.tool, "identity": "read",
-    }
-    if obs.condition_errors:
-        evidence["condition_errors"] = obs.condition_errors
+    evidence = finding_evidence(envelope, contract, obs, action.outcome)
     if operation_record is not None:
         evidence["operation_record"] = operation_record
     recovered = None
@@ -250,7 +135,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
         # Two flights: the row lock (and a cancellation that arrived meanwhile), then the verdict
         # with its COMMIT; a move another verifier made first is refused by the database.
         with store.pipelined(conn, begun=begun) as cur:
-            if action.cancel_requested_at is None and _cancel_arrived(cur, action_id):
+            if action.cancel_requested_at is None and store.cancel_arrived_txn(cur, action_id):
                 # Cancelled while verification was reading the system of record: the cancellation
                 # decides the disposition as if it had been there from the start.
                 status, outcome, record_status, reason = _cancel_disposition(

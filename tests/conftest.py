@@ -36,7 +36,7 @@ from proofline_kit.stack import (
     teardown_stack,
 )
 
-__all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "REDIS_URL", "ROOT", "SETTLED", "Stack",
+__all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "REDIS_URL", "ROOT", "SETTLED", "Stack", "VERIFY_TASK",
            "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "release_redis_db",
            "role_urls", "start_process", "start_workers", "stop_process", "teardown_stack", "wait_for", "wait_port",
            "with_database"]
@@ -53,16 +53,23 @@ def free_port() -> int:
 #: ``indirect`` parameters of ``stack`` for a test of broker behaviour: the same deployment on each
 #: broker (Redis is the default stack's, so the suite builds it once).
 ON_EACH_BROKER = [pytest.param("stdio" if name == "redis" else f"stdio/{name}", id=name) for name in BROKERS]
+#: The default stack with every verification sent to the verification task
+#: (``PROOFLINE_INLINE_VERIFICATION=false``), for tests of that task's own stages.
+VERIFY_TASK = pytest.param("stdio+verify-task", id="verify-task")
 
 
 @pytest.fixture(scope="session", params=["stdio"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A running deployment with one Celery worker (two prefork processes). ``indirect``
-    parametrisation with "http" gives the same deployment over streamable HTTP, and "TRANSPORT/BROKER"
-    on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ)."""
-    transport, _, broker = str(request.param).partition("/")
-    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}-{broker or 'redis'}"),
-                    broker=broker or "redis")
+    parametrisation with "http" gives the same deployment over streamable HTTP, "TRANSPORT/BROKER"
+    on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ), and a "+verify-task" suffix one that
+    verifies only in the verification task (``VERIFY_TASK``)."""
+    param, _, mode = str(request.param).partition("+")
+    transport, _, broker = param.partition("/")
+    # "+verify-task": every verification is its own task (no verdict from the execute task's own read).
+    extra_env = {"PROOFLINE_INLINE_VERIFICATION": "false"} if mode == "verify-task" else None
+    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}-{broker or 'redis'}{mode and '-' + mode}"),
+                    broker=broker or "redis", extra_env=extra_env)
     try:
         start_workers(s)
         yield s

@@ -1,10 +1,13 @@
 """The execute task's stages, in the seed's order, each recorded in the ledger with its evidence:
 
 validate envelope → revalidate → acquire the lease → check/claim the idempotency record →
-read the target and check preconditions → call the tool → classify → enqueue verification.
+read the target and check preconditions → call the tool → classify → verify in place or enqueue
+verification.
 
 Commits on the happy path: one for lease + claim + pre-call evidence, one for the classified
-result + lease release. Everything else is a read folded into those round trips.
+result + lease release, with the verdict when the first verification read, made here through the
+read identity, proves the post-condition (``worker/verification.py``). Everything else is a read
+folded into those round trips.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from worker.preflight import (
     live_contract,
     read_target,
 )
-from worker.record_call import result_evidence, write_result_txn
+from worker.record_call import FirstRead, result_evidence, write_result_txn
 from worker.results import result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
@@ -79,6 +82,7 @@ from worker.validate import (
     revalidate_static,
     validate_envelope,
 )
+from worker.verification import decides_in_place, finding_evidence, first_read
 
 log = logging.getLogger(__name__)
 
@@ -292,10 +296,16 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             stages.event("progress")
         stages.note(**{"proofline.outcome": verdict.outcome.value,
                        "proofline.error_category": None if report.error is None else verdict.reason_code})
-        stages.enter("proofline.record_result")
         metrics.TOOL_CALL_SECONDS.labels(envelope.action_type, verdict.outcome.value).observe(report.elapsed_seconds)
+        first = None
+        if decides_in_place(settings, verdict):
+            stages.enter("proofline.verification", **{"proofline.tool": contract.verification_read.tool})
+            first = _first_read(rt, envelope, contract, before, verdict, red, token)
+            stages.note(**{"proofline.verification_finding": first.obs.finding.value})
+        stages.enter("proofline.record_result")
         locked = False  # the result transaction releases both locks as its last statement
-        return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch)
+        return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch, first,
+                              existing.get("published_at"))
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
@@ -529,21 +539,34 @@ def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, t
                       progress_total=progress.total, unsandboxed=unsandboxed)
 
 
+def _first_read(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],
+                verdict: Classification, red: Redactor, token: int) -> FirstRead:
+    """The verification read made in place, the lease renewed meanwhile (the fencing token still
+    decides whether the verdict may be written)."""
+    settings = rt.settings
+    began = time.monotonic()
+    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
+                   touch=rt.touch):
+        obs = first_read(rt, envelope, contract, envelope.model_dump(mode="json"), before, verdict.values or {}, red)
+    return FirstRead(obs, time.monotonic() - began, finding_evidence(envelope, contract, obs, verdict.outcome))
+
+
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,
-                   token: int, locks: Locks, dispatch) -> dict[str, Any]:
+                   token: int, locks: Locks, dispatch, first: FirstRead | None = None,
+                   published_at: str | None = None) -> dict[str, Any]:
     aid = envelope.action_id
     evidence = result_evidence(envelope, verdict, report)
     audit = sandbox_events.pending(rt, aid)  # taken once: a retried write records the same findings
     try:
         try:
-            retry = write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
-                                     audit)
+            retry, verified = write_result_txn(rt, envelope, red, verdict, evidence, token, locks,
+                                               report.sandbox_violation, audit, first)
         except psycopg.OperationalError:
             # The session died while we called (and its locks with it). Write again on a new
             # session: the fencing token still decides whether this worker may record the result.
             rt.reset_connection()
-            retry = write_result_txn(rt, envelope, red, verdict, evidence, token, locks, report.sandbox_violation,
-                                     audit)
+            retry, verified = write_result_txn(rt, envelope, red, verdict, evidence, token, locks,
+                                               report.sandbox_violation, audit, first)
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
@@ -561,5 +584,15 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
     faultpoints.hit("after_ledger")
+    if verified:
+        assert first is not None
+        metrics.VERIFICATION_SECONDS.labels(envelope.action_type, first.obs.finding.value).observe(first.seconds)
+        if published_at:
+            metrics.PUBLISH_TO_VERIFIED_SECONDS.labels(envelope.action_type).observe(
+                max(time.time() - datetime.fromisoformat(published_at).timestamp(), 0.0))
+        log.info("verified", extra={"action_id": aid, "event": "verification_finished",
+                                    "finding": first.obs.finding.value, "in_place": True})
+        closed_hook(rt, envelope, ActionStatus.closed, Outcome.completed_verified, dispatch)
+        return TaskSummary("closed", "verified", aid, Outcome.completed_verified.value).as_dict()
     dispatch.verify(aid, envelope.tenant)
     return TaskSummary("verifying", verdict.reason_code, aid, verdict.outcome.value).as_dict()

@@ -1,16 +1,19 @@
 """Recording a classified tool call: the ``tool_called`` evidence, the idempotency record, the
-action's new status and the lease's release, in one commit fenced by the lease token."""
+action's new status and the lease's release, in one commit fenced by the lease token; with the
+verdict too when the first verification read, made in place, proved the post-condition."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ledger import store
 from ledger.redact import Redactor
-from ledger.states import ActionStatus, IdempotencyStatus, Outcome
+from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
+from proofline.canonical import sha256_hex
 from proofline.envelope import Envelope
-from worker import sandbox_events
+from worker import faultpoints, sandbox_events
 from worker.classify import CallReport, Classification
 from worker.lease import Locks, release_lease_txn, unlock_sql
 from worker.results import values_reference
@@ -43,14 +46,36 @@ def result_evidence(envelope: Envelope, verdict: Classification, report: CallRep
     return evidence
 
 
+@dataclass(frozen=True)
+class FirstRead:
+    """The verification read the execute task made in place: what it observed (a
+    ``worker.verification.Observation``), how long it took, and its ``verification_finished``
+    evidence."""
+
+    obs: Any
+    seconds: float
+    evidence: dict[str, Any]
+
+    @property
+    def proves(self) -> bool:
+        return self.obs.finding == VerificationFinding.expected
+
+
 def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
                       evidence: dict[str, Any], token: int, locks: Locks,
-                      violation: dict[str, Any] | None = None, audit: sandbox_events.Pending = None) -> bool:
+                      violation: dict[str, Any] | None = None, audit: sandbox_events.Pending = None,
+                      first: FirstRead | None = None) -> tuple[bool, bool]:
     """Record the classified call, settle the idempotency record, release the lease: one commit.
+    When ``first`` proves the post-condition and no cancellation has arrived (read under the row
+    lock, one round trip more), the same commit records the verdict and closes the action.
 
-    Returns whether a failed-before-side-effect call will be retried (same envelope, same key).
+    Returns whether a failed-before-side-effect call will be retried (same envelope, same key), and
+    whether the action was closed verified here.
     """
     aid, actor = envelope.action_id, rt.settings.worker_id
+    proves = first is not None and first.proves
+    if proves:
+        faultpoints.hit("before_verify_commit")
     retry = False
     if verdict.outcome == Outcome.failed_before_side_effect:
         remaining = envelope.deadline.timestamp() - time.time()
@@ -59,11 +84,17 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
     # One flight with its BEGIN and COMMIT; only a failed-before call waits for the attempts count
     # (whether it is retried), one round trip more. A stale token or a refused move rolls it all back.
     with store.pipelined(rt.conn) as cur:
+        # A cancellation that arrived during the call leaves the disposition to the verification
+        # task, which weighs it (recovery/verify.py).
+        verified = proves and not store.cancel_arrived_txn(cur, aid)
+        after = first.obs.after if verified and first is not None else None
         attempts = store.update_idempotency_txn(
             cur, envelope.idempotency_key, fencing_token=token, allowed=[IdempotencyStatus.in_progress],
             status=RECORD_AFTER_CALL[verdict.outcome],
             result={**(values_reference(verdict.values) or {}), "operation_id": verdict.operation_id,
-                    "outcome": verdict.outcome.value},
+                    "outcome": verdict.outcome.value,
+                    **({"verified": VerificationFinding.expected.value, "after_digest": sha256_hex(after)}
+                       if verified else {})},
             redactor=red, deferred=not failed_before)
         events: list[tuple[str, dict[str, Any]]] = [("tool_called", evidence)]
         if violation is not None:
@@ -77,15 +108,28 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
                            {"attempts": attempts, "cause": verdict.reason_code}))
         else:
             status = ActionStatus.verifying
-            events.append(("verification_enqueued", {"verification_key": verification_key(envelope)}))
+            if not verified:
+                handoff = {"verification_key": verification_key(envelope)}
+                if first is not None:  # what the read made in place found (the task reads again)
+                    handoff["first_read"] = first.obs.finding.value
+                events.append(("verification_enqueued", handoff))
         store.transition_txn(
             cur, aid, [ActionStatus.executing], status, outcome=verdict.outcome, reason_code=verdict.reason_code,
             result=_action_result(verdict),
             recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
             redactor=red, events=events, actor=actor, deferred=True)
+        if verified and first is not None:
+            store.transition_txn(
+                cur, aid, [ActionStatus.verifying], ActionStatus.closed, outcome=Outcome.completed_verified,
+                finding=VerificationFinding.expected.value, reason_code="verified",
+                recovery_data={"after": after} if after is not None else None, redactor=red,
+                events=[("verification_finished", {**first.evidence, "in_place": True}),
+                        ("final_state", {"status": ActionStatus.closed.value,
+                                         "outcome": Outcome.completed_verified.value, "reason_code": "verified"})],
+                actor=actor, deferred=True)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
-    return retry
+    return retry, verified
 
 
 def _action_result(verdict: Classification) -> dict[str, Any] | None:

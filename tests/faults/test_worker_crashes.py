@@ -12,12 +12,15 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline.ledger_check import check_chains
 from proofline_kit.sor import store as sor
-from tests.conftest import ON_EACH_BROKER, Stack, wait_for
+from tests.conftest import ON_EACH_BROKER, VERIFY_TASK, Stack, wait_for
 from tests.helpers import new_account, refund_env
 from worker.faultpoints import arm, fired
 
 
-@pytest.mark.parametrize("stack", ON_EACH_BROKER, indirect=True)
+# With the verdict recorded in place, "before_verify_commit" kills the execute task after its
+# verification read, before the one commit of result and verdict, and "after_ledger" after that
+# commit; on the "verify-task" stack they are the verification task's and the result's own commit.
+@pytest.mark.parametrize("stack", [*ON_EACH_BROKER, VERIFY_TASK], indirect=True)
 @pytest.mark.parametrize("point", ["before_send", "after_send", "after_ledger", "before_verify_commit"])
 def test_worker_killed_at_each_stage_leaves_exactly_one_effect(stack: Stack, point: str) -> None:
     account = new_account(stack)
@@ -37,6 +40,11 @@ def test_worker_killed_at_each_stage_leaves_exactly_one_effect(stack: Stack, poi
     events = stack.events(env.action_id)
     if point in ("before_send", "after_send"):
         assert "reconcile_required" in events  # the next holder reconciled before anything else
+    in_place = stack.env.get("PROOFLINE_INLINE_VERIFICATION") != "false"
+    if point == "before_verify_commit":
+        # Killed after reading: in place, nothing of the call was recorded and the next holder
+        # reconciles; in the verification task, the result was and the task runs again.
+        assert ("reconcile_required" in events) is in_place
     _, _, broken = check_chains(stack.conn)
     assert broken == []
     wait_for(stack.workers_alive, 10, what="Celery to replace the killed pool process")

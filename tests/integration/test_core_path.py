@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 
 import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, wait_for
+from tests.conftest import VERIFY_TASK, Stack, wait_for
 
 BOTH = pytest.mark.parametrize("stack", ["stdio", "http"], indirect=True)
 #: Also the older protocol generation (initialize handshake, HTTP sessions): many servers speak only that.
@@ -30,18 +31,54 @@ def new_account(stack: Stack, balance: int = 100_000) -> str:
     return name
 
 
-@ALL_PROTOCOLS
-def test_happy_path_is_verified_with_one_effect(stack: Stack) -> None:
+def verified_ticket(stack: Stack):
+    """A ticket created on the happy path: verified, one effect."""
     env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": "disk full", "owner": "ops"},
                          target={"type": "ticket_queue", "id": "acme-ops"})
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
     assert (row.status, row.outcome, row.finding) == (ActionStatus.closed, Outcome.completed_verified, "expected")
     assert stack.effects(env.idempotency_key) == 1
+    return env
+
+
+@ALL_PROTOCOLS
+def test_happy_path_is_verified_with_one_effect(stack: Stack) -> None:
+    env = verified_ticket(stack)
+    events = stack.events(env.action_id)
+    # The execute task's own read through the read identity proved the post-condition: one commit
+    # holds the result and the verdict, and no verification task was sent.
+    order = ["published", "validated", "revalidated", "lease_acquired", "idempotency_claimed",
+             "preconditions_passed", "tool_called", "verification_finished", "final_state"]
+    assert [e for e in events if e in order] == order
+    assert "verification_enqueued" not in events
+    finished = next(e["evidence"] for e in stack.timeline(env.action_id) if e["event"] == "verification_finished")
+    assert finished["in_place"] is True and finished["identity"] == "read" and finished["reads"] == 1
+    assert finished["finding"] == "expected" and finished["after"]["ticket"]["title"] == "disk full"
+    assert finished["verification_key"] == "verify-" + env.idempotency_key
+    assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 1
+
+
+@pytest.mark.parametrize("stack", [VERIFY_TASK], indirect=True)
+def test_with_in_place_verification_off_the_verification_task_decides(stack: Stack) -> None:
+    env = verified_ticket(stack)
     events = stack.events(env.action_id)
     order = ["published", "validated", "revalidated", "lease_acquired", "idempotency_claimed",
              "preconditions_passed", "tool_called", "verification_enqueued", "verification_finished", "final_state"]
     assert [e for e in events if e in order] == order
+    timeline = stack.timeline(env.action_id)
+    enqueued = next(e for e in timeline if e["event"] == "verification_enqueued")
+    finished = next(e for e in timeline if e["event"] == "verification_finished")
+    assert "first_read" not in enqueued["evidence"] and "in_place" not in finished["evidence"]
+    assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 2
+
+
+def writing_transactions(stack: Stack, action_id: str, *events: str) -> int:
+    """How many transactions wrote these events of the action (their rows' ``xmin``)."""
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT count(DISTINCT xmin::text) AS n FROM ledger_events WHERE action_id = %s AND event = ANY(%s)",
+                    (action_id, list(events)))
+        return cur.fetchone()["n"]
 
 
 def test_same_envelope_to_two_worker_processes_at_once_executes_once(stack: Stack) -> None:
@@ -123,4 +160,30 @@ def test_correctly_signed_message_nobody_published_is_refused(stack: Stack) -> N
     # Published afterwards by the controller, the same envelope runs normally.
     stack.publish(env)
     assert stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+    assert stack.effects(env.idempotency_key) == 1
+
+
+def test_a_first_read_that_proves_nothing_hands_the_verdict_to_the_verification_task(stack: Stack) -> None:
+    """The read identity is down when the execute task reads in place: that read decides nothing,
+    the result commits alone with what the read found, and the verification task, polling, settles
+    the action once the read path is back."""
+    from proofline_kit.sor import store as sor
+
+    env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": f"t-{uuid.uuid4().hex}", "owner": "ops"},
+                         target={"type": "ticket_queue", "id": "acme-ops"})
+    sor.set_read_outage(stack.sor_db, True, role="reader")
+    try:
+        stack.publish(env)
+        stack.wait_event(env.action_id, "verification_enqueued")
+        assert stack.action(env.action_id).status == ActionStatus.verifying
+    finally:
+        sor.set_read_outage(stack.sor_db, False, role="reader")
+    row = stack.wait_settled(env.action_id)
+    assert (row.status, row.outcome, row.finding) == (ActionStatus.closed, Outcome.completed_verified, "expected")
+    timeline = stack.timeline(env.action_id)
+    [enqueued] = [e["evidence"] for e in timeline if e["event"] == "verification_enqueued"]
+    [finished] = [e["evidence"] for e in timeline if e["event"] == "verification_finished"]
+    assert enqueued["first_read"] == "unavailable"
+    assert "in_place" not in finished and finished["finding"] == "expected"
+    assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 2
     assert stack.effects(env.idempotency_key) == 1

@@ -70,13 +70,17 @@ def check_clients(trace: list[Span]) -> None:
     assert any("proofline.tool_call" in ancestors(r, by_id) for r in requests)
 
 
+#: A trace is complete when the execute task that verified in place has recorded the result and verdict.
+SETTLED_IN_PLACE = ("proofline.tool_call", "proofline.verification_read", "proofline.record_result")
+
+
 def test_cli_publish_roots_the_trace_with_db_and_http_spans(http_stack: tuple[Stack, Path]) -> None:
     stack, traces = http_stack
     action_id = f"cli-{uuid.uuid4().hex[:10]}"
     arguments = {"tenant": "acme", "title": f"traced {uuid.uuid4().hex}", "owner": "ops"}
     cli_publish(stack, traces, action_id, arguments)
     row = stack.wait_settled(action_id)
-    trace = spans_in(traces, one_trace(stack, action_id), "proofline.tool_call", "proofline.final_transition")
+    trace = spans_in(traces, one_trace(stack, action_id), *SETTLED_IN_PLACE)
     check_tree(trace, "proofline.authorize_and_publish")
     root = next(s for s in trace if s["parent_id"] is None)
     assert root["service"] == "proofline-controller"
@@ -104,7 +108,7 @@ def test_sdk_client_roots_each_action_trace(http_stack: tuple[Stack, Path]) -> N
     ids = [one_trace(stack, e.action_id) for e in (one, two)]
     assert ids[0] != ids[1]  # a batch is one trace per action
     for envelope, tid in zip((one, two), ids, strict=True):
-        trace = spans_in(traces, tid, "proofline.tool_call", "proofline.final_transition")
+        trace = spans_in(traces, tid, *SETTLED_IN_PLACE)
         check_tree(trace, "proofline.authorize_and_publish")
         check_clients(trace)
         no_payload(trace, envelope.arguments, stack.action(envelope.action_id).result["values"])

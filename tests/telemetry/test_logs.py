@@ -29,9 +29,10 @@ def test_every_line_about_an_action_names_it(observed: Observed) -> None:
 
     def about() -> list[dict[str, Any]]:
         lines = [line for line in json_lines(observed) if line.get("action_id") == env.action_id]
-        verified = [x for x in lines if x["logger"] == "recovery.verify" and x["message"] == "verified"]
+        # Verified in place: the execute task logs the verdict, and no verification task runs.
+        verified = [x for x in lines if x["logger"] == "worker.execute" and x["message"] == "verified"]
         succeeded = [x for x in lines if x["logger"] == "celery.app.trace" and "succeeded" in x["message"]]
-        return lines if verified and len(succeeded) >= 2 else []
+        return lines if verified and succeeded else []
 
     lines = wait_for(about, 20, what="the action's log lines")
     for line in lines:
@@ -43,9 +44,9 @@ def test_every_line_about_an_action_names_it(observed: Observed) -> None:
     recorded = {e["evidence"].get("trace_id") for e in stack.timeline(env.action_id)} - {None}
     assert len(recorded) == 1 and {line.get("trace_id") for line in lines} == recorded
     stages = {line["stage"] for line in lines}
-    assert stages == {"execute", "verify"}
+    assert stages == {"execute"}
     verified = next(x for x in lines if x["message"] == "verified")
-    assert (verified["event"], verified["finding"]) == ("verification_finished", "expected")  # the extras
+    assert (verified["event"], verified["finding"], verified["in_place"]) == ("verification_finished", "expected", True)
     # A pool process's lines while it handles no action carry no action's fields.
     for line in json_lines(observed):
         if line.get("action_id") is None:

@@ -135,6 +135,9 @@ def no_payload(trace: list[Span], *payloads: Any) -> None:
 EXECUTE = ["proofline.preflight", "proofline.lease", "proofline.revalidation", "proofline.precondition_read",
            "proofline.tool_call", "proofline.record_result"]
 VERIFY = ["proofline.verification", "proofline.verification_read", "proofline.final_transition"]
+#: Verified in place: the execute task reads, then records the result and the verdict in one commit.
+IN_PLACE = ["proofline.preflight", "proofline.lease", "proofline.revalidation", "proofline.precondition_read",
+            "proofline.tool_call", "proofline.verification", "proofline.verification_read", "proofline.record_result"]
 
 
 def test_happy_path_is_one_trace_with_its_stages_in_order(traced: Observed) -> None:
@@ -143,13 +146,14 @@ def test_happy_path_is_one_trace_with_its_stages_in_order(traced: Observed) -> N
     stack.publish(env)
     row = stack.wait_settled(env.action_id)
     tid = one_trace(stack, env.action_id)
-    trace = trace_spans(traced, tid, *EXECUTE, *VERIFY)
+    trace = trace_spans(traced, tid, *IN_PLACE)
     by_id = check_tree(trace, "proofline.authorize_and_publish")
-    in_order(trace, ["proofline.authorize_and_publish", *EXECUTE, *VERIFY])
-    # Across tasks: verification runs in the verify task, published by the execute task.
+    in_order(trace, ["proofline.authorize_and_publish", *IN_PLACE])
+    # Verified in place: the verification read is the execute task's, and no verify task ran.
     verification = next(s for s in trace if s["name"] == "proofline.verification")
     chain = ancestors(verification, by_id)
-    assert chain.index("run/proofline.verify") < chain.index("run/proofline.execute") < len(chain) - 1
+    assert "run/proofline.execute" in chain and "run/proofline.verify" not in chain
+    assert not [s for s in trace if s["name"] in ("run/proofline.verify", "proofline.final_transition")]
     call = next(s for s in trace if s["name"] == "proofline.tool_call")
     assert call["attributes"]["proofline.outcome"] == "completed_unverified"
     assert call["attributes"]["proofline.action_type"] == "ticket.create"

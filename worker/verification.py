@@ -1,0 +1,158 @@
+"""Reading the system of record for a verdict: one read judged against the contract's expected,
+tolerated and prohibited outcomes, and the polling loop around it. Used by the verification task
+(``recovery/verify.py``) and by the execute task's first read when it can decide at once
+(``worker/inline_verify.py``). Lack of evidence is never success.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger.states import Outcome, VerificationFinding
+from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
+from proofline.contracts import Contract, Verification, extract
+from proofline.envelope import Envelope
+from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge
+from proofline.telemetry import tracing
+from worker import calls
+from worker.record_call import verification_key
+from worker.results import measure, result_limit
+from worker.runtime import Runtime
+
+READS_KEPT = 5
+
+
+@dataclass
+class Observation:
+    finding: VerificationFinding
+    after: dict[str, Any] | None = None
+    reads: int = 0
+    failed_reads: int = 0
+    last_error: str | None = None
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    #: Conditions that could not be evaluated (recorded, bounded): they counted as not holding.
+    condition_errors: list[dict[str, str]] = field(default_factory=list)
+
+
+def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
+          errors: list[dict[str, str]] | None = None, compiled: CompiledConditions | None = None) -> VerificationFinding:
+    """Evaluate one read. ``settled`` is true once the expected consistency delay has passed.
+
+    Prohibited wins over everything; expected needs every condition true; a condition that cannot
+    be evaluated counts as not holding, never as holding.
+    """
+
+    bound = Variables(variables)  # converted to CEL once for every condition of this read
+
+    def true(expr: str) -> bool:
+        try:
+            return holds(expr, bound, compiled)
+        except ConditionError as exc:
+            if errors is not None and len(errors) < READS_KEPT:
+                errors.append({"expr": expr[:200], "reason_code": exc.code, "detail": exc.detail[:300]})
+            return False
+
+    if any(true(expr) for expr in verification.prohibited):
+        return VerificationFinding.prohibited
+    if all(true(expr) for expr in verification.expected):
+        return VerificationFinding.expected
+    if verification.tolerated and any(true(expr) for expr in verification.tolerated):
+        return VerificationFinding.tolerated
+    if settled and verification.absent and true(verification.absent):
+        return VerificationFinding.absent
+    return VerificationFinding.not_reached
+
+
+def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str, Any],
+            max_reads: int | None = None) -> Observation:
+    """Poll the read path until a decisive finding or the bound; ``max_reads``: stop after that many
+    attempts (answered or not) with the last finding, ``not_reached`` or ``unavailable``."""
+    v = contract.verification
+    if envelope.expected_postconditions:
+        # The controller's extra post-conditions must hold too (checked against the limits at revalidation).
+        v = v.model_copy(update={"expected": (*v.expected, *envelope.expected_postconditions)})
+    server = rt.server(envelope.server.name)
+    read = contract.verification_read
+    started = time.monotonic()
+    bound = started + v.max_duration_seconds
+    obs = Observation(VerificationFinding.unavailable)
+    limit = result_limit(rt.settings, server, contract)
+    compiled = contract.compiled()
+    while True:
+        settled = time.monotonic() - started >= v.consistency_delay_seconds
+        try:
+            arguments = build_arguments(read.arguments, base, compiled)
+            with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
+                trace_meta = tracing.carrier()
+                result = rt.mcp.run(server, "read", lambda c, a=arguments, m=trace_meta: calls.read_tool(  # type: ignore[arg-type]
+                    c, tool=read.tool, arguments=a, timeout_seconds=contract.timeout_seconds, trace_meta=m))
+            size = measure(result).size
+            if size > limit:
+                raise ResultTooLarge(f"read tool {read.tool} answered {size} bytes; the limit is {limit}")
+            if getattr(result, "is_error", False):
+                text = "".join(getattr(b, "text", "") for b in result.content or [])
+                raise McpUnavailable(f"read tool {read.tool} answered an error: {text[:200]}")
+            after = extract(result, read.extract)
+        except BaseException as exc:  # noqa: BLE001 - an unreadable system is "unavailable", not success
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            if not isinstance(exc, ProoflineError):
+                rt.mcp.discard(server, "read")
+            obs.failed_reads += 1
+            obs.last_error = repr(exc)[:300]
+            finding = None
+        else:
+            obs.reads += 1
+            obs.after = after
+            finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors,
+                            compiled=compiled)
+            if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
+                obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
+            if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):
+                obs.finding = finding
+                return obs
+        if max_reads is not None and obs.reads + obs.failed_reads >= max_reads:
+            obs.finding = finding or VerificationFinding.unavailable
+            return obs
+        if time.monotonic() + v.poll_interval_seconds > bound:
+            # The bound passed: a read path that never answered is "unavailable"; one that answered
+            # but never showed the expected state is "not reached".
+            obs.finding = VerificationFinding.not_reached if obs.reads else VerificationFinding.unavailable
+            return obs
+        time.sleep(v.poll_interval_seconds)
+
+
+def finding_evidence(envelope: Envelope, contract: Contract, obs: Observation,
+                     prior: Outcome | None) -> dict[str, Any]:
+    """What ``verification_finished`` records of the reads, whichever task made them."""
+    evidence: dict[str, Any] = {
+        "verification_key": verification_key(envelope), "finding": obs.finding.value, "reads": obs.reads,
+        "failed_reads": obs.failed_reads, "last_error": obs.last_error, "timeline": obs.kept,
+        "after": obs.after, "prior_outcome": prior.value if prior else None,
+        "read_tool": contract.verification_read.tool, "identity": "read",
+    }
+    if obs.condition_errors:
+        evidence["condition_errors"] = obs.condition_errors
+    return evidence
+
+
+def decides_in_place(settings: Any, verdict: Any) -> bool:
+    """Whether the execute task may read for the verdict itself, right after the call: only a call
+    the server reported complete, with values (a lost or empty answer is recovered by the
+    verification task), and no downstream operation to follow. Anything the first read does not
+    prove ``expected`` goes to the verification task as before."""
+    return (settings.inline_verification and verdict.outcome == Outcome.completed_unverified
+            and bool(verdict.values) and verdict.operation_id is None)
+
+
+def first_read(rt: Runtime, envelope: Envelope, contract: Contract, doc: dict[str, Any], before: dict[str, Any],
+               values: dict[str, Any], stored: Any) -> Observation:
+    """One read of the system of record through the read identity, judged as the verification
+    task's first read would be: ``before`` and the result's ``values`` as the ledger stores them
+    (``stored`` is the action's redactor), the envelope as signed."""
+    base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
+            "before": stored({"before": before})["before"] or {},
+            "result": stored({"values": values})["values"] or {}}
+    return observe(rt, envelope, contract, base, max_reads=1)
