@@ -643,7 +643,7 @@ class Bench:
                 self.publish_all([envelope])
             self.wait_full_path([e.action_id for e in envs], probe, timeout=60 + n * 0.5, worker=worker)
             rows = probe.execute(
-                """SELECT extract(epoch FROM f.at - p.at)::float8 * 1000 AS ms
+                """SELECT p.action_id, extract(epoch FROM f.at - p.at)::float8 * 1000 AS ms
                    FROM ledger_events p JOIN ledger_events f ON f.action_id = p.action_id AND f.event = 'final_state'
                    WHERE p.event = 'published' AND p.action_id = ANY(%s)""", ([e.action_id for e in envs],)).fetchall()
             # Where the latency goes: the median gap before each ledger event (one action's events in
@@ -657,6 +657,12 @@ class Bench:
                           percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99
                    FROM e WHERE ms IS NOT NULL GROUP BY event ORDER BY first_seq""",
                 ([e.action_id for e in envs],)).fetchall()
+            # The slowest actions' own gaps: where a tail comes from (a stage, or everything at once).
+            slowest = sorted(rows, key=lambda r: r["ms"], reverse=True)[:5]
+            tails = [probe.execute(
+                """SELECT event, round((extract(epoch FROM at - lag(at) OVER (ORDER BY seq)) * 1000)::numeric, 1)::float8
+                          AS ms FROM ledger_events WHERE action_id = %s ORDER BY seq""", (r["action_id"],)).fetchall()
+                     for r in slowest]
             call = probe.execute(
                 """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY (evidence->>'elapsed_ms')::float8) AS p50
                    FROM ledger_events WHERE action_id = ANY(%s) AND event = 'tool_called'""",
@@ -669,6 +675,8 @@ class Bench:
                 "publisher_most_behind_ms": late * 1000,
                 "gap_before_event_ms": {r["event"]: {"n": r["n"], "p50": r["p50"], "p99": r["p99"]} for r in gaps},
                 "tool_call_ms_p50": call["p50"],
+                "slowest": [{"ms": r["ms"], "gap_before_event_ms": {e["event"]: e["ms"] for e in t if e["ms"] is not None}}
+                            for r, t in zip(slowest, tails, strict=True)],
                 "latency_ms": {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
                                "p99": percentile(latencies, 99), "max": max(latencies, default=None)}}
 
@@ -837,6 +845,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         gaps = open_loop.get("gap_before_event_ms") or {}
         lines.append("    median gap before each event (ms): " + ", ".join(
             f"{event} {fmt(g['p50'])}" for event, g in gaps.items()) + f"; tool call itself {fmt(open_loop.get('tool_call_ms_p50'))}")
+        for slow in open_loop.get("slowest") or []:
+            lines.append(f"    a slowest action, {fmt(slow['ms'])} ms, gaps: " + ", ".join(
+                f"{event} {fmt(ms)}" for event, ms in slow["gap_before_event_ms"].items()))
     if full:
         unexpected = {k: v for k, v in full["events"].items() if k not in HAPPY_EVENTS}
         if unexpected:
@@ -898,7 +909,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--actions", type=int, default=300, help="actions (and bare tasks) in each timed window")
     parser.add_argument("--transport", choices=("http", "stdio"), default="http")
     parser.add_argument("--warmup", type=int, default=10, help="warm-up actions, excluded from the figures")
-    parser.add_argument("--concurrency", type=int, default=2, help="prefork processes per worker")
+    parser.add_argument("--concurrency", type=int, default=Settings().worker_concurrency,
+                        help="prefork processes per worker, full path and baselines alike (default: the worker's, "
+                             "PROOFLINE_WORKER_CONCURRENCY, twice the processors)")
     parser.add_argument("--accounting-actions", type=int, default=50,
                         help="actions counted on the wire through the proxy after the timed window (0: skip)")
     parser.add_argument("--targets", type=int, default=0,

@@ -210,6 +210,10 @@ class Settings(BaseSettings):
     #: The reconciler closes a still-published action this long after its deadline.
     deadline_grace_seconds: float = 60.0
     #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
+    #: Prefork pool processes of ``proofline worker`` when ``--concurrency`` is not given: twice the
+    #: processors, because a pool process spends about half an action waiting on the MCP servers and
+    #: Postgres (README "Cost benchmark").
+    worker_concurrency: int = Field(default_factory=lambda: 2 * (os.cpu_count() or 1), ge=1)
     worker_max_tasks_per_child: int = 1000
     worker_max_memory_per_child_kb: int = 512 * 1024
     # --- containment: tenant fairness and quotas ---

@@ -37,13 +37,14 @@ def _foreground(name: str) -> None:
 @click.option("--role", type=click.Choice(sorted(ROLE_QUEUES)), default="all", show_default=True,
               help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
 @click.option("--queues", default=None, help="override the role's queues")
-@click.option("--concurrency", default=2)
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help="prefork pool processes (default PROOFLINE_WORKER_CONCURRENCY: twice the processors)")
 @click.option("--metrics-port", type=int, default=None, envvar="PROOFLINE_METRICS_PORT",
               help="serve this worker's Prometheus metrics on this port")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="PROOFLINE_METRICS_HOST",
               help="address of the metrics endpoint")
 @click.pass_context
-def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int, metrics_port: int | None,
+def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int | None, metrics_port: int | None,
            metrics_host: str) -> None:
     """Run a supervised Celery worker (prefork) for a role; extra options go to Celery.
 
@@ -63,7 +64,7 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int, 
         serve_worker_metrics(metrics_port, metrics_host)
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q",
             queues or role_queues(role, settings().tenant_shards),
-            "-c", str(concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
+            "-c", str(concurrency or settings().worker_concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
     sys.exit(supervise(argv))
 
 
