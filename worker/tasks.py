@@ -14,8 +14,8 @@ from proofline.settings import get_settings, reveal
 from proofline.telemetry.logs import install as install_log_format
 from proofline.telemetry.metrics import sweep_finished
 from recovery.settle import after_settle
-from worker import node as _node  # noqa: F401 - hands the node name down to the pool processes
 from worker import heap as _heap  # noqa: F401 - freezes the start-up heap of each worker process
+from worker import node as _node  # noqa: F401 - hands the node name down to the pool processes
 from worker.dead_letters import DeadLetterRecorder
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
