@@ -7,7 +7,8 @@ action (or its events), and the effect count in the system of record says what w
 - ``target_read_failed``: the writer's precondition read is down; nothing is sent while it is, the
   same envelope is retried, and it runs once the read is back.
 - ``cancel_too_late``: the cancellation arrives after the system of record applied the effect;
-  verification proves the effect and the action closes done, not cancelled.
+  verification proves the effect and the action closes done, not cancelled; also when it arrives
+  while the execute task's own verification read is in flight (the verdict is then the task's).
 - ``early_delivery_ignored``: a later step of a run is delivered before the runtime released it.
 """
 
@@ -84,6 +85,30 @@ def test_target_read_down_sends_nothing_and_retries_the_same_envelope(stack: Sta
     assert events.count("tool_called") == 1
     assert max(i for i, e in enumerate(events) if e == "precheck_unavailable") < events.index("tool_called")
     assert stack.witness.count(key=env.idempotency_key) == 1
+    assert stack.effects(env.idempotency_key) == 1
+
+
+def test_a_cancel_during_the_read_in_place_leaves_the_verdict_to_the_verification_task(stack: Stack) -> None:
+    """The execute task has called and read (the post-condition holds) when the cancellation is
+    recorded: its commit finds it under the row lock, records the result alone, and the
+    verification task weighs the cancellation (cancel_too_late: the effect stands)."""
+    from tests.faults.test_seed_validation_suite import held, wait_held
+
+    env = ticket_env(stack)
+    with held(stack, "before_verify_commit") as shot:
+        stack.publish(env)
+        wait_held(stack, "before_verify_commit", shot)
+        assert stack.action(env.action_id).status == ActionStatus.executing
+        answer = cancel(stack.operator, CeleryDispatch(stack.app), env.action_id, "ops@example.com", "changed mind")
+        assert answer["accepted"] and answer["status_at_request"] == "executing"
+    row = stack.wait_settled(env.action_id)
+    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.completed_verified,
+                                                          "cancel_too_late")
+    [enqueued] = evidence_of(stack, env.action_id, "verification_enqueued")
+    assert enqueued["first_read"] == "expected"  # proven in place, yet not decided there
+    [finished] = evidence_of(stack, env.action_id, "verification_finished")
+    assert "in_place" not in finished
+    assert stack.events(env.action_id).count("tool_called") == 1
     assert stack.effects(env.idempotency_key) == 1
 
 
