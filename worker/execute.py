@@ -570,7 +570,6 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
     except StaleLease as exc:
         # Another holder took over: keep what we saw as evidence, change nothing else.
         with store.transaction(rt.conn) as cur:
-            # The read made in place is evidence too: the next holder's verification reads again.
             store.append_event_txn(cur, aid, "stale_write_refused", rt.settings.worker_id,
                                    {**exc.as_evidence(), "observed": evidence,
                                     **({"first_read": first.evidence} if first is not None else {})}, red)
