@@ -241,3 +241,28 @@ sweep_runs = Table(
     UniqueConstraint("sweep", "slot", name="sweep_runs_once_per_slot"),
 )
 Index("sweep_runs_started_idx", sweep_runs.c.started_at)
+
+# Approvals revoked one by one (proofline approvals revoke): an action not yet sent that carries a
+# revoked approval is refused (worker/authorize.py). Insert-only; the ledger chain
+# ``approval:<id>`` records who and why.
+approval_revocations = Table(
+    "approval_revocations",
+    metadata,
+    Column("approval_id", Text, primary_key=True),
+    Column("revoked_by", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+# Approvals of proposals (proofline approve): the approver's signed statement, verified by the
+# worker against the keyring on every delivery; a row alone authorizes nothing. Insert-only.
+action_approvals = Table(
+    "action_approvals",
+    metadata,
+    Column("approval_id", Text, primary_key=True),
+    Column("action_id", Text, nullable=False),
+    Column("approver", Text, nullable=False),
+    Column("signed", JSONB, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+Index("action_approvals_action_idx", action_approvals.c.action_id)

@@ -39,11 +39,17 @@ KEYRING_FILE = "keyring.json"
 
 
 class KeyRole(str, Enum):
-    """What a key may sign: fresh actions, derived recovery envelopes, or ledger checkpoints."""
+    """What a key may sign; each role signs one kind of statement and nothing else."""
 
+    #: Fresh actions: "I request this" (never "this was approved").
     controller = "controller"
+    #: Derived recovery envelopes (compensation, rollback, forward fix) with a parent link.
     recovery = "recovery"
+    #: Ledger checkpoints.
     ledger = "ledger"
+    #: Approvals, revocations and authority policies: held by people or an approval service, never by
+    #: workers, controllers' automation or recovery. Its keyring entry names the approver (``identity``).
+    approver = "approver"
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class PublicKey:
     not_after: datetime | None = None
     revoked: bool = False
     development: bool = False
+    #: Who holds the key (an approver's identity); two approvals count twice only with two identities.
+    identity: str | None = None
 
     def expired(self, now: datetime) -> bool:
         return self.not_after is not None and now >= self.not_after
@@ -180,8 +188,13 @@ def parse_keyring(data: dict[str, Any], path: Path, environment: str = "developm
             raise ConfigurationError(f"{path}: {key_id} is a development key; a production process refuses "
                                      "a keyring that accepts it (revoke or remove it)")
         public = Ed25519PublicKey.from_public_bytes(_b64_32(entry.get("public_key"), f"public_key of {key_id}", path))
+        identity = entry.get("identity")
+        if identity is not None and (not isinstance(identity, str) or not identity or len(identity) > 200):
+            raise ConfigurationError(f"{path}: identity of {key_id} must be a non-empty string of at most 200 characters")
+        if role == KeyRole.approver and identity is None:
+            raise ConfigurationError(f"{path}: approver key {key_id} names no identity (who approves with it)")
         keys[key_id] = PublicKey(key_id, role, public, _not_after(entry.get("not_after"), path, key_id), revoked,
-                                 development)
+                                 development, identity)
     return Keyring(keys)
 
 
@@ -328,6 +341,23 @@ def rotate(directory: Path, role: KeyRole, overlap: timedelta) -> tuple[str, str
     _write(ring_path, ring, 0o644)
     _write(key_path, key_file, 0o600)
     return str(old.get("key_id")), key_file["key_id"]
+
+
+def add_approver(keyring_path: Path, key_path: Path, identity: str, development: bool = False) -> str:
+    """Make an approver key for ``identity``: its private file at ``key_path`` (0600, for that person
+    or approval service alone) and its public entry, naming the identity, in the keyring."""
+    ring = _read_json(keyring_path, "keyring")
+    parse_keyring(ring, keyring_path)
+    if Path(key_path).exists():
+        raise ConfigurationError(f"{key_path} already exists; an approver key is never overwritten")
+    key_file, entry = new_signing_key(KeyRole.approver, development)
+    key_file["identity"] = entry["identity"] = identity
+    ring["keys"].append(entry)
+    # Private file first: a keyring entry without its key would be harmless, the reverse never happens.
+    Path(key_path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write(Path(key_path), key_file, 0o600)
+    _write(Path(keyring_path), ring, 0o644)
+    return str(key_file["key_id"])
 
 
 def revoke(keyring_path: Path, key_id: str) -> None:

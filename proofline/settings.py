@@ -165,6 +165,10 @@ class Settings(BaseSettings):
     recovery_key_file: Path | None = None
     #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
     keyring_file: Path | None = None
+    #: The signed authority policy (``proofline authority sign``): each action type's mode (read,
+    #: simulate, propose, approved, autonomous), approvers required and autonomy bounds. Required in
+    #: production; without it, development and test accept the controller's approval as before.
+    authority_file: Path | None = None
 
     @model_validator(mode="before")
     @classmethod

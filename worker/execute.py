@@ -35,6 +35,7 @@ from proofline.errors import (
     LeaseBusy,
     MalformedEnvelope,
     McpUnavailable,
+    PlanChanged,
     ProoflineError,
     RevalidationFailed,
     StaleLease,
@@ -44,7 +45,8 @@ from proofline.errors import (
 from proofline.keys import load_keyring
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import calls, faultpoints, quota, sandbox_events
+from worker import faultpoints, quota, sandbox_events
+from worker.authorize import UNMANAGED, Decision, authorize, plan_for
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
@@ -62,7 +64,6 @@ from worker.lease import (
 )
 from worker.lease import unlock as unlock_locks
 from worker.limits import check_limits, check_run_budget_txn
-from worker.mcp_client import CancelHandle
 from worker.preflight import (
     check_point_of_no_return,
     check_preconditions,
@@ -74,6 +75,7 @@ from worker.results import result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.summary import TaskSummary
+from worker.tool_call import call_tool
 from worker.validate import (
     check_parent_link,
     claimed_fields,
@@ -216,6 +218,9 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         if existing["status"] == ActionStatus.pending:
             # A later step delivered before the runtime released it: it waits its turn.
             return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
+        if existing["status"] == ActionStatus.proposed:
+            # A proposal waits for an approver; an approval moves it back to published and sends it.
+            return _already_settled(rt, envelope, existing["status"], delivery, event="proposal_waiting")
         if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
             return _close_before_effect(rt, envelope, red, events, "cancelled_before_start",
                                         {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
@@ -238,10 +243,13 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             published_at = existing.get("published_at") if existing else None
             static["limits"] = check_limits(envelope, contract, settings, facts["now"],
                                             datetime.fromisoformat(published_at) if published_at else None)
-            if envelope.irreversible:
-                static["point_of_no_return"] = check_point_of_no_return(conn, envelope)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"))
+            static["authority"] = decision.evidence
+            if decision.point_of_no_return:
+                static["point_of_no_return"] = check_point_of_no_return(conn, envelope,
+                                                                        legacy=decision.mode == UNMANAGED)
             recovery_tools = recovery_tool_hashes(rt, contract, server.name, hashes)
             if recovery_tools:
                 # What recovery derives its envelopes from: it runs no tool servers of its own.
@@ -262,6 +270,13 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
                                 dispatch)
         failures = check_preconditions(contract, envelope, before)
+        if not failures and (decision.route != "execute" or decision.approved_plan_hash):
+            try:
+                routed = _plan_route(rt, envelope, contract, red, events, decision, before, server, dispatch)
+            except (TargetReadFailed, McpUnavailable) as exc:
+                return _transient_before(rt, envelope, red, events, exc, dispatch)
+            if routed is not None:
+                return routed
 
         try:
             step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before,
@@ -290,7 +305,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return TaskSummary(step, None, aid).as_dict()
 
         stages.enter("proofline.tool_call")
-        report = _call(rt, server, envelope, contract, token, facts["now"], t0)
+        report = call_tool(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract, result_limit(settings, server, contract))
         for _ in report.progress:
             stages.event("progress")
@@ -362,6 +377,32 @@ def recovery_tool_hashes(rt: Runtime, contract: Contract, server_name: str,
         if derived.server == server_name and derived.tool in hashes:
             tools[derived.tool] = hashes[derived.tool]
     return tools
+
+
+def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redactor, events: list,
+                decision: Decision, before: dict[str, Any], server: Server, dispatch: Dispatch) -> dict[str, Any] | None:
+    """Prepare the plan: record it and stop (simulate), record it and wait for an approver
+    (propose), or refuse the commit when it is not the plan the approvals name (``plan_changed``).
+    None: the approved plan is the one in front of us, go on to the call."""
+    plan = plan_for(rt, server, contract, envelope, before)
+    evidence = {"plan": plan.content, "plan_hash": plan.hash, "plan_id": plan.plan_id, "source": plan.source,
+                "target_version": plan.target_version, **decision.evidence}
+    if decision.route == "simulate":
+        return _not_started(rt, envelope, red, events, "simulated", evidence, "simulated", dispatch)
+    if decision.route == "propose":
+        with store.transaction(rt.conn) as cur:
+            store.transition_txn(cur, envelope.action_id, [ActionStatus.published], ActionStatus.proposed,
+                                 reason_code="awaiting_approval", events=[*events, ("proposed", evidence)],
+                                 actor=rt.settings.worker_id, redactor=red)
+        _unlock_now(rt, envelope)
+        return TaskSummary("proposed", "awaiting_approval", envelope.action_id).as_dict()
+    if plan.hash != decision.approved_plan_hash:
+        exc = PlanChanged(f"the plan is no longer the one approved ({decision.approved_plan_hash} -> {plan.hash})",
+                          approved=str(decision.approved_plan_hash), current=plan.hash)
+        return _not_started(rt, envelope, red, events, "revalidation_failed", {**exc.as_evidence(), **evidence},
+                            exc.code, dispatch)
+    events.append(("plan_confirmed", {"plan_hash": plan.hash, "plan_id": plan.plan_id}))
+    return None
 
 
 def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
@@ -488,55 +529,6 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
     return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
                                 Outcome.failed_before_side_effect, dispatch)
-
-
-def _sent(exc: BaseException) -> bool:
-    """False only when the failure proves the request never left (connection refused or not opened)."""
-    if isinstance(exc, McpUnavailable | ConnectionRefusedError):
-        return False
-    if type(exc).__name__ == "ConnectError":
-        return False
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_sent(e) for e in exc.exceptions)
-    cause = exc.__cause__ or exc.__context__
-    return _sent(cause) if cause is not None and cause is not exc else True
-
-
-def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float
-          ) -> CallReport:
-    settings = rt.settings
-    remaining = (envelope.deadline - db_now).total_seconds() - (time.monotonic() - t0)
-    deadline_monotonic = time.monotonic() + remaining
-    timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
-    progress = calls.ProgressLog(limit=settings.progress_events_limit)
-    started = time.monotonic()
-    handle = CancelHandle()
-    unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
-    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
-        if not heartbeat.valid():
-            # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
-            return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
-        faultpoints.hit("before_send")
-        try:
-            trace_meta = tracing.carrier()  # read here: the call runs on the MCP session's thread
-            result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
-                c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
-                action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
-                progress=progress, fencing_token=token, trace_meta=trace_meta), cancel_handle=handle)
-        except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            sent = _sent(exc)
-            # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
-            # evidence on this action.
-            violation = rt.mcp.discard(server, "write") if sent else None
-            return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
-                              progress=tuple(progress.kept), progress_total=progress.total,
-                              sandbox_violation=violation, unsandboxed=unsandboxed)
-    faultpoints.hit("after_send")
-    return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
-                      progress_total=progress.total, unsandboxed=unsandboxed)
 
 
 def _first_read(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],

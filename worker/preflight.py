@@ -92,12 +92,14 @@ def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str
     return failures
 
 
-def check_point_of_no_return(conn: Any, envelope: Envelope) -> dict[str, Any]:
-    """An irreversible action runs only with an approval that covers irreversibility, as the last
-    step of its run, and only after every earlier step is verified."""
+def check_point_of_no_return(conn: Any, envelope: Envelope, legacy: bool = True) -> dict[str, Any]:
+    """A point of no return (the contract's, or the envelope's flag) runs only with an approval
+    that covers irreversibility, as the last step of its run, and only after every earlier step is
+    verified. Under an authority policy the signed approvals prove the coverage
+    (``worker/authorize.py``); without one (``legacy``) the controller's approval context must say so."""
     from proofline.errors import PointOfNoReturnRefused
 
-    if not envelope.approval.covers_irreversible:
+    if legacy and not envelope.approval.covers_irreversible:
         raise PointOfNoReturnRefused("the approval does not cover an irreversible action",
                                      compensation="not available")
     if envelope.step != envelope.run_steps - 1:

@@ -148,6 +148,21 @@ def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
          f"{role} key {new} signs now; {old} verifies for {overlap_seconds:g} s more")
 
 
+@keys.command("add-approver")
+@click.option("--identity", required=True, help="who approves with this key (a person or an approval service)")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="the private key file (0600)")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+@click.option("--development", is_flag=True, help="mark the key as a development key (refused in production)")
+def keys_add_approver(identity: str, out: Path, keyring: Path, development: bool) -> None:
+    """Make an approver key: its private file for that approver alone, its public entry (naming the
+    identity) in the keyring. Approver keys sign approvals and authority policies, nothing else."""
+    from proofline.keys import add_approver
+
+    key_id = add_approver(keyring, out, identity, development)
+    emit({"key_id": key_id, "identity": identity, "wrote": str(out)},
+         f"approver key {key_id} for {identity}: {out} (keep it with the approver), public part in {keyring}")
+
+
 @keys.command("revoke")
 @click.argument("key_id")
 @click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))

@@ -21,7 +21,8 @@ from proofline.settings import ROOT
 #: The domain: pure definitions every layer shares (envelope, contracts, conditions, canonical
 #: form, signing, errors, settings and what they are built from).
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
-          "proofline.conditions", "proofline.contracts", "proofline.envelope", "proofline.errors",
+          "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts", "proofline.envelope",
+          "proofline.errors",
           "proofline.keys", "proofline.ledger_check", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
           "proofline.telemetry.observe"}
 #: Instrumentation every layer reports through (metric and span definitions, log context): at the
