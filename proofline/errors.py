@@ -159,6 +159,12 @@ class KillSwitchEngaged(RevalidationFailed):
     code = "kill_switch_engaged"
 
 
+class PlanChanged(RevalidationFailed):
+    """The plan prepared right before the call differs from the plan that was approved."""
+
+    code = "plan_changed"
+
+
 # --- preconditions ----------------------------------------------------------------------------
 
 
@@ -172,6 +178,13 @@ class TargetReadFailed(ProoflineError):
     """The authoritative read of the target failed before execution."""
 
     code = "target_read_failed"
+    retryable = True
+
+
+class PrepareFailed(TargetReadFailed):
+    """The contract's prepare tool gave no usable plan (unreachable, an error, too large, unreadable)."""
+
+    code = "prepare_failed"
     retryable = True
 
 
