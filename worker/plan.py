@@ -13,7 +13,7 @@ from typing import Any
 from proofline.conditions import Variables, build_arguments, evaluate
 from proofline.contracts import Contract, Prepare
 from proofline.envelope import Envelope
-from proofline.errors import ConditionError, PrepareFailed
+from proofline.errors import ConditionError, PrepareFailed, TargetReadFailed
 from proofline.plan import Plan, PlanSource, new_plan
 from worker.preflight import envelope_variables, read_target, read_through
 from worker.runtime import Runtime
@@ -34,7 +34,8 @@ def make_plan(rt: Runtime, server: Server, contract: Contract, envelope: Envelop
     if contract.prepare is None:
         before = read_target(rt, server, contract, envelope, role=ROLE)
         content = {"read": contract.precondition_read.tool, "before": before, "arguments": envelope.arguments}
-        return new_plan(PlanSource.precondition_snapshot, content, arguments_hash=envelope.arguments_hash)
+        return _hashed(TargetReadFailed, contract.precondition_read.tool, PlanSource.precondition_snapshot, content,
+                       arguments_hash=envelope.arguments_hash)
     prepare = contract.prepare
     compiled = contract.compiled()
     try:
@@ -45,8 +46,18 @@ def make_plan(rt: Runtime, server: Server, contract: Contract, envelope: Envelop
                         **exc.context) from None
     content = read_through(rt, server, contract, prepare, arguments, ROLE, failed=PrepareFailed)
     plan_id, target_version = _labels(prepare, Variables(envelope_variables(envelope, plan=content)), compiled)
-    return new_plan(PlanSource.prepare_tool, content, arguments_hash=envelope.arguments_hash, plan_id=plan_id,
-                    target_version=target_version)
+    return _hashed(PrepareFailed, prepare.tool, PlanSource.prepare_tool, content,
+                   arguments_hash=envelope.arguments_hash, plan_id=plan_id, target_version=target_version)
+
+
+def _hashed(failed: type[TargetReadFailed], tool: str, source: PlanSource, content: dict[str, Any],
+            **fields: Any) -> Plan:
+    """The plan with its hash. The content is the server's JSON: a value canonical JSON cannot write
+    (an integer beyond 2**53, NaN) makes no plan anyone could approve by hash."""
+    try:
+        return new_plan(source, content, **fields)
+    except ValueError as exc:
+        raise failed(f"read {tool} returned a plan that cannot be hashed: {str(exc)[:300]}", unreadable=True) from None
 
 
 def _labels(prepare: Prepare, variables: Variables, compiled: Any) -> tuple[str | None, Any]:

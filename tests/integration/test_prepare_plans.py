@@ -145,6 +145,18 @@ def test_a_prepare_that_fails_is_retryable_and_a_mapping_that_cannot_be_built_is
     assert sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"] == 1
 
 
+def test_a_plan_canonical_json_cannot_write_is_prepare_failed(stack: Stack, rt: Runtime) -> None:
+    # A balance beyond 2**53: JSON carries it, RFC 8785 cannot write it, so nobody could approve its hash.
+    account = f"acct-huge-{os.getpid()}"
+    sor.put_account(stack.sor_db, account, "acme", 2**60)
+    envelope = stack.envelope("refund.issue", arguments={"account": account, "tenant": "acme", "amount_cents": 100,
+                                                         "reason": "sla"},
+                              target={"type": "account", "id": account, "expected_version": 1})
+    with pytest.raises(PrepareFailed) as raised:
+        make_plan(rt, rt.server("sor"), rt.contract("refund.issue"), envelope)
+    assert "cannot be hashed" in raised.value.detail and raised.value.context["unreadable"] is True
+
+
 def test_contracts_check_refuses_a_misspelled_prepare_tool(tmp_path: Path) -> None:
     contracts = tmp_path / "contracts"
     contracts.mkdir()
