@@ -48,6 +48,12 @@ def test_the_plan_id_is_a_label_not_hashed() -> None:
     assert _plan(plan_id="p-2").hash == _plan().hash
 
 
+def test_what_the_ledger_keeps_of_a_plan() -> None:
+    plan = _plan()
+    assert plan.as_evidence() == {"source": "prepare_tool", "plan_id": "p-1", "plan_hash": plan.hash,
+                                  "target_version": 3, "content": CONTENT}
+
+
 def test_check_plan_accepts_the_approved_plan_and_names_what_differs() -> None:
     approved = _plan()
     check_plan(approved.hash, 3, _plan())  # the same plan prepared again: no refusal
