@@ -238,6 +238,13 @@ class TargetReadFailed(ProoflineError):
     retryable = True
 
 
+class PrepareFailed(TargetReadFailed):
+    """The contract's prepare tool gave no usable plan (unreachable, an error, too large, unreadable)."""
+
+    code = "prepare_failed"
+    retryable = True
+
+
 # --- leases and idempotency -------------------------------------------------------------------
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from proofline.approvals import verify_approvals
 from proofline.authority import ActionAuthority, AuthorityMode, SignedPolicy, load_policy
-from proofline.canonical import sha256_hex
 from proofline.conditions import holds
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
@@ -27,7 +26,6 @@ from proofline.errors import AuthorityModeRefused, ConditionError
 from proofline.keys import Keyring, load_keyring
 from worker.calls import TOOL_HINTS
 from worker.runtime import Runtime
-from worker.servers import Server
 
 #: Mode recorded for a deployment with no authority policy (development and test only).
 UNMANAGED = "unmanaged"
@@ -180,22 +178,3 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
                                            ponr=ponr, amount=amount)
     return Decision("execute", mode.value, {**base, "approvals": approvals}, plan_hash, ponr)
 
-
-@dataclass(frozen=True)
-class Plan:
-    """What the approver reviews and the commit must find again."""
-
-    source: str
-    content: dict[str, Any]
-    target_version: Any
-    hash: str
-    plan_id: str | None = None
-
-
-def plan_for(rt: Runtime, server: Server, contract: Contract, envelope: Envelope, before: dict[str, Any]) -> Plan:
-    """The plan of this action: the precondition snapshot plus the arguments."""
-    content = {"before": before, "arguments": envelope.arguments}
-    version = envelope.target.expected_version
-    digest = sha256_hex({"source": "precondition_snapshot", "content": content, "target_version": version,
-                         "arguments_hash": envelope.arguments_hash})
-    return Plan("precondition_snapshot", content, version, digest)

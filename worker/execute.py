@@ -43,10 +43,11 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
+from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
 from worker import faultpoints, quota, sandbox_events
-from worker.authorize import UNMANAGED, Decision, authorize, plan_for
+from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
@@ -64,6 +65,7 @@ from worker.lease import (
 )
 from worker.lease import unlock as unlock_locks
 from worker.limits import check_limits, check_run_budget_txn
+from worker.plan import make_plan
 from worker.preflight import (
     check_point_of_no_return,
     check_preconditions,
@@ -270,11 +272,16 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
                                 dispatch)
         failures = check_preconditions(contract, envelope, before)
-        if not failures and (decision.route != "execute" or decision.approved_plan_hash):
+        # An approved plan is checked first (a changed target is a changed plan); a plan is only
+        # proposed or simulated when its preconditions hold.
+        if decision.approved_plan_hash or (not failures and decision.route != "execute"):
             try:
                 routed = _plan_route(rt, envelope, contract, red, events, decision, before, server, dispatch)
             except (TargetReadFailed, McpUnavailable) as exc:
                 return _transient_before(rt, envelope, red, events, exc, dispatch)
+            except ConditionError as exc:  # the prepare tool's arguments cannot be built: never will be
+                return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
+                                    dispatch)
             if routed is not None:
                 return routed
 
@@ -384,9 +391,8 @@ def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redact
     """Prepare the plan: record it and stop (simulate), record it and wait for an approver
     (propose), or refuse the commit when it is not the plan the approvals name (``plan_changed``).
     None: the approved plan is the one in front of us, go on to the call."""
-    plan = plan_for(rt, server, contract, envelope, before)
-    evidence = {"plan": plan.content, "plan_hash": plan.hash, "plan_id": plan.plan_id, "source": plan.source,
-                "target_version": plan.target_version, **decision.evidence}
+    plan = make_plan(rt, server, contract, envelope)
+    evidence = {**plan.as_evidence(), **decision.evidence}
     if decision.route == "simulate":
         return _not_started(rt, envelope, red, events, "simulated", evidence, "simulated", dispatch)
     if decision.route == "propose":
@@ -396,9 +402,11 @@ def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redact
                                  actor=rt.settings.worker_id, redactor=red)
         _unlock_now(rt, envelope)
         return TaskSummary("proposed", "awaiting_approval", envelope.action_id).as_dict()
-    if plan.hash != decision.approved_plan_hash:
-        exc = PlanChanged(f"the plan is no longer the one approved ({decision.approved_plan_hash} -> {plan.hash})",
-                          approved=str(decision.approved_plan_hash), current=plan.hash)
+    try:
+        # The approval names the plan by hash; its target version is the one the approver reviewed.
+        check_plan(str(decision.approved_plan_hash),
+                   envelope.target.expected_version if plan.target_version is not None else None, plan)
+    except PlanChanged as exc:
         return _not_started(rt, envelope, red, events, "revalidation_failed", {**exc.as_evidence(), **evidence},
                             exc.code, dispatch)
     events.append(("plan_confirmed", {"plan_hash": plan.hash, "plan_id": plan.plan_id}))

@@ -169,7 +169,7 @@ def proposals_show(action_id: str) -> None:
         f"plan hash {dash(plan.get('plan_hash'))}  source {dash(plan.get('source'))}",
         *(["point of no return: compensation not available"] if plan.get("point_of_no_return") else []),
         *([f"outside its autonomy bounds: {plan['outside_bounds']}"] if plan.get("outside_bounds") else []),
-        json.dumps(plan.get("plan"), indent=2, sort_keys=True, default=str),
+        json.dumps(plan.get("content"), indent=2, sort_keys=True, default=str),
         *(f"approved by {a['approver']} ({a['approval_id']}) at {ts(a['recorded_at'])}" for a in found["approvals"])]))
 
 

@@ -164,7 +164,8 @@ def test_simulate_records_a_plan_and_calls_nothing_that_writes(auth: Authority) 
     row = auth.stack.wait_settled(env.action_id)
     assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.not_started, "simulated")
     plan = evidence_of(auth.stack, env.action_id, "simulated")[0]
-    assert len(plan["plan_hash"]) == 64 and plan["plan"]["before"]["ticket"]["status"] == "open"
+    assert len(plan["plan_hash"]) == 64 and plan["source"] == "prepare_tool"
+    assert plan["content"]["tool"] == "close_ticket" and plan["content"]["applicable"] is True
     assert auth.stack.witness.count(key=env.idempotency_key) == 0
     assert sor.get_ticket(auth.stack.sor_db, env.target.id)["ticket"]["status"] == "open"
 
@@ -187,9 +188,8 @@ def test_a_proposal_waits_and_runs_the_approved_plan_once(auth: Authority) -> No
 
 def test_a_plan_changed_after_approval_is_refused_with_no_effect(auth: Authority) -> None:
     env = proposed_close(auth)
-    # The ticket changes behind the approver's back without a new version: the plan is not the same.
-    with sor.connect(auth.stack.sor_db) as db:
-        db.execute("UPDATE tickets SET owner = 'someone-else' WHERE id = ?", (env.target.id,))
+    # The ticket changes behind the approver's back: the plan it would now run is not the one approved.
+    sor.bump_version(auth.stack.sor_db, "ticket", env.target.id)
     auth.approve(env.action_id, auth.alice)
     row = auth.stack.wait_settled(env.action_id)
     assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.not_started, "plan_changed")
