@@ -122,9 +122,13 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("approval_recorded", OP),
     ("proposal_denied", OP),
     ("approval_revoked", OP),
+    # promotions (an approver's re-signed policy) and demotions, on the chain ``authority:<type>``
+    ("authority_promoted", OP),
+    ("authority_demoted", WO),
 )
 #: The event rights migration 0015 adds to a database migrated before it.
-AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked")
+AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
+                    "authority_demoted")
 #: Event name prefixes reserved for operators (LIKE patterns).
 OPERATOR_EVENT_PREFIXES = ("manual\\_%",)
 

@@ -266,3 +266,21 @@ action_approvals = Table(
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 Index("action_approvals_action_idx", action_approvals.c.action_id)
+
+# Automatic demotions of an action type's authority (recovery/authority_watch.py): while the policy
+# whose hash a row names is in force, the worker runs that type at ``to_mode`` at most. A newly
+# signed policy (a promotion after review) supersedes it. Insert-only.
+authority_demotions = Table(
+    "authority_demotions",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("action_type", Text, nullable=False),
+    Column("policy_hash", Text, nullable=False),
+    Column("from_mode", Text, nullable=False),
+    Column("to_mode", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("evidence", JSONB, nullable=False),
+    Column("demoted_by", Text, nullable=False),
+    Column("demoted_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    UniqueConstraint("action_type", "policy_hash", name="authority_demotions_once_per_policy"),
+)

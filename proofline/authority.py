@@ -84,6 +84,10 @@ class ActionAuthority(BaseModel):
     bounds: Bounds | None = None
     #: Required to make a point of no return or a destructive tool autonomous: why it is acceptable.
     autonomous_reason: str | None = Field(default=None, min_length=10, max_length=500)
+    #: Where the runtime demotes this type on a regression (an outcome left unresolved, a failed
+    #: compensation, a post-condition regression) among actions it authorized above that rung under
+    #: this policy; ``None``: never automatically.
+    demote_to: AuthorityMode | None = AuthorityMode.propose
 
     @model_validator(mode="after")
     def _autonomy_has_bounds(self) -> ActionAuthority:

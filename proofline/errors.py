@@ -552,6 +552,12 @@ class NotFound(ProoflineError):
     code = "not_found"
 
 
+class PromotionRefused(ProoflineError):
+    """An action type may not move up a rung: the ledger's evidence does not meet the policy's thresholds."""
+
+    code = "promotion_refused"
+
+
 class ProposalRefused(ProoflineError):
     """An approval or denial of a proposal was refused (not proposed, not an approver, approved twice)."""
 

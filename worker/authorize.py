@@ -31,6 +31,7 @@ from worker.runtime import Runtime
 UNMANAGED = "unmanaged"
 
 REVOKED_SQL = "SELECT approval_id, reason FROM approval_revocations WHERE approval_id = ANY(%s)"
+DEMOTED_SQL = "SELECT to_mode, reason FROM authority_demotions WHERE action_type = %s AND policy_hash = %s"
 RECORDED_SQL = "SELECT signed FROM action_approvals WHERE action_id = %s ORDER BY recorded_at, approval_id"
 # Actions of this type and tenant inside the autonomy window that did, or may yet, change something.
 WINDOW_SQL = """
@@ -121,6 +122,18 @@ def outside_bounds(rt: Runtime, envelope: Envelope, rule: ActionAuthority, now: 
     return None
 
 
+def effective_mode(conn: Any, loaded: SignedPolicy, action_type: str) -> tuple[AuthorityMode, str | None]:
+    """The policy's mode for ``action_type``, lowered by a demotion the runtime recorded under this
+    very policy (``recovery/authority_watch.py``), and the demotion's reason."""
+    mode = loaded.policy.for_type(action_type).mode
+    with conn.cursor() as cur:
+        cur.execute(DEMOTED_SQL, (action_type, loaded.hash))
+        row = cur.fetchone()
+    if row is not None and AuthorityMode(row["to_mode"]).rank < mode.rank:
+        return AuthorityMode(row["to_mode"]), row["reason"]
+    return mode, None
+
+
 def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime,
               amount: int | None) -> Decision:
     """The route for this delivery under the signed policy, or a refusal (``RevalidationFailed``)."""
@@ -141,9 +154,9 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
             evidence["approvals"] = approvals
         return Decision("execute", UNMANAGED, evidence, plan_hash, ponr)
     rule = policy.policy.for_type(envelope.action_type)
-    mode = rule.mode
+    mode, demoted = effective_mode(rt.conn, policy, envelope.action_type)
     base = {"mode": mode.value, "policy_hash": policy.hash, "policy_version": policy.policy.version,
-            "policy_signed_by": policy.signed_by}
+            "policy_signed_by": policy.signed_by, **({"demoted": demoted} if demoted else {})}
     if ponr:
         base["point_of_no_return"] = {"declared_by": "contract" if contract.point_of_no_return else "envelope",
                                       "compensation": "not available"}

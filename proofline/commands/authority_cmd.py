@@ -70,6 +70,83 @@ def authority_show() -> None:
                               for name, rule in sorted(loaded.policy.action_types.items()))]))
 
 
+@authority.command("status")
+@click.argument("action_type", required=False)
+@click.option("--window-days", type=float, default=None, help="default: the policy's promotion window")
+def authority_status(action_type: str | None, window_days: float | None) -> None:
+    """Per action type and mode, the ledger's evidence: actions run, verified, left unresolved,
+    verification failures, compensations and their success, manual resolutions; and what a
+    promotion to the next rung still lacks."""
+    from datetime import UTC, datetime
+
+    from proofline.authority import Promotion, load_policy
+    from proofline.keys import load_keyring
+    from recovery.authority_watch import evidence, shortfalls
+
+    s = settings()
+    loaded = load_policy(s.authority_file, load_keyring(s.keyring_file, s.environment), s.environment)
+    rule = loaded.policy.promotion if loaded else Promotion()
+    window = timedelta(days=window_days if window_days is not None else rule.window_days)
+    with connect("reader") as conn:
+        rows = evidence(conn, action_type, window, datetime.now(UTC))
+        current = {}
+        if loaded is not None:
+            from worker.authorize import effective_mode
+
+            for name in {r["action_type"] for r in rows} | set(loaded.policy.action_types):
+                mode, demoted = effective_mode(conn, loaded, name)
+                current[name] = {"mode": mode.value, "demoted": demoted}
+    for row in rows:
+        state = current.get(row["action_type"])
+        row["current"] = state is not None and state["mode"] == row["mode"]
+        row["promotion_lacks"] = shortfalls(row, rule) if row["current"] else []
+    emit({"evidence": rows, "modes": current, "window_days": window.days},
+         lambda: "\n".join([
+             f"{'action type':<20} {'mode':<11} {'run':>5} {'verif':>5} {'unres':>5} {'vfail':>5} {'comp':>5} "
+             f"{'cfail':>5} {'manual':>6}",
+             *(f"{r['action_type']:<20} {r['mode']:<11} {r['actions']:>5} {r['verified']:>5} {r['unresolved']:>5} "
+               f"{r['verification_failures']:>5} {r['compensated']:>5} {r['compensation_failed']:>5} "
+               f"{r['manual_resolutions']:>6}" + ("  <- in force" if r["current"] else "") for r in rows),
+             *(f"{name}: now {c['mode']}" + (f" (demoted: {c['demoted']})" if c["demoted"] else "")
+               for name, c in sorted(current.items()))]) if rows or current else "no authorized action in the window")
+
+
+@authority.command("promote")
+@click.argument("action_type")
+@click.option("--to", "to_mode", required=True, type=click.Choice(["simulate", "propose", "approved", "autonomous"]))
+@KEY_OPTION
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="where to write the new signed policy (default: PROOFLINE_AUTHORITY_FILE)")
+def authority_promote(action_type: str, to_mode: str, key_file: Path, out: Path | None) -> None:
+    """Move an action type up to MODE, only if the ledger's evidence meets the policy's promotion
+    thresholds; the new policy is signed with your approver key and the promotion is ledgered."""
+    from datetime import UTC, datetime
+
+    from proofline.authority import AuthorityMode, load_policy, sign_policy
+    from proofline.canonical import sha256_hex
+    from proofline.errors import PromotionRefused
+    from proofline.keys import load_keyring
+    from recovery.authority_watch import promoted, record_promotion
+
+    s, key = settings(), _approver_key(key_file)
+    keyring = load_keyring(s.keyring_file, s.environment)
+    loaded = load_policy(s.authority_file, keyring, s.environment)
+    target = out or s.authority_file
+    if loaded is None or target is None:
+        raise PromotionRefused("no authority policy is in force (PROOFLINE_AUTHORITY_FILE): nothing to promote")
+    with connect("operator") as conn:
+        policy, proof = promoted(conn, loaded, action_type, AuthorityMode(to_mode), datetime.now(UTC))
+        signed = sign_policy(policy, key)
+        entry = keyring.get(key.key_id)
+        by = (entry.identity if entry else None) or key.key_id
+        tmp = Path(target).with_name(f".{Path(target).name}.tmp")
+        tmp.write_text(json.dumps(signed, indent=2) + "\n")
+        tmp.replace(target)
+        record_promotion(conn, by, proof, sha256_hex(signed["policy"]))
+    emit({**proof, "policy_version": policy.version, "wrote": str(target)},
+         f"{action_type}: {proof['from']} -> {proof['to']} (policy version {policy.version}, {target})")
+
+
 @click.group()
 def approvals() -> None:
     """Approvals signed by approvers: sign one for a controller to carry, revoke one, list revocations."""

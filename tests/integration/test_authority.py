@@ -28,6 +28,7 @@ from proofline_kit.sor import store as sor
 from recovery import proposals
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import evidence_of, ticket_env, uid
+from tests.integration.cli_run import as_json, assert_error, proofline
 from worker.dispatch import CeleryDispatch
 
 LOOKUP = """
@@ -58,11 +59,11 @@ class Authority:
     bob: SigningKey
     version: int = 0
 
-    def policy(self, default: str = "approved", **types: dict) -> None:
+    def policy(self, default: str = "approved", promotion: dict | None = None, **types: dict) -> None:
         """Sign and install a policy (the workers reload it on the next action)."""
         self.version += 1
         policy = AuthorityPolicy.model_validate({"version": self.version, "default_mode": default,
-                                                 "action_types": types})
+                                                 "action_types": types, "promotion": promotion or {}})
         tmp = self.policy_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(sign_policy(policy, self.alice)))
         tmp.replace(self.policy_file)
@@ -78,6 +79,9 @@ def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Authority]:
     contracts = tmp / "contracts"
     shutil.copytree(ROOT / "contracts", contracts)
     (contracts / "ticket.lookup.yaml").write_text(LOOKUP)
+    # Its own action type for the promotion tests, so that no other test's actions count as evidence.
+    (contracts / "ticket.open.yaml").write_text((ROOT / "contracts" / "ticket.create.yaml").read_text().replace(
+        "action_type: ticket.create", "action_type: ticket.open"))
     # A point of no return the envelope never flags: the contract alone says so.
     purge = (ROOT / "contracts" / "ticket.close.yaml").read_text().replace("action_type: ticket.close",
                                                                           "action_type: ticket.purge")
@@ -303,3 +307,75 @@ def test_two_approvers_where_two_are_required(auth: Authority) -> None:
     revalidated = evidence_of(auth.stack, two.action_id, "revalidated")[0]
     assert revalidated["authority"]["approvals"]["approvers"] == ["alice@example.com", "bob@example.com"]
     assert revalidated["authority"]["point_of_no_return"] == {"declared_by": "contract", "compensation": "not available"}
+
+
+# --- evidence-gated promotion and automatic demotion ------------------------------------------------
+
+
+def open_env(stack: Stack, owner: str = "ops"):
+    return stack.envelope("ticket.open", arguments={"tenant": "acme", "title": f"t-{uid()}", "owner": owner},
+                          target={"type": "ticket_queue", "id": "acme-ops"})
+
+
+def test_promotion_is_refused_without_evidence_and_granted_with_it(auth: Authority) -> None:
+    bounds = {"bounds": {"conditions": ["args.owner == 'ops'"]}}
+    auth.policy(promotion={"min_verified": 2, "window_days": 1}, **{"ticket.open": {"mode": "propose", **bounds}})
+    key = ["--key", str(auth.stack.workdir.parent / "alice.key")]
+    refused = proofline(auth.stack, "authority", "promote", "ticket.open", "--to", "autonomous", *key)
+    assert_error(refused, 16, "promotion_refused", "no action ran in this mode")
+    for _ in range(2):  # the evidence: two proposals approved, run and verified
+        env = open_env(auth.stack)
+        auth.stack.publish(env)
+        wait_status(auth.stack, env.action_id, ActionStatus.proposed)
+        auth.approve(env.action_id, auth.bob)
+        assert auth.stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+    status = as_json(proofline(auth.stack, "--json", "authority", "status", "ticket.open"))
+    [row] = [r for r in status["evidence"] if r["mode"] == "propose"]
+    assert (row["actions"], row["verified"], row["unresolved"], row["promotion_lacks"]) == (2, 2, 0, [])
+    granted = as_json(proofline(auth.stack, "--json", "authority", "promote", "ticket.open", "--to", "autonomous",
+                                *key))
+    assert (granted["from"], granted["to"], granted["evidence"]["verified"]) == ("propose", "autonomous", 2)
+    [promoted] = [e["evidence"] for e in auth.stack.timeline("authority:ticket.open") if e["event"] == "authority_promoted"]
+    assert promoted["previous_policy_hash"] != promoted["policy_hash"]
+    auth.version = granted["policy_version"]
+    # The workers now run it without a human, inside its bounds.
+    env = open_env(auth.stack)
+    auth.stack.publish(env)
+    assert auth.stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+    assert evidence_of(auth.stack, env.action_id, "revalidated")[0]["authority"]["mode"] == "autonomous"
+
+
+def test_an_unresolved_outcome_demotes_autonomy_to_proposals(auth: Authority) -> None:
+    auth.policy(**{"ticket.open": {"mode": "autonomous", "bounds": {"max_actions_per_tenant": 10_000}}})
+    env = open_env(auth.stack)
+    sor.set_read_outage(auth.stack.sor_db, True, role="reader")  # verification cannot settle it
+    try:
+        auth.stack.publish(env)
+        row = auth.stack.wait_settled(env.action_id, timeout=60)
+    finally:
+        sor.set_read_outage(auth.stack.sor_db, False, role="reader")
+    assert (row.status, row.outcome) == (ActionStatus.escalated, Outcome.completed_unverified)
+    # The reconciler's sweep (every second in the test stack) demotes the type under this policy.
+    demoted = wait_for(lambda: [e["evidence"] for e in auth.stack.timeline("authority:ticket.open")
+                                if e["event"] == "authority_demoted"], 30, what="a demotion of ticket.open")
+    assert demoted[-1]["to"] == "propose" and demoted[-1]["regressions"][0]["action_id"] == env.action_id
+    after = open_env(auth.stack)
+    auth.stack.publish(after)
+    wait_status(auth.stack, after.action_id, ActionStatus.proposed)
+    assert evidence_of(auth.stack, after.action_id, "proposed")[0]["demoted"].startswith("1 open regression")
+    assert auth.stack.witness.count(key=after.idempotency_key) == 0
+
+
+def test_the_cli_approves_and_denies_proposals(auth: Authority) -> None:
+    env = proposed_close(auth)
+    listed = as_json(proofline(auth.stack, "--json", "proposals", "list"))["proposals"]
+    assert env.action_id in [p["action_id"] for p in listed]
+    key = str(auth.stack.workdir.parent / "bob.key")
+    approved = as_json(proofline(auth.stack, "--json", "approve", env.action_id, "--key", key, "--note", "checked"))
+    assert approved["released"] and approved["approver"] == "bob@example.com"
+    assert auth.stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+    again = proofline(auth.stack, "approve", env.action_id, "--key", key)
+    assert_error(again, 16, "proposal_refused", "not proposed")
+    other = proposed_close(auth)
+    denied = as_json(proofline(auth.stack, "--json", "deny", other.action_id, "--reason", "freeze", "--by", "bob"))
+    assert denied["denied"] and auth.stack.action(other.action_id).reason_code == "proposal_denied"

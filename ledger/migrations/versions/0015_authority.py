@@ -5,7 +5,8 @@
   sends it again, a denial or expiry closes it as ``not_started``.
 - ``action_approvals``: approvers' signed statements for proposals (insert-only; the operator role
   inserts, every role reads). ``approval_revocations``: approvals revoked one by one.
-- Event rights: ``approval_recorded``, ``proposal_denied``, ``approval_revoked`` are the operator's.
+- Event rights: ``approval_recorded``, ``proposal_denied``, ``approval_revoked`` and
+  ``authority_promoted`` are the operator's; ``authority_demoted`` the runtime's and the operator's.
 - The settled-notification trigger also notifies ``proposed`` (ledger/settled.py).
 
 Revision ID: 0015
@@ -36,9 +37,12 @@ VALUES {", ".join(transition_rows("0015"))} ON CONFLICT DO NOTHING;
 INSERT INTO ledger_event_rights (event, roles) VALUES {events} ON CONFLICT DO NOTHING;
 DO $$ BEGIN
   IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'proofline_operator') THEN
-    REVOKE ALL ON action_approvals, approval_revocations FROM {", ".join(ROLES)};
-    GRANT SELECT ON action_approvals, approval_revocations TO {", ".join(ROLES)};
+    REVOKE ALL ON action_approvals, approval_revocations, authority_demotions FROM {", ".join(ROLES)};
+    GRANT SELECT ON action_approvals, approval_revocations, authority_demotions TO {", ".join(ROLES)};
     GRANT INSERT ON action_approvals, approval_revocations TO proofline_operator;
+    -- Demotions only lower authority: the runtime (worker, so recovery) records them, operators too.
+    GRANT INSERT ON authority_demotions TO proofline_worker, proofline_operator;
+    GRANT USAGE ON SEQUENCE authority_demotions_id_seq TO proofline_worker, proofline_operator;
   END IF;
 END $$;
 """
@@ -64,6 +68,19 @@ def upgrade() -> None:
         sa.Column("recorded_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("clock_timestamp()")),
     )
     op.create_index("action_approvals_action_idx", "action_approvals", ["action_id"])
+    op.create_table(
+        "authority_demotions",
+        sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=True),
+        sa.Column("action_type", sa.Text, nullable=False),
+        sa.Column("policy_hash", sa.Text, nullable=False),
+        sa.Column("from_mode", sa.Text, nullable=False),
+        sa.Column("to_mode", sa.Text, nullable=False),
+        sa.Column("reason", sa.Text, nullable=False),
+        sa.Column("evidence", sa.dialects.postgresql.JSONB, nullable=False),
+        sa.Column("demoted_by", sa.Text, nullable=False),
+        sa.Column("demoted_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("clock_timestamp()")),
+        sa.UniqueConstraint("action_type", "policy_hash", name="authority_demotions_once_per_policy"),
+    )
     op.execute(_grants())
     # A controller waiting on an action is woken when it becomes a proposal too.
     op.execute(settled.DROP)
@@ -74,6 +91,7 @@ def downgrade() -> None:
     op.execute("DELETE FROM action_transitions WHERE from_status = 'proposed' OR to_status = 'proposed'")
     op.execute("DELETE FROM ledger_event_rights WHERE event IN ("
                + ", ".join(f"'{e}'" for e in AUTHORITY_EVENTS) + ")")
+    op.drop_table("authority_demotions")
     op.drop_table("action_approvals")
     op.drop_table("approval_revocations")
     # Postgres cannot drop an enum value; a 'proposed' left unused is harmless.
