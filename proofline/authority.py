@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -88,6 +88,10 @@ class ActionAuthority(BaseModel):
     #: compensation, a post-condition regression) among actions it authorized above that rung under
     #: this policy; ``None``: never automatically.
     demote_to: AuthorityMode | None = AuthorityMode.propose
+    #: How this type's recovery actions (compensation, rollback, forward fix) are authorized: run
+    #: automatically, or proposed to an approver first. A kind not named here is proposed when this
+    #: type moves money or is a point of no return, and automatic otherwise.
+    recovery: dict[Literal["compensation", "rollback", "forward"], Literal["automatic", "proposed"]] = {}
 
     @model_validator(mode="after")
     def _autonomy_has_bounds(self) -> ActionAuthority:

@@ -85,7 +85,8 @@ def approve(settings: Settings, conn: Any, dispatch: Dispatch, action_id: str, k
     policy = load_policy(settings.authority_file, keyring, settings.environment)
     with store.transaction(conn) as cur:
         action = _locked_proposal(cur, action_id)
-        envelope = authenticate_row(action, keyring, KeyRole.controller)
+        # A recovery action (a proposed compensation) is signed by recovery, anything else by a controller.
+        envelope = authenticate_row(action, keyring, KeyRole.controller if action.kind == "action" else KeyRole.recovery)
         cur.execute("SELECT evidence FROM ledger_events WHERE action_id = %s AND event = 'proposed' "
                     "ORDER BY seq DESC LIMIT 1", (action_id,))
         plan = cur.fetchone()
@@ -115,7 +116,8 @@ def approve(settings: Settings, conn: Any, dispatch: Dispatch, action_id: str, k
         if released:
             store.transition_txn(cur, action_id, [ActionStatus.proposed], ActionStatus.published,
                                  reason_code="approved", actor=identity)
-    task_id = dispatch.execute(action.signed_message, queue="actions") if released else None
+    queue = "compensate" if envelope.recovers else "actions"
+    task_id = dispatch.execute(action.signed_message, queue=queue) if released else None
     return {**evidence, "released": released, "task_id": task_id}
 
 

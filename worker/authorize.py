@@ -134,8 +134,32 @@ def effective_mode(conn: Any, loaded: SignedPolicy, action_type: str) -> tuple[A
     return mode, None
 
 
+def recovery_route(rt: Runtime, envelope: Envelope, policy: SignedPolicy, parent_link: dict[str, Any],
+                   keyring: Keyring, now: datetime) -> Decision:
+    """A recovery action (signed by recovery, derived from a verified parent) under the parent
+    type's recovery policy: automatic, or proposed to an approver (the default when the parent moves
+    money or is a point of no return)."""
+    parent_type = str(parent_link.get("parent_action_type"))
+    kind = parent_link.get("kind")
+    parent = rt.contract(parent_type)
+    chosen = policy.policy.for_type(parent_type).recovery.get(kind)  # type: ignore[call-overload]
+    default = "proposed" if parent.amount_cents or parent.point_of_no_return else "automatic"
+    how = chosen or default
+    base = {"mode": "recovery", "recovery": how, "recovery_kind": kind, "parent_action_type": parent_type,
+            "policy_hash": policy.hash, "policy_version": policy.policy.version, "policy_signed_by": policy.signed_by}
+    if how == "automatic":
+        return Decision("execute", "recovery", base)
+    recorded = _recorded(rt, envelope.action_id)
+    if not recorded:
+        return Decision("propose", "recovery", base)
+    rule = policy.policy.for_type(envelope.action_type)
+    approvals, plan_hash = check_approvals(rt, envelope, keyring, recorded, now, required=rule.approvers_required,
+                                           ponr=False, amount=None)
+    return Decision("execute", "recovery", {**base, "approvals": approvals}, plan_hash)
+
+
 def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime,
-              amount: int | None) -> Decision:
+              amount: int | None, parent_link: dict[str, Any] | None = None) -> Decision:
     """The route for this delivery under the signed policy, or a refusal (``RevalidationFailed``)."""
     settings = rt.settings
     keyring = load_keyring(settings.keyring_file, settings.environment)
@@ -143,6 +167,8 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
     hints = TOOL_HINTS.get(envelope.tool.contract_hash, {})
     signed = list(envelope.approvals)
     policy: SignedPolicy | None = load_policy(settings.authority_file, keyring, settings.environment)
+    if policy is not None and parent_link is not None:
+        return recovery_route(rt, envelope, policy, parent_link, keyring, now)
     if policy is None:
         # No policy (development, test): the controller's request is the authority, as before;
         # any signed approval it carries must still be valid.

@@ -52,7 +52,6 @@ from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
-    Heartbeat,
     Locks,
     SessionKeeper,
     action_lock_name,
@@ -86,7 +85,7 @@ from worker.validate import (
     revalidate_static,
     validate_envelope,
 )
-from worker.verification import decides_in_place, finding_evidence, first_read
+from worker.verification import decides_in_place, read_in_place
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +246,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
                                             datetime.fromisoformat(published_at) if published_at else None)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
-            decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"))
+            decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
+                                 parent_link)
             static["authority"] = decision.evidence
             if decision.point_of_no_return:
                 static["point_of_no_return"] = check_point_of_no_return(conn, envelope,
@@ -322,7 +322,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         first = None
         if decides_in_place(settings, verdict):
             stages.enter("proofline.verification", **{"proofline.tool": contract.verification_read.tool})
-            first = _first_read(rt, envelope, contract, before, verdict, red, token)
+            first = read_in_place(rt, envelope, contract, before, verdict, red, token)
             stages.note(**{"proofline.verification_finding": first.obs.finding.value})
         stages.enter("proofline.record_result")
         locked = False  # the result transaction releases both locks as its last statement
@@ -537,18 +537,6 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
     return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
                                 Outcome.failed_before_side_effect, dispatch)
-
-
-def _first_read(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],
-                verdict: Classification, red: Redactor, token: int) -> FirstRead:
-    """The verification read made in place, the lease renewed meanwhile (the fencing token still
-    decides whether the verdict may be written)."""
-    settings = rt.settings
-    began = time.monotonic()
-    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch):
-        obs = first_read(rt, envelope, contract, envelope.model_dump(mode="json"), before, verdict.values or {}, red)
-    return FirstRead(obs, time.monotonic() - began, finding_evidence(envelope, contract, obs, verdict.outcome))
 
 
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,

@@ -27,7 +27,7 @@ from proofline.signing import encode_signature
 from proofline_kit.sor import store as sor
 from recovery import proposals
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
-from tests.helpers import evidence_of, ticket_env, uid
+from tests.helpers import evidence_of, new_account, refund_env, run_of, stale_close_env, ticket_env, uid
 from tests.integration.cli_run import as_json, assert_error, proofline
 from worker.dispatch import CeleryDispatch
 
@@ -379,3 +379,31 @@ def test_the_cli_approves_and_denies_proposals(auth: Authority) -> None:
     other = proposed_close(auth)
     denied = as_json(proofline(auth.stack, "--json", "deny", other.action_id, "--reason", "freeze", "--by", "bob"))
     assert denied["denied"] and auth.stack.action(other.action_id).reason_code == "proposal_denied"
+
+
+def test_a_compensation_of_money_is_proposed_and_runs_once_approved(auth: Authority) -> None:
+    # Both tools are destructive (their servers say so): autonomy needs the policy's reason for each.
+    auth.policy(**{"refund.issue": {"mode": "autonomous", "bounds": {"max_amount_cents": 100_000},
+                                    "autonomous_reason": "small refunds are reconciled daily"},
+                   "ticket.close": {"mode": "autonomous", "bounds": {},
+                                    "autonomous_reason": "closing a ticket is reviewed after the fact"}})
+    account = new_account(auth.stack)
+    steps = run_of(auth.stack, [lambda **kw: refund_env(auth.stack, account, **kw),
+                                lambda **kw: stale_close_env(auth.stack, **kw)])
+    auth.stack.publish_run(steps)
+    # The second step cannot start, so the run unwinds the refund: recovery derives its reversal,
+    # and the policy's default for a type that moves money is to propose it to an approver.
+    reversal = wait_for(lambda: next((e["evidence"]["recovery_action"] for e in auth.stack.timeline(steps[0].action_id)
+                                      if e["event"] == "recovery_action_published"), None), 60,
+                        what="the refund's reversal")
+    wait_status(auth.stack, reversal, ActionStatus.proposed)
+    proposed = evidence_of(auth.stack, reversal, "proposed")[0]
+    assert (proposed["recovery"], proposed["parent_action_type"]) == ("proposed", "refund.issue")
+    assert sor.get_account(auth.stack.sor_db, account)["account"]["balance_cents"] == 100_000 - 1200
+    auth.approve(reversal, auth.alice)
+    assert auth.stack.wait_settled(reversal).outcome == Outcome.completed_verified
+    assert wait_for(lambda: auth.stack.action(steps[0].action_id).outcome == Outcome.compensated, 60,
+                    what="the refund compensated")
+    assert sor.get_account(auth.stack.sor_db, account)["account"]["balance_cents"] == 100_000
+    reversal_row = auth.stack.action(reversal)
+    assert auth.stack.witness.count(key=reversal_row.idempotency_key) == 1
