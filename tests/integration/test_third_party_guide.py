@@ -1,4 +1,4 @@
-"""Runs the README chapter "Configuring a server you did not write" as written, against the
+"""Runs the how-to "Configuring a server you did not write" (docs/how-to/third-party-servers.md) as written, against the
 reference SQLite MCP server installed from PyPI into its own virtual environment, and checks that
 the action it publishes was verified through that server's read-only identity."""
 
@@ -18,15 +18,13 @@ from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
 from tests.conftest import build_stack, teardown_stack
 
-CHAPTER = "## Configuring a server you did not write"
+GUIDE = ROOT / "docs" / "how-to" / "third-party-servers.md"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
 
 
 def chapter_blocks() -> list[tuple[str, str]]:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index(CHAPTER + "\n")
-    end = readme.find("\n## ", start + len(CHAPTER))
-    return FENCE.findall(readme[start:end if end != -1 else None])
+    """Every fenced block of the guide's page, in order."""
+    return FENCE.findall(GUIDE.read_text())
 
 
 def as_script(blocks: list[tuple[str, str]]) -> str:
