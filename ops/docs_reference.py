@@ -6,7 +6,8 @@ a page with ``render(NAME)`` at build time:
 - ``cli``: every ``proofline`` command's ``--help``, from the Click group itself;
 - ``settings``: every field of ``proofline.settings.Settings`` (environment variable, default, the
   ``#:`` comment above it), and the ``PROOFLINE_*`` variables runtime code reads outside it;
-- ``reason-codes``: every error class of ``proofline/errors.py`` with its stable code.
+- ``reason-codes``: every error class of ``proofline/errors.py`` with its stable code;
+- ``alerts``: every rule of ``ops/prometheus/alerts.yml``, linked to its runbook.
 
 The JSON Schemas of the contract file and of the servers file are generated from the pydantic models
 (``proofline/contracts.py``, ``worker/servers.py``, ``worker/sandbox.py``) and kept in
@@ -151,7 +152,33 @@ def render_reason_codes() -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"cli": render_cli, "settings": render_settings, "reason-codes": render_reason_codes}
+# --- alerts ----------------------------------------------------------------------------------
+
+
+ALERTS_FILE = ROOT / "ops" / "prometheus" / "alerts.yml"
+
+
+def alert_rules() -> list[dict]:
+    import yaml
+
+    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def render_alerts() -> str:
+    """Every rule of ops/prometheus/alerts.yml: name (linked to its runbook), severity, how long it
+    must hold, and its summary."""
+    lines = ["| alert | severity | for | fires when |", "|---|---|---|---|"]
+    for rule in alert_rules():
+        name = rule["alert"]
+        summary = rule.get("annotations", {}).get("summary", "")
+        lines.append(f"| [{name}](#{name.lower()}) | {rule.get('labels', {}).get('severity', '–')} | "
+                     f"{rule.get('for', '–')} | {_cell(summary)} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"cli": render_cli, "settings": render_settings, "reason-codes": render_reason_codes,
+             "alerts": render_alerts}
 
 
 def render(name: str) -> str:

@@ -105,6 +105,15 @@ def test_every_reference_renderer_covers_its_source() -> None:
         docs_reference.render("nothing")
 
 
+def test_every_alert_has_a_runbook() -> None:
+    """Each rule of ops/prometheus/alerts.yml has its own section in the metrics reference."""
+    runbooks = (DOCS / "reference" / "metrics.md").read_text()
+    names = [rule["alert"] for rule in docs_reference.alert_rules()]
+    assert len(names) >= 11
+    for name in names:
+        assert f"\n### {name}\n" in runbooks, name
+
+
 def slug(heading: str) -> str:
     """The anchor MkDocs gives a heading (Python-Markdown's toc slugify on its text)."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
