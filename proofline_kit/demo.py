@@ -157,7 +157,7 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         app = Celery("proofline-demo-controller", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         stack.callback(app.close)
-        # Publishing is the controller's right alone (README "Database roles").
+        # Publishing is the controller's right alone (docs/concepts/database-roles.md).
         controller = os.environ.get("PROOFLINE_CONTROLLER_DATABASE_URL") or _as_role(runtime, "proofline_controller")
         conn = store.connect(controller)
         stack.callback(conn.close)

@@ -2,7 +2,7 @@
 database roles from the stack's environment), and Debian's Chromium driven by Playwright.
 
 Every page a test opens is saved as a PNG under ``tests/console/screenshots/`` (ignored by git;
-the README names it), so a reviewer can look at what the tests saw.
+docs/design/tests.md names it), so a reviewer can look at what the tests saw.
 """
 
 from __future__ import annotations
