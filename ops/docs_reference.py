@@ -238,7 +238,18 @@ def servers_schema() -> dict:
             "$defs": {**defs, "Server": server}}
 
 
-SCHEMAS = {"contract.schema.json": contract_schema, "servers.schema.json": servers_schema}
+def authority_schema() -> dict:
+    """The authority policy a person writes (before ``proofline authority sign``)."""
+    from proofline.authority import AuthorityPolicy
+
+    schema = AuthorityPolicy.model_json_schema(mode="validation")
+    schema["title"] = "Proofline authority policy"
+    schema["description"] = "The YAML an approver signs with `proofline authority sign` (proofline/authority.py)."
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+SCHEMAS = {"contract.schema.json": contract_schema, "servers.schema.json": servers_schema,
+           "authority.schema.json": authority_schema}
 
 
 def schema_text(name: str) -> str:

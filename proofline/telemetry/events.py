@@ -177,6 +177,8 @@ COUNTERS: tuple[EventCounter, ...] = (
     EventCounter("proposals", "Actions prepared and left waiting for an approver, by authority mode (an "
                  "autonomous action outside its bounds is proposed too)", ("proposed",), (Path("mode", ("mode",)),)),
     EventCounter("simulations", "Actions simulated: plan prepared and recorded, nothing committed", ("simulated",)),
+    EventCounter("authority_demotions", "Action types demoted automatically after a regression, by the rung "
+                 "they were sent to", ("authority_demoted",), (Path("to", ("to",)),)),
     EventCounter("proposal_decisions", "Proposals approved or denied by approvers", ("approval_recorded",
                  "proposal_denied"), (Path("decision", ("@event",)),)),
     EventCounter("final_states", "Actions reaching a final state through verification or cancellation",
