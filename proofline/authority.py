@@ -123,6 +123,12 @@ class AuthorityPolicy(BaseModel):
     action_types: dict[str, ActionAuthority] = {}
     promotion: Promotion = Promotion()
 
+    @model_validator(mode="after")
+    def _default_is_not_autonomy(self) -> AuthorityPolicy:
+        if self.default_mode == AuthorityMode.autonomous:
+            raise ValueError("default_mode cannot be autonomous: autonomy is granted per action type, with bounds")
+        return self
+
     def for_type(self, action_type: str) -> ActionAuthority:
         return self.action_types.get(action_type) or ActionAuthority(mode=self.default_mode)
 
