@@ -31,7 +31,13 @@ from worker.runtime import Runtime
 UNMANAGED = "unmanaged"
 
 REVOKED_SQL = "SELECT approval_id, reason FROM approval_revocations WHERE approval_id = ANY(%s)"
-DEMOTED_SQL = "SELECT to_mode, reason FROM authority_demotions WHERE action_type = %s AND policy_hash = %s"
+# One statement for what the database holds about this action's authority: a demotion of its type
+# under the policy in force, and which of the approvals it carries were revoked.
+FACTS_SQL = """
+SELECT (SELECT json_build_object('to_mode', to_mode, 'reason', reason) FROM authority_demotions
+         WHERE action_type = %s AND policy_hash = %s) AS demotion,
+       (SELECT json_object_agg(approval_id, reason) FROM approval_revocations WHERE approval_id = ANY(%s)) AS revoked
+"""
 RECORDED_SQL = "SELECT signed FROM action_approvals WHERE action_id = %s ORDER BY recorded_at, approval_id"
 # Actions of this type and tenant inside the autonomy window that did, or may yet, change something.
 WINDOW_SQL = """
@@ -84,12 +90,15 @@ def _plan_hashes(signed: list[Any]) -> set[str]:
 
 
 def check_approvals(rt: Runtime, envelope: Envelope, keyring: Keyring, signed: list[Any], now: datetime, *,
-                    required: int, ponr: bool, amount: int | None) -> tuple[dict[str, Any], str | None]:
+                    required: int, ponr: bool, amount: int | None,
+                    revoked: dict[str, str] | None = None) -> tuple[dict[str, Any], str | None]:
     """Verify ``signed`` for this envelope. A plan an approval binds is checked against the fresh
     plan later (``plan_changed``); here every approval must name the same plan."""
     plans = _plan_hashes(signed)
     plan_hash = next(iter(plans)) if len(plans) == 1 else None
-    evidence = verify_approvals(signed, envelope, keyring, now=now, revoked=_revoked(rt, signed), required=required,
+    if revoked is None:
+        revoked = _revoked(rt, signed)
+    evidence = verify_approvals(signed, envelope, keyring, now=now, revoked=revoked, required=required,
                                 irreversible=ponr, amount_cents=amount, plan_hash=plan_hash)
     return {**evidence, **({"plan_hash": plan_hash} if plan_hash else {})}, plan_hash
 
@@ -122,16 +131,19 @@ def outside_bounds(rt: Runtime, envelope: Envelope, rule: ActionAuthority, now: 
     return None
 
 
-def effective_mode(conn: Any, loaded: SignedPolicy, action_type: str) -> tuple[AuthorityMode, str | None]:
+def effective_mode(conn: Any, loaded: SignedPolicy, action_type: str, approval_ids: list[str] | None = None
+                   ) -> tuple[AuthorityMode, str | None, dict[str, str]]:
     """The policy's mode for ``action_type``, lowered by a demotion the runtime recorded under this
-    very policy (``recovery/authority_watch.py``), and the demotion's reason."""
+    very policy (``recovery/authority_watch.py``), the demotion's reason, and which of
+    ``approval_ids`` are revoked (with their reasons)."""
     mode = loaded.policy.for_type(action_type).mode
     with conn.cursor() as cur:
-        cur.execute(DEMOTED_SQL, (action_type, loaded.hash))
+        cur.execute(FACTS_SQL, (action_type, loaded.hash, approval_ids or []))
         row = cur.fetchone()
-    if row is not None and AuthorityMode(row["to_mode"]).rank < mode.rank:
-        return AuthorityMode(row["to_mode"]), row["reason"]
-    return mode, None
+    demotion, revoked = row["demotion"], row["revoked"] or {}
+    if demotion is not None and AuthorityMode(demotion["to_mode"]).rank < mode.rank:
+        return AuthorityMode(demotion["to_mode"]), demotion["reason"], revoked
+    return mode, None, revoked
 
 
 def recovery_route(rt: Runtime, envelope: Envelope, policy: SignedPolicy, parent_link: dict[str, Any],
@@ -180,7 +192,7 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
             evidence["approvals"] = approvals
         return Decision("execute", UNMANAGED, evidence, plan_hash, ponr)
     rule = policy.policy.for_type(envelope.action_type)
-    mode, demoted = effective_mode(rt.conn, policy, envelope.action_type)
+    mode, demoted, revoked = effective_mode(rt.conn, policy, envelope.action_type, _approval_ids(signed))
     base = {"mode": mode.value, "policy_hash": policy.hash, "policy_version": policy.policy.version,
             "policy_signed_by": policy.signed_by, **({"demoted": demoted} if demoted else {})}
     if ponr:
@@ -213,7 +225,8 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
         if not recorded:
             return Decision("propose", mode.value, base)
         signed = signed + recorded
+        revoked = _revoked(rt, signed)  # the recorded approvals were not in the first question
     approvals, plan_hash = check_approvals(rt, envelope, keyring, signed, now, required=rule.approvers_required,
-                                           ponr=ponr, amount=amount)
+                                           ponr=ponr, amount=amount, revoked=revoked)
     return Decision("execute", mode.value, {**base, "approvals": approvals}, plan_hash, ponr)
 

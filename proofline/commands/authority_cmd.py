@@ -94,7 +94,7 @@ def authority_status(action_type: str | None, window_days: float | None) -> None
             from worker.authorize import effective_mode
 
             for name in {r["action_type"] for r in rows} | set(loaded.policy.action_types):
-                mode, demoted = effective_mode(conn, loaded, name)
+                mode, demoted, _ = effective_mode(conn, loaded, name)
                 current[name] = {"mode": mode.value, "demoted": demoted}
     for row in rows:
         state = current.get(row["action_type"])

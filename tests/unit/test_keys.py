@@ -201,3 +201,14 @@ def test_key_files_default_to_the_keys_dir(tmp_path: Path) -> None:
         tmp_path / "controller.key", tmp_path / "recovery.key", tmp_path / "keyring.json")
     assert Settings(keys_dir=tmp_path, keyring_file=tmp_path / "other.json").keyring_file == tmp_path / "other.json"
     assert Settings().keyring_file is None
+
+
+def test_rotating_the_worker_key_keeps_the_old_one_verifiable_until_not_after(tmp_path: Path) -> None:
+    generate(tmp_path)
+    old, new = rotate(tmp_path, KeyRole.worker, timedelta(hours=1))
+    assert json.loads((tmp_path / "worker.key").read_text())["key_id"] == new != old
+    ring = load_keyring(tmp_path / "keyring.json")
+    retiring, current = ring.get(old), ring.get(new)
+    assert retiring is not None and retiring.role == KeyRole.worker and retiring.not_after is not None
+    assert current is not None and current.role == KeyRole.worker and current.not_after is None
+    check_process_keys(Settings(keys_dir=tmp_path), "execute")
