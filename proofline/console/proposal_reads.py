@@ -20,8 +20,10 @@ from proofline.keys import load_keyring
 from proofline.plan import plan_diff
 from recovery.proposals import list_proposals, proposal
 
-#: Ledger events whose evidence holds a whole plan (``content`` and ``plan_hash``).
-PLAN_EVENTS = ("proposed", "simulated")
+#: Ledger events whose evidence may hold a whole plan (``content`` and ``plan_hash``): a proposal,
+#: a simulation, and the refusal of a commit whose freshly prepared plan was not the approved one
+#: (``plan_changed`` is recorded as ``revalidation_failed`` with that new plan).
+PLAN_EVENTS = ("proposed", "simulated", "revalidation_failed")
 PRECONDITION_EVENTS = ("preconditions_passed", "preconditions_failed")
 
 
