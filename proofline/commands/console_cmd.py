@@ -65,6 +65,10 @@ def add_user(name: str, role: str, approver_key: Path | None, users: str | None)
     from proofline.console.access import add_user as do_add
 
     path = users_file(users)
+    if approver_key is not None:  # a file that is no approver key is refused now, not at the console's start
+        from proofline.keys import KeyRole, load_signing_key
+
+        load_signing_key(approver_key, KeyRole.approver, settings().environment)
     token = do_add(path, name, ConsoleRole(role), approver_key)
     shown = {"approver_key": str(approver_key.resolve())} if approver_key else {}
     emit({"user": name, "role": role, "token": token, "users_file": str(path), **shown},

@@ -5,6 +5,9 @@ kind of write names the roles that may send it (only an approver approves)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -95,3 +98,27 @@ def test_each_write_names_who_may_send_it() -> None:
     # An approver acts on proposals only: the operator's other writes stay the operator's.
     with pytest.raises(ConsoleForbidden, match="apr-alice is an approver: only an operator may do this"):
         authorize_write(approver, "a" * 43, OPERATOR_ONLY)
+
+
+def _cli(ring: SimpleNamespace, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PROOFLINE_KEYRING_FILE": str(ring.keyring_file), "PROOFLINE_STATE_DIR": str(ring.dir),
+           "PROOFLINE_ENVIRONMENT": "development"}
+    return subprocess.run([sys.executable, "-m", "proofline", *args], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_the_commands_refuse_a_key_that_is_not_an_approver_key(ring: SimpleNamespace) -> None:
+    users = str(ring.dir / "users.json")
+    added = _cli(ring, "console", "add-user", "apr-alice", "--role", "approver", "--approver-key",
+                 str(ring.dir / "alice.key"), "--users", users)
+    assert added.returncode == 0, added.stderr
+    assert load_users(Path(users))["apr-alice"].approver_key == (ring.dir / "alice.key").resolve()
+    wrong = _cli(ring, "console", "add-user", "apr-mallory", "--role", "approver", "--approver-key",
+                 str(ring.dir / "keys" / "controller.key"), "--users", users)
+    assert wrong.returncode != 0 and "configuration_error" in wrong.stderr and "expected 'approver'" in wrong.stderr
+    assert "apr-mallory" not in load_users(Path(users))
+    # The key revoked after the user was added: the console does not start, and says which user.
+    revoke(ring.keyring_file, ring.alice_id)
+    started = _cli(ring, "console", "--port", "0", "--users", users)
+    assert started.returncode != 0
+    assert f"configuration_error: console approver 'apr-alice': key {ring.alice_id} is revoked" in started.stderr
