@@ -155,7 +155,9 @@ def test_a_viewer_and_an_operator_cannot_approve(auth: Authority, approvers_cons
     env = proposed_close(auth)
     for user, role in (("viewer-dan", "a viewer"), ("ops-carol", "an operator")):
         page = log_in(browser, approvers_console, user)
-        page.goto(f"/proposals/{env.action_id}")
+        page.goto(f"/actions/{env.action_id}")
+        page.click("#proposal-link a")
+        page.wait_for_url(f"**/proposals/{env.action_id}")
         assert page.locator("#approve-form").count() == 0
         assert "only an approver user" in page.inner_text("#not-approver")
         token = page.evaluate("() => JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token']")
