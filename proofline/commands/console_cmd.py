@@ -32,7 +32,8 @@ def _loopback(host: str) -> bool:
 @click.pass_context
 def console(ctx: click.Context, host: str | None, port: int | None, users: str | None, port_file: str | None) -> None:
     """Serve the operator console: actions, evidence, runs, the manual queue, kill switches,
-    revocations and an overview. Reads as the reader role, writes as the operator role."""
+    revocations, proposals, approvals, the authority policy and an overview. Reads as the reader
+    role, writes as the operator role; approver users' approvals are signed with their own key."""
     if ctx.invoked_subcommand is not None:
         return
     if MODE.json:

@@ -21,7 +21,7 @@ from proofline.console.access import ConsoleRole, add_user
 from proofline.plan import plan_diff
 from proofline_kit.sor import store as sor
 from tests.console.conftest import Console, chromium, log_in, running_console, shot
-from tests.helpers import evidence_of
+from tests.helpers import evidence_of, uid
 from tests.integration.test_authority import Authority, auth, close_env, proposed_close, wait_status  # noqa: F401
 
 TWO_PERSON = {"ticket.purge": {"mode": "propose", "approvers_required": 2}}
@@ -182,11 +182,22 @@ def test_the_list_the_policy_and_a_revoked_approval(auth: Authority, approvers_c
     first = proposed_purge(auth)
     second = proposed_purge(auth)
     auth.approve(first.action_id, auth.alice, covers_irreversible=True)
+    # Bounded autonomy: a ticket for the CFO is outside the bounds and becomes a proposal with the reason.
+    auth.policy(**TWO_PERSON, **{"ticket.create": {"mode": "autonomous", "bounds": {
+        "conditions": ["args.owner == 'ops'"], "max_actions_per_tenant": 1000}}})
+    outside = auth.stack.envelope("ticket.create", arguments={"tenant": "acme", "title": f"t-{uid()}", "owner": "cfo"},
+                                  target={"type": "ticket_queue", "id": "acme-ops"})
+    auth.stack.publish(outside)
+    wait_status(auth.stack, outside.action_id, ActionStatus.proposed)
+    why = evidence_of(auth.stack, outside.action_id, "proposed")[0]["outside_bounds"]
     page = log_in(browser, approvers_console, "apr-bob")
     page.goto("/proposals")
     listed = page.locator("#proposals tbody tr").evaluate_all("rows => rows.map(r => r.dataset.action)")
-    assert listed.index(first.action_id) < listed.index(second.action_id)  # oldest first
+    assert listed.index(first.action_id) < listed.index(second.action_id) < listed.index(outside.action_id)
     assert page.locator(f"#proposals tr[data-action='{first.action_id}'] .count").inner_text() == "1 of 2"
+    shown = page.locator(f"#proposals tr[data-action='{outside.action_id}']")
+    assert shown.locator(".bounds").inner_text() == f"outside autonomy bounds: {why}"
+    assert shown.locator(".count").inner_text() == "0 of 1" and shown.locator(".irreversible").count() == 0
     shot(page, "proposals")
     # The policy in force, as the workers verify it.
     page.goto("/authority")
@@ -196,6 +207,9 @@ def test_the_list_the_policy_and_a_revoked_approval(auth: Authority, approvers_c
     assert page.inner_text("#signed-by").startswith("alice@example.com")
     purge = page.locator("#rules tr[data-type='ticket.purge']")
     assert (purge.locator(".mode").inner_text(), purge.locator(".required").inner_text()) == ("propose", "2")
+    bounded = page.locator("#rules tr[data-type='ticket.create']")
+    assert bounded.locator(".mode").inner_text() == "autonomous"
+    assert "at most 1000 per tenant" in bounded.inner_text() and "args.owner == 'ops'" in bounded.inner_text()
     shot(page, "authority")
     # Revoke alice's approval from the Approvals page: listed, on the proposal, and in its own chain.
     [approval_id] = [a["approval_id"] for a in evidence_of(auth.stack, first.action_id, "approval_recorded")]
