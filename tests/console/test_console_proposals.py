@@ -150,7 +150,7 @@ def test_an_approver_denies_a_proposal_with_a_reason(auth: Authority, approvers_
     page.context.close()
 
 
-def test_a_viewer_and_an_operator_cannot_approve(auth: Authority, approvers_console: Console,  # noqa: F811
+def test_a_viewer_an_operator_and_a_forged_approval_are_refused(auth: Authority, approvers_console: Console,  # noqa: F811
                                                 browser: Any) -> None:
     env = proposed_close(auth)
     for user, role in (("viewer-dan", "a viewer"), ("ops-carol", "an operator")):
@@ -164,7 +164,14 @@ def test_a_viewer_and_an_operator_cannot_approve(auth: Authority, approvers_cons
         posted = page.request.post(f"/proposals/{env.action_id}/approve", form={"csrf_token": token})
         assert posted.status == 403
         assert f"console_forbidden</code>: {user} is {role}: only an approver may do this" in posted.text()
+        page.goto("/approvals")
+        assert page.locator("#revoke-approval-form").count() == (1 if user == "ops-carol" else 0)
         page.context.close()
+    # An approver's session, but an approval posted without its CSRF token (as another site would).
+    approver = log_in(browser, approvers_console, "apr-alice")
+    forged = approver.request.post(f"/proposals/{env.action_id}/approve", form={"note": "from elsewhere"})
+    assert forged.status == 403 and "csrf_refused" in forged.text()
+    approver.context.close()
     assert evidence_of(auth.stack, env.action_id, "approval_recorded") == []
     assert auth.stack.action(env.action_id).status == ActionStatus.proposed
     # An operator may still stop it: deny is open to operators.
