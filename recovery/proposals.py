@@ -30,7 +30,8 @@ from worker.validate import authenticate_row
 
 PROPOSALS_SQL = """
 SELECT a.action_id, a.action_type, a.tenant, a.updated_at AS proposed_at, e.evidence,
-       (SELECT count(*) FROM action_approvals p WHERE p.action_id = a.action_id) AS approvals
+       (SELECT count(*) FROM action_approvals p WHERE p.action_id = a.action_id AND NOT EXISTS
+          (SELECT 1 FROM approval_revocations r WHERE r.approval_id = p.approval_id)) AS approvals
   FROM actions a
   JOIN LATERAL (SELECT evidence FROM ledger_events WHERE action_id = a.action_id AND event = 'proposed'
                  ORDER BY seq DESC LIMIT 1) e ON true
@@ -93,7 +94,9 @@ def approve(settings: Settings, conn: Any, dispatch: Dispatch, action_id: str, k
         plan_hash = plan["evidence"].get("plan_hash") if plan else None
         if not isinstance(plan_hash, str):
             raise ProposalRefused(f"{action_id} has no recorded plan to approve", action_id=action_id)
-        cur.execute("SELECT approver FROM action_approvals WHERE action_id = %s", (action_id,))
+        # A revoked approval no longer counts towards releasing the action (nor would the worker take it).
+        cur.execute("SELECT approver FROM action_approvals p WHERE action_id = %s AND NOT EXISTS "
+                    "(SELECT 1 FROM approval_revocations r WHERE r.approval_id = p.approval_id)", (action_id,))
         approvers = {r["approver"] for r in cur.fetchall()}
         if identity in approvers:
             raise ProposalRefused(f"{identity} already approved {action_id}; a second approval must come from "

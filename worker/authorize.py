@@ -222,10 +222,16 @@ def authorize(rt: Runtime, envelope: Envelope, contract: Contract, now: datetime
         mode = AuthorityMode.propose
     if mode == AuthorityMode.propose:
         recorded = _recorded(rt, envelope.action_id)
+        revoked = _revoked(rt, signed + recorded)  # the recorded approvals were not in the first question
+        # A recorded approval revoked since is no approval of this proposal any more: it waits again
+        # for approvers rather than running on the rest.
+        withdrawn = [i for i in _approval_ids(recorded) if i in revoked]
+        recorded = [r for r in recorded if not set(_approval_ids([r])) & set(withdrawn)]
+        if withdrawn:
+            base["revoked_approvals_ignored"] = withdrawn
         if not recorded:
             return Decision("propose", mode.value, base)
         signed = signed + recorded
-        revoked = _revoked(rt, signed)  # the recorded approvals were not in the first question
     approvals, plan_hash = check_approvals(rt, envelope, keyring, signed, now, required=rule.approvers_required,
                                            ponr=ponr, amount=amount, revoked=revoked)
     return Decision("execute", mode.value, {**base, "approvals": approvals}, plan_hash, ponr)

@@ -407,3 +407,24 @@ def test_a_compensation_of_money_is_proposed_and_runs_once_approved(auth: Author
     assert sor.get_account(auth.stack.sor_db, account)["account"]["balance_cents"] == 100_000
     reversal_row = auth.stack.action(reversal)
     assert auth.stack.witness.count(key=reversal_row.idempotency_key) == 1
+
+
+def test_a_revoked_approval_of_a_proposal_no_longer_counts(auth: Authority) -> None:
+    auth.policy(**{"ticket.close": {"mode": "propose", "approvers_required": 2}})
+    env = close_env(auth.stack)
+    auth.stack.publish(env)
+    wait_status(auth.stack, env.action_id, ActionStatus.proposed)
+    first = auth.approve(env.action_id, auth.alice)
+    assert not first["released"] and first["required"] == 2
+    assert proposals.revoke_approval(auth.stack.operator, first["approval_id"], "alice@example.com", "looked again")
+    second = auth.approve(env.action_id, auth.bob)
+    assert not second["released"] and second["approvers"] == ["bob@example.com"]
+    [listed] = [p for p in proposals.list_proposals(auth.stack.operator) if p["action_id"] == env.action_id]
+    assert listed["approvals"] == 1
+    third = auth.approve(env.action_id, auth.alice)  # alice's revoked approval is no approval: she may sign anew
+    assert third["released"] and third["approvers"] == ["alice@example.com", "bob@example.com"]
+    row = auth.stack.wait_settled(env.action_id)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row
+    authority = evidence_of(auth.stack, env.action_id, "revalidated")[-1]["authority"]
+    assert authority["revoked_approvals_ignored"] == [first["approval_id"]]
+    assert authority["approvals"]["approvers"] == ["alice@example.com", "bob@example.com"]
