@@ -24,7 +24,7 @@ from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, b
 log = logging.getLogger(__name__)
 
 #: Statuses an action can wait or stick in; the age of the oldest one in each is exported.
-OPEN_STATUSES = ("pending", "published", "executing", "verifying", "recovery", "escalated")
+OPEN_STATUSES = ("pending", "published", "proposed", "executing", "verifying", "recovery", "escalated")
 CANCEL_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 900, 3600)
 #: Queues that are not sharded by tenant; ``actions`` and ``verify`` are expanded to their shards.
 PLAIN_QUEUES = ("compensate", "recovery", "reconcile", "checkpoint")
