@@ -125,10 +125,11 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # promotions (an approver's re-signed policy) and demotions, on the chain ``authority:<type>``
     ("authority_promoted", OP),
     ("authority_demoted", WO),
+    ("authority_policy_changed", WO),
 )
 #: The event rights migration 0015 adds to a database migrated before it.
 AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
-                    "authority_demoted")
+                    "authority_demoted", "authority_policy_changed")
 #: Event name prefixes reserved for operators (LIKE patterns).
 OPERATOR_EVENT_PREFIXES = ("manual\\_%",)
 

@@ -166,13 +166,35 @@ def demote_on_regressions(conn: Any, loaded: SignedPolicy | None, actor: str) ->
 def watch(conn: Any, settings: Settings, actor: str) -> list[dict[str, Any]]:
     """The reconciler's check: demotions for the policy in force (none without a policy; a policy
     the workers would refuse demotes nothing here: they refuse every action under it anyway)."""
+    if settings.authority_file is None:
+        return []  # unmanaged (development): nothing to watch
     try:
         loaded = load_policy(settings.authority_file, load_keyring(settings.keyring_file, settings.environment),
                              settings.environment)
     except AuthorityPolicyInvalid as exc:
         log.warning("authority policy unusable", extra={"event": "authority_policy_invalid", "reason": exc.detail})
         return []
+    record_policy_change(conn, loaded, actor)
     return demote_on_regressions(conn, loaded, actor)
+
+
+def record_policy_change(conn: Any, loaded: SignedPolicy | None, actor: str) -> bool:
+    """Ledger the policy in force when it is not the one the chain ``authority:policy`` last
+    recorded (a newly signed file, or none any more), so every change of authority is an event even
+    when no promotion made it. True when an event was appended."""
+    current = {"policy_hash": loaded.hash, "version": loaded.policy.version, "signed_by": loaded.signed_by,
+               "key_id": loaded.key_id} if loaded else {"policy_hash": None}
+    with store.transaction(conn) as cur:
+        cur.execute("SELECT evidence FROM ledger_events WHERE action_id = 'authority:policy' ORDER BY seq DESC LIMIT 1")
+        last = cur.fetchone()
+        previous = last["evidence"].get("policy_hash") if last else None
+        if last is not None and previous == current["policy_hash"]:
+            return False
+        if last is None and loaded is None:
+            return False
+        store.append_event_txn(cur, "authority:policy", "authority_policy_changed", actor,
+                               {**current, "previous_policy_hash": previous})
+        return True
 
 
 def record_promotion(conn: Any, by: str, evidence_doc: dict[str, Any], new_hash: str) -> None:

@@ -120,31 +120,12 @@ def authority_status(action_type: str | None, window_days: float | None) -> None
 def authority_promote(action_type: str, to_mode: str, key_file: Path, out: Path | None) -> None:
     """Move an action type up to MODE, only if the ledger's evidence meets the policy's promotion
     thresholds; the new policy is signed with your approver key and the promotion is ledgered."""
-    from datetime import UTC, datetime
+    from proofline.approver import Approver
 
-    from proofline.authority import AuthorityMode, load_policy, sign_policy
-    from proofline.canonical import sha256_hex
-    from proofline.errors import PromotionRefused
-    from proofline.keys import load_keyring
-    from recovery.authority_watch import promoted, record_promotion
-
-    s, key = settings(), _approver_key(key_file)
-    keyring = load_keyring(s.keyring_file, s.environment)
-    loaded = load_policy(s.authority_file, keyring, s.environment)
-    target = out or s.authority_file
-    if loaded is None or target is None:
-        raise PromotionRefused("no authority policy is in force (PROOFLINE_AUTHORITY_FILE): nothing to promote")
-    with connect("operator") as conn:
-        policy, proof = promoted(conn, loaded, action_type, AuthorityMode(to_mode), datetime.now(UTC))
-        signed = sign_policy(policy, key)
-        entry = keyring.get(key.key_id)
-        by = (entry.identity if entry else None) or key.key_id
-        tmp = Path(target).with_name(f".{Path(target).name}.tmp")
-        tmp.write_text(json.dumps(signed, indent=2) + "\n")
-        tmp.replace(target)
-        record_promotion(conn, by, proof, sha256_hex(signed["policy"]))
-    emit({**proof, "policy_version": policy.version, "wrote": str(target)},
-         f"{action_type}: {proof['from']} -> {proof['to']} (policy version {policy.version}, {target})")
+    with Approver(key_file, settings()) as approver:
+        proof = approver.promote(action_type, to_mode, out)
+    emit(proof, f"{action_type}: {proof['from']} -> {proof['to']} (policy version {proof['policy_version']}, "
+                f"{proof['wrote']})")
 
 
 @click.group()

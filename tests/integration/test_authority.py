@@ -428,3 +428,44 @@ def test_a_revoked_approval_of_a_proposal_no_longer_counts(auth: Authority) -> N
     authority = evidence_of(auth.stack, env.action_id, "revalidated")[-1]["authority"]
     assert authority["revoked_approvals_ignored"] == [first["approval_id"]]
     assert authority["approvals"]["approvers"] == ["alice@example.com", "bob@example.com"]
+
+
+def test_every_change_of_policy_is_ledgered(auth: Authority) -> None:
+    auth.policy(**{"ticket.close": {"mode": "simulate"}})
+    signed = json.loads(auth.policy_file.read_text())
+    from proofline.canonical import sha256_hex
+
+    digest = sha256_hex(signed["policy"])
+
+    def recorded() -> list[dict]:
+        return [e["evidence"] for e in auth.stack.timeline("authority:policy") if e["event"] == "authority_policy_changed"]
+
+    # The reconciler's sweep (every second in the test stack) notices the new file.
+    changes = wait_for(lambda: [c for c in recorded() if c["policy_hash"] == digest], 30, what="the policy change")
+    assert changes[-1]["version"] == auth.version and changes[-1]["signed_by"] == "alice@example.com"
+    assert changes[-1]["previous_policy_hash"] not in (None, digest)
+
+
+def test_the_sdk_approver_signs_approves_and_revokes(auth: Authority) -> None:
+    from proofline.approver import Approver
+
+    with Approver(auth.stack.workdir.parent / "bob.key", auth.settings, app=auth.stack.app,
+                  database_url=auth.stack.urls["operator"]) as bob:
+        auth.policy()
+        carried = close_env(auth.stack)
+        carried = with_approvals(auth.stack, carried, bob.sign(carried))
+        auth.stack.publish(carried)
+        assert auth.stack.wait_settled(carried.action_id).outcome == Outcome.completed_verified
+        env = proposed_close(auth)
+        assert env.action_id in [p["action_id"] for p in bob.proposals()]
+        assert bob.proposal(env.action_id)["plan"]["plan_hash"]
+        assert bob.approve(env.action_id, note="sdk")["released"]
+        assert auth.stack.wait_settled(env.action_id).outcome == Outcome.completed_verified
+        withdrawn = close_env(auth.stack)
+        apv = bob.sign(withdrawn)
+        assert bob.revoke(apv["approval"]["approval_id"], "sent to the wrong team")
+        assert apv["approval"]["approval_id"] in [r["approval_id"] for r in bob.revoked()]
+        auth.policy()
+        refused_with(auth, with_approvals(auth.stack, withdrawn, apv), "approval_revoked")
+        rows = bob.status("ticket.close")
+        assert any(r["mode"] == "propose" and r["verified"] >= 1 for r in rows)
