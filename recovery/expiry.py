@@ -1,5 +1,5 @@
 """Actions that can no longer run: past their absolute deadline (plus a grace period) and still
-``published``. Nothing may execute them any more (revalidation refuses a passed deadline), so
+``published``, or ``proposed`` with no approver having decided in time. Nothing may execute them any more (revalidation refuses a passed deadline), so
 leaving them ``published`` would only hide why they never ran. The reconciler closes each with
 ``deadline_expired_unexecuted`` and the evidence of what was tried: re-drives, deliveries, the last
 refusal or error of any delivery that claimed the action, and the last event of its own chain.
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 DUE_SQL = """
 SELECT a.action_id, a.deadline, a.idempotency_key, a.recovery_data FROM actions a
 LEFT JOIN leases l ON l.action_id = a.action_id
-WHERE a.status = 'published' AND a.deadline < clock_timestamp() - make_interval(secs => %(grace)s)
+WHERE a.status IN ('published', 'proposed') AND a.deadline < clock_timestamp() - make_interval(secs => %(grace)s)
   AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp())
 ORDER BY a.deadline LIMIT %(limit)s
 FOR UPDATE OF a SKIP LOCKED
@@ -67,7 +67,8 @@ def close_overdue_txn(cur: Any, actor: str, grace_seconds: float, limit: int = 2
         else:
             status, outcome = ActionStatus.closed, Outcome.not_started
         store.append_event_txn(cur, row["action_id"], DeadlineExpiredUnexecuted.code, actor, evidence)
-        store.transition_txn(cur, row["action_id"], [ActionStatus.published], status, outcome=outcome,
+        store.transition_txn(cur, row["action_id"], [ActionStatus.published, ActionStatus.proposed], status,
+                             outcome=outcome,
                              reason_code=DeadlineExpiredUnexecuted.code)
         closed.append(row["action_id"])
         log.error("action expired unexecuted", extra={

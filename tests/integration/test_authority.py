@@ -88,7 +88,9 @@ def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Authority]:
     (contracts / "ticket.purge.yaml").write_text(purge.replace("point_of_no_return: false", "point_of_no_return: true"))
     policy_file = tmp / "authority.json"
     stack = build_stack("stdio", tmp / "stack", extra_env={"PROOFLINE_AUTHORITY_FILE": str(policy_file),
-                                                          "PROOFLINE_CONTRACTS_DIR": str(contracts)})
+                                                          "PROOFLINE_CONTRACTS_DIR": str(contracts),
+                                                          # a proposal nobody decides expires in seconds
+                                                          "PROOFLINE_DEADLINE_GRACE_SECONDS": "1"})
     try:
         ring = stack.settings.keyring_file
         keys = {}
@@ -469,3 +471,14 @@ def test_the_sdk_approver_signs_approves_and_revokes(auth: Authority) -> None:
         refused_with(auth, with_approvals(auth.stack, withdrawn, apv), "approval_revoked")
         rows = bob.status("ticket.close")
         assert any(r["mode"] == "propose" and r["verified"] >= 1 for r in rows)
+
+
+def test_a_proposal_nobody_decides_expires_with_its_deadline(auth: Authority) -> None:
+    auth.policy(**{"ticket.close": {"mode": "propose"}})
+    env = close_env(auth.stack, deadline_in=timedelta(seconds=6))
+    auth.stack.publish(env)
+    wait_status(auth.stack, env.action_id, ActionStatus.proposed)
+    row = auth.stack.wait_settled(env.action_id, timeout=40)
+    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.not_started,
+                                                          "deadline_expired_unexecuted")
+    assert auth.stack.witness.count(key=env.idempotency_key) == 0
