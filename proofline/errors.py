@@ -340,6 +340,19 @@ class ParentRowMismatch(ProoflineError):
     the envelope its signed message carries: the row was not written by the runtime."""
 
     code = "parent_row_mismatch"
+
+
+class EvidenceUnsigned(ParentSignatureInvalid):
+    """No valid worker signature covers the evidence recovery would act on: none was recorded, or its
+    key is unknown, revoked, expired or not a worker key, or the signature does not verify."""
+
+    code = "evidence_unsigned"
+
+
+class EvidenceMismatch(ParentRowMismatch):
+    """The action row's evidence columns differ from what the worker signed (the ``columns`` named)."""
+
+    code = "evidence_mismatch"
 # --- containment: conditions, outputs and budgets ---------------------------------------------
 
 

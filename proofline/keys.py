@@ -3,7 +3,7 @@ process that verifies, and the one command that makes them all (``proofline keys
 
 Formats (JSON; private files are written 0600):
 
-- ``controller.key`` / ``recovery.key`` / ``ledger.key``:
+- ``controller.key`` / ``recovery.key`` / ``ledger.key`` / ``worker.key``:
   ``{"key_id", "role", "private_key": base64(raw 32-byte Ed25519 seed)}``
 - ``seal.key``: ``{"key_id", "key": base64(32 random bytes)}`` (AES-256-GCM, used by the sealing code)
 - ``keyring.json``: ``{"keys": [{"key_id", "role", "public_key": base64(raw 32 bytes),
@@ -33,17 +33,23 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from proofline.errors import ConfigurationError
 
 PRODUCTION = "production"
-FILES = {"controller": "controller.key", "recovery": "recovery.key", "ledger": "ledger.key"}
+FILES = {"controller": "controller.key", "recovery": "recovery.key", "ledger": "ledger.key", "worker": "worker.key"}
 SEAL_FILE = "seal.key"
 KEYRING_FILE = "keyring.json"
 
 
 class KeyRole(str, Enum):
-    """What a key may sign: fresh actions, derived recovery envelopes, or ledger checkpoints."""
+    """What a key may sign: fresh actions, derived recovery envelopes, ledger checkpoints, or the
+    evidence a worker records (never an envelope or a checkpoint)."""
 
+    #: Fresh actions (controllers).
     controller = "controller"
+    #: Derived recovery envelopes (recovery processes).
     recovery = "recovery"
+    #: Ledger checkpoints (the checkpointer).
     ledger = "ledger"
+    #: Evidence statements of what a worker recorded (one key per worker host or process).
+    worker = "worker"
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,13 @@ def private_key_readable(path: Path | None) -> bool:
     return path is not None and Path(path).is_file() and os.access(path, os.R_OK)
 
 
+def _active_key(ring: Keyring, key: SigningKey) -> None:
+    entry = ring.get(key.key_id)
+    if entry is None or entry.role != key.role or entry.revoked:
+        raise ConfigurationError(f"{key.role.value} key {key.key_id} is not an active {key.role.value} key in the "
+                                 "keyring")
+
+
 def check_process_keys(settings: Any, role: str) -> list[str]:
     """What a process of ``role`` (execute, recovery, all, controller) must and must not hold.
 
@@ -235,12 +248,14 @@ def check_process_keys(settings: Any, role: str) -> list[str]:
         return warnings
     ring = load_keyring(settings.keyring_file, env)
     if role in ("recovery", "all"):
-        key = load_signing_key(settings.recovery_key_file, KeyRole.recovery, env)
-        entry = ring.get(key.key_id)
-        if entry is None or entry.role != KeyRole.recovery or entry.revoked:
-            raise ConfigurationError(f"recovery key {key.key_id} is not an active recovery key in the keyring")
+        _active_key(ring, load_signing_key(settings.recovery_key_file, KeyRole.recovery, env))
+    if role in ("execute", "all"):
+        # Execution signs the evidence it records (proofline/signing.py, sign_evidence).
+        _active_key(ring, load_signing_key(settings.worker_key_file, KeyRole.worker, env))
     if role == "execute":
-        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file) if private_key_readable(p)]
+        ledger = settings.ledger_key_file or (Path(settings.keys_dir) / FILES["ledger"] if settings.keys_dir else None)
+        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file, ledger)
+                if private_key_readable(p)]
         if held and env == PRODUCTION:
             raise ConfigurationError(f"an execute worker must not be able to read signing keys: {', '.join(held)}")
         warnings += [f"execute worker can read the private key {p} (refused in production)" for p in held]
@@ -288,7 +303,8 @@ def new_signing_key(role: KeyRole, development: bool = False) -> tuple[dict[str,
 
 
 def generate(directory: Path, *, force: bool = False, development: bool = False) -> list[Path]:
-    """Write controller.key, recovery.key, ledger.key, seal.key and keyring.json into ``directory``."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key and keyring.json into
+    ``directory``."""
     directory = Path(directory)
     names = [*FILES.values(), SEAL_FILE, KEYRING_FILE]
     existing = [n for n in names if (directory / n).exists()]
@@ -339,3 +355,24 @@ def revoke(keyring_path: Path, key_id: str) -> None:
         raise ConfigurationError(f"{keyring_path}: no key {key_id}")
     matches[0]["revoked"] = True
     _write(Path(keyring_path), ring, 0o644)
+
+
+def add_worker(directory: Path, name: str) -> tuple[str, Path]:
+    """One more worker key (for another worker host or process): ``directory/name`` (0600) and its
+    keyring entry, added to ``directory/keyring.json``. Returns (key id, key file)."""
+    directory = Path(directory)
+    if not name or "/" in name or name.startswith("."):
+        raise ConfigurationError(f"{name!r} is not a plain file name")
+    key_path, ring_path = directory / name, directory / KEYRING_FILE
+    if key_path.exists():
+        raise ConfigurationError(f"{key_path} already exists; a worker key is never overwritten in place "
+                                 "(revoke it and add a new one)")
+    ring = _read_json(ring_path, "keyring")
+    parse_keyring(ring, ring_path)
+    development = any(e.get("development") is True for e in ring["keys"] if e.get("role") == KeyRole.worker.value)
+    key_file, entry = new_signing_key(KeyRole.worker, development)
+    ring["keys"].append(entry)
+    # Keyring first, as in rotate(): evidence signed with the new key always finds it there.
+    _write(ring_path, ring, 0o644)
+    _write(key_path, key_file, 0o600)
+    return key_file["key_id"], key_path

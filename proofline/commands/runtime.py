@@ -127,7 +127,7 @@ def keys() -> None:
 @click.option("--force", is_flag=True, help="replace existing key files")
 @click.option("--development", is_flag=True, help="mark the keys as development keys (refused in production)")
 def keys_generate(directory: Path, force: bool, development: bool) -> None:
-    """Write controller.key, recovery.key, ledger.key, seal.key (0600) and keyring.json."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key (0600) and keyring.json."""
     from proofline.keys import generate
 
     written = [str(p) for p in generate(directory, force=force, development=development)]
@@ -136,7 +136,7 @@ def keys_generate(directory: Path, force: bool, development: bool) -> None:
 
 @keys.command("rotate")
 @click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
-@click.option("--role", type=click.Choice(["controller", "recovery", "ledger"]), default="controller")
+@click.option("--role", type=click.Choice(["controller", "recovery", "ledger", "worker"]), default="controller")
 @click.option("--overlap-seconds", default=7200.0, show_default=True,
               help="the old key still verifies for this long (longer than the longest deadline)")
 def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
@@ -146,6 +146,18 @@ def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
     old, new = rotate(directory, KeyRole(role), timedelta(seconds=overlap_seconds))
     emit({"role": role, "new_key": new, "old_key": old, "overlap_seconds": overlap_seconds},
          f"{role} key {new} signs now; {old} verifies for {overlap_seconds:g} s more")
+
+
+@keys.command("add-worker")
+@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
+@click.option("--name", required=True, help="file name of the new key in --dir, e.g. worker-host2.key")
+def keys_add_worker(directory: Path, name: str) -> None:
+    """One more worker key (another worker host or process), added to the keyring in --dir."""
+    from proofline.keys import add_worker
+
+    key_id, path = add_worker(directory, name)
+    emit({"key_id": key_id, "key_file": str(path)},
+         f"worker key {key_id} written to {path}; point that worker's PROOFLINE_WORKER_KEY_FILE at it")
 
 
 @keys.command("revoke")
