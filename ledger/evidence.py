@@ -13,6 +13,8 @@ before/after snapshots, not the values, so it stays small and redaction never ha
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from ledger.redact import Redactor
@@ -34,7 +36,10 @@ def _numbers_as_floats(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer no double holds: its digits, the same on both sides
+            return f"int:{value}"
     if isinstance(value, dict):
         return {k: _numbers_as_floats(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -46,7 +51,11 @@ def digest(stored: Any) -> str | None:
     """The digest of a value as a jsonb column holds it (``None`` for SQL NULL)."""
     if stored is None:
         return None
-    return "sha256:" + sha256_hex(_numbers_as_floats(stored))
+    plain = _numbers_as_floats(stored)
+    try:
+        return "sha256:" + sha256_hex(plain)
+    except Exception:  # noqa: BLE001 - what RFC 8785 refuses (a lone surrogate) still gets one stable digest
+        return "sha256:" + hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
 def as_stored(value: Any, redactor: Redactor | None = None) -> Any:

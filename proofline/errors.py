@@ -343,8 +343,7 @@ class ParentRowMismatch(ProoflineError):
 
 
 class EvidenceUnsigned(ParentSignatureInvalid):
-    """No valid worker signature covers the evidence recovery would act on: none was recorded, or its
-    key is unknown, revoked, expired or not a worker key, or the signature does not verify."""
+    """No valid worker signature covers the evidence recovery would act on (``cause`` says why)."""
 
     code = "evidence_unsigned"
 

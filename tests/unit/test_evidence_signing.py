@@ -155,3 +155,20 @@ def test_each_forged_column_is_named(changes, columns):
 def test_a_statement_of_another_status_does_not_vouch():
     found = evidence.mismatches(row(), claims(status="closed"), (ActionStatus.recovery,))
     assert found == {"status": ["recovery", "closed"]}
+
+
+@pytest.mark.parametrize("value", [10**400, "\ud800", 1e20, [1, 2.5, {"a": None}]],
+                         ids=["huge-int", "lone-surrogate", "big-float", "mixed"])
+def test_any_stored_value_has_one_stable_digest(value):
+    """A hostile tool result may hold what RFC 8785 refuses: signing must not fail on it, and the
+    digest of the value and of its jsonb spelling agree."""
+    first = evidence.digest({"values": value})
+    assert first is not None and first.startswith("sha256:")
+    assert evidence.digest({"values": value}) == first
+    assert evidence.digest({"values": value}) != evidence.digest({"values": "other"})
+
+
+def test_jsonb_spelling_of_numbers_does_not_count():
+    assert evidence.digest({"n": 1e20}) == evidence.digest({"n": 10**20})
+    assert evidence.digest({"n": 1}) == evidence.digest({"n": 1.0})
+    assert evidence.digest({"n": 1}) != evidence.digest({"n": 2})
