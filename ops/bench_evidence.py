@@ -1,7 +1,7 @@
 """What signed evidence costs per action: the work a worker adds to a verdict's commit, and what
 recovery adds before it derives, in the same process, on a ticket.create-sized result.
 
-    .venv/bin/python -m ops.bench_evidence [--iterations 5000] [--repeats 5] [--json PATH]
+    .venv/bin/python -m ops.bench_evidence [--iterations 5000] [--repeats 5] [--database] [--json PATH]
 
 Each figure is the fastest of ``--repeats`` timed loops of ``--iterations`` (after a warm-up loop),
 in microseconds per action:
@@ -13,8 +13,10 @@ in microseconds per action:
 - ``recovery_check``: what recovery adds per decision: the signature check against the keyring and
   the row compared with the statement (``verify_evidence`` + ``mismatches``); not on the happy path.
 
-Not measured here: the ``evidence_signed`` ledger row itself, which goes in the transition's own
-statement (one more row for the chain trigger, no extra round trip).
+With ``--database`` (a scratch database on the local Postgres, dropped at the end), also the
+ledger row itself: ``ledger_row_us``, the wall time of appending one ``evidence_signed`` row (its
+chain hash included) inside an open transaction, one statement per row as here. On the real path
+the row goes in the transition's own statement, so it adds no round trip and no commit.
 """
 
 from __future__ import annotations
@@ -88,7 +90,35 @@ def measure(iterations: int, repeats: int) -> dict[str, Any]:
         "worker_sign_us": round(_best(sign_once, iterations, repeats), 1),
         "ed25519_only_us": round(_best(lambda: key.sign(signed_bytes), iterations, repeats), 1),
         "recovery_check_us": round(_best(check_once, iterations, repeats), 1),
+        "seal": seal,
     }
+
+
+def measure_ledger_row(seal: dict[str, Any], rows: int, repeats: int) -> dict[str, Any]:
+    """Per ``evidence_signed`` row, inside an open transaction (the commit it rides on is the
+    verdict's own): the fastest of ``repeats`` batches of ``rows`` appends, each on a chain that
+    already has events, rolled back after timing."""
+    from ledger import store
+    from proofline_kit.resources import create_database, drop_database
+
+    admin, runtime = create_database("pl_bench_evidence")
+    try:
+        conn = store.connect(runtime)
+        chains = [f"bench-{i}" for i in range(rows)]
+        with store.transaction(conn) as cur:
+            for chain in chains:
+                store.append_events_txn(cur, chain, "bench", [("final_state", {"status": "closed"})])
+        best = float("inf")
+        for _ in range(repeats):
+            with conn.transaction(force_rollback=True), conn.cursor() as cur:
+                began = time.perf_counter()
+                for chain in chains:
+                    store.append_events_txn(cur, chain, "bench", [(evidence.EVENT, seal)])
+                best = min(best, time.perf_counter() - began)
+        conn.close()
+    finally:
+        drop_database(admin)
+    return {"ledger_row_us": round(best / rows * 1e6, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--database", action="store_true", help="also time the ledger row on the local Postgres")
     args = parser.parse_args(argv)
     figures = measure(args.iterations, args.repeats)
+    if args.database:
+        figures.update(measure_ledger_row(figures.pop("seal"), max(args.iterations // 10, 50), args.repeats))
+    else:
+        figures.pop("seal")
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
