@@ -23,7 +23,7 @@ from ledger.states import ActionStatus, Outcome
 from proofline.keys import KeyRole, load_keyring, load_signing_key
 from proofline.signing import sign_evidence
 from proofline_kit.sor import store as sor
-from tests.conftest import Stack, role_urls
+from tests.conftest import Stack, role_urls, wait_for
 from tests.helpers import evidence_of, recovery_action, run_of, run_settled, stale_close_env, ticket_env
 from tests.security import test_signing_authority as authority
 from worker.dispatch import CeleryDispatch
@@ -141,3 +141,33 @@ def test_an_honest_failed_run_still_compensates(split: Stack) -> None:
         assert ring.get(seal["key_id"]).role == KeyRole.worker
     assert sor.find_ticket_by_key(split.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
 
+
+
+def test_an_honest_verification_failure_still_compensates(split: Stack) -> None:
+    """The ticket's title is changed by someone else between the write and the reads: verification
+    never sees the expected state (not reached), the worker signs that verdict, recovery verifies
+    it and compensates by closing exactly the ticket the action created."""
+    from proofline_kit.sor.db import writing
+
+    env = ticket_env(split)
+    # The in-place read waits, so the edit below lands before any read sees the ticket.
+    sor.set_fault(split.sor_db, "find_ticket_by_key", "delay", remaining=1, delay_seconds=2.0)
+    try:
+        split.publish(env)
+        created = wait_for(lambda: sor.find_ticket_by_key(split.sor_db, env.idempotency_key)["ticket"], 30,
+                           what="the ticket to be created")
+        with writing(split.sor_db) as conn:
+            conn.execute("UPDATE tickets SET title = 'edited by someone else' WHERE id = ?", (created["id"],))
+        split.wait_event(env.action_id, "recovery_action_published", timeout=60)
+    finally:
+        sor.clear_faults(split.sor_db)
+    decided = evidence_of(split, env.action_id, "recovery_decided")
+    assert [d["decision"] for d in decided] == ["compensation"]
+    assert decided[0]["facts"]["finding"] == "not_reached"
+    seal = evidence_of(split, env.action_id, evidence.EVENT)[-1]["statement"]
+    assert (seal["status"], seal["finding"]) == ("recovery", "not_reached")
+    assert "recovery_refused" not in split.events(env.action_id)
+    parent = wait_for(lambda: (r := split.action(env.action_id)).outcome == Outcome.compensated and r, 60,
+                      what="the parent to be compensated")
+    assert parent.status == ActionStatus.closed
+    assert sor.get_ticket(split.sor_db, created["id"])["ticket"]["status"] == "closed"
