@@ -164,11 +164,12 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                              red)
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
+            # The worker's signed statement of this verdict, then the final state (always the last event).
+            events.append(verdict_evidence(rt, action, red, status, outcome or action.outcome, obs, reason, recovered))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)
                            else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
                              "reason_code": reason}))
-            events.append(verdict_evidence(rt, action, red, status, outcome or action.outcome, obs, reason, recovered))
             store.transition_txn(cur, action_id, [ActionStatus.verifying], status, outcome=outcome,
                                  finding=obs.finding.value, reason_code=reason, result=recovered,
                                  recovery_data={"after": obs.after} if obs.after is not None else None,

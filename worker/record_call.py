@@ -124,9 +124,9 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
                 finding=VerificationFinding.expected.value, reason_code="verified",
                 recovery_data={"after": after} if after is not None else None, redactor=red,
                 events=[("verification_finished", {**first.evidence, "in_place": True}),
+                        _closed_evidence(rt, envelope, red, verdict, first),
                         ("final_state", {"status": ActionStatus.closed.value,
-                                         "outcome": Outcome.completed_verified.value, "reason_code": "verified"}),
-                        _closed_evidence(rt, envelope, red, verdict, first)],
+                                         "outcome": Outcome.completed_verified.value, "reason_code": "verified"})],
                 actor=actor, deferred=True)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
