@@ -6,8 +6,9 @@ containment engages a kill switch for the tool and tenant; manual intervention e
 operator queue. Nothing here calls a write tool directly.
 
 Before any of that, the action's stored signed message is verified against the keyring and the
-row's columns are compared with it (``worker.validate.authenticate_row``): a row the runtime did not
-write is refused (``recovery_refused``), escalated and alerted on, and nothing is derived or signed.
+row's columns are compared with it (``worker.validate.authenticate_row``), and its state columns with
+the evidence statement a worker signed for them (``ledger.evidence.check_txn``): a row the runtime did
+not write is refused (``recovery_refused``), escalated and alerted on, and nothing is derived or signed.
 Derived envelopes are signed with the recovery key, which only recovery processes hold.
 """
 
