@@ -150,8 +150,9 @@ def test_an_honest_verification_failure_still_compensates(split: Stack) -> None:
     from proofline_kit.sor.db import writing
 
     env = ticket_env(split)
-    # The in-place read waits, so the edit below lands before any read sees the ticket.
-    sor.set_fault(split.sor_db, "find_ticket_by_key", "delay", remaining=1, delay_seconds=2.0)
+    # Every read of the ticket waits a second (the precondition read too), so the edit below lands
+    # before any verification read sees the ticket.
+    sor.set_fault(split.sor_db, "find_ticket_by_key", "delay", remaining=-1, delay_seconds=1.0)
     try:
         split.publish(env)
         created = wait_for(lambda: sor.find_ticket_by_key(split.sor_db, env.idempotency_key)["ticket"], 30,
