@@ -34,6 +34,9 @@ class Transition(NamedTuple):
     keeps_outcome: bool
     outcomes: tuple[str, ...] = ()
     from_outcomes: tuple[str, ...] | None = None
+    #: The migration that installs this rule when it is newer than migration 0003 (whose rows are
+    #: every rule with ``since=None``): a status added later cannot appear in 0003's insert.
+    since: str | None = None
 
 
 W, R, OP = ("worker",), ("recovery",), ("operator",)
@@ -78,6 +81,11 @@ ACTION_TRANSITIONS: tuple[Transition, ...] = (
     # operator retry (recovery/operator_retry.py, migration 0010): an escalated action whose effect
     # is proven absent is sent again, as recovery's own retry does (recovery -> published)
     Transition("escalated", "published", OP, True, (), ("failed_before_side_effect",)),
+    # authority (worker/authorize.py, recovery/proposals.py, migration 0015): a prepared action waits
+    # for an approver; an approval sends it again, a denial (or its expiry) closes it before any effect
+    Transition("published", "proposed", W, True, since="0015"),
+    Transition("proposed", "published", OP, True, since="0015"),
+    Transition("proposed", "closed", WO, False, ("not_started",), since="0015"),
 )
 
 #: Legal moves of an idempotency record (worker/execute.py claim/dispatch/result, verify's settle).
@@ -109,7 +117,18 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("run_compensation", WO),
     ("run_settled", WO),
     ("compensation_failed", WO),
+    # authority (recovery/proposals.py, migration 0015): approvals and denials of proposals, on the
+    # action's chain; revocations of approvals on the chain ``approval:<approval id>``
+    ("approval_recorded", OP),
+    ("proposal_denied", OP),
+    ("approval_revoked", OP),
+    # promotions (an approver's re-signed policy) and demotions, on the chain ``authority:<type>``
+    ("authority_promoted", OP),
+    ("authority_demoted", WO),
 )
+#: The event rights migration 0015 adds to a database migrated before it.
+AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
+                    "authority_demoted")
 #: Event name prefixes reserved for operators (LIKE patterns).
 OPERATOR_EVENT_PREFIXES = ("manual\\_%",)
 
@@ -120,11 +139,16 @@ def _array(values: tuple[str, ...] | None) -> str:
     return "ARRAY[" + ", ".join(f"'{v}'" for v in values) + "]::text[]"
 
 
+def transition_rows(since: str | None = None) -> list[str]:
+    """The VALUES rows of the action transitions a migration installs (0003: ``since=None``)."""
+    return [
+        f"('{t.from_status}', '{t.to_status}', {_array(t.roles)}, {str(t.keeps_outcome).lower()}, "
+        f"{_array(t.outcomes)}, {_array(t.from_outcomes)})" for t in ACTION_TRANSITIONS if t.since == since]
+
+
 def rule_rows_sql() -> str:
     """INSERT statements for the three rule tables (values are constants from this module)."""
-    rows = [
-        f"('{t.from_status}', '{t.to_status}', {_array(t.roles)}, {str(t.keeps_outcome).lower()}, "
-        f"{_array(t.outcomes)}, {_array(t.from_outcomes)})" for t in ACTION_TRANSITIONS]
+    rows = transition_rows()
     idem = [f"('{a}', '{b}')" for a, b in IDEMPOTENCY_TRANSITIONS]
     events = [f"('{e}', {_array(r)})" for e, r in EVENT_RIGHTS]
     return (

@@ -241,3 +241,46 @@ sweep_runs = Table(
     UniqueConstraint("sweep", "slot", name="sweep_runs_once_per_slot"),
 )
 Index("sweep_runs_started_idx", sweep_runs.c.started_at)
+
+# Approvals revoked one by one (proofline approvals revoke): an action not yet sent that carries a
+# revoked approval is refused (worker/authorize.py). Insert-only; the ledger chain
+# ``approval:<id>`` records who and why.
+approval_revocations = Table(
+    "approval_revocations",
+    metadata,
+    Column("approval_id", Text, primary_key=True),
+    Column("revoked_by", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+# Approvals of proposals (proofline approve): the approver's signed statement, verified by the
+# worker against the keyring on every delivery; a row alone authorizes nothing. Insert-only.
+action_approvals = Table(
+    "action_approvals",
+    metadata,
+    Column("approval_id", Text, primary_key=True),
+    Column("action_id", Text, nullable=False),
+    Column("approver", Text, nullable=False),
+    Column("signed", JSONB, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+Index("action_approvals_action_idx", action_approvals.c.action_id)
+
+# Automatic demotions of an action type's authority (recovery/authority_watch.py): while the policy
+# whose hash a row names is in force, the worker runs that type at ``to_mode`` at most. A newly
+# signed policy (a promotion after review) supersedes it. Insert-only.
+authority_demotions = Table(
+    "authority_demotions",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("action_type", Text, nullable=False),
+    Column("policy_hash", Text, nullable=False),
+    Column("from_mode", Text, nullable=False),
+    Column("to_mode", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("evidence", JSONB, nullable=False),
+    Column("demoted_by", Text, nullable=False),
+    Column("demoted_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    UniqueConstraint("action_type", "policy_hash", name="authority_demotions_once_per_policy"),
+)

@@ -40,6 +40,9 @@ class ActionStatus(str, Enum):
     pending = "pending"
     #: Recorded by the controller and sent to the broker.
     published = "published"
+    #: Prepared and waiting for an approver to approve its exact plan (authority mode ``propose``, or
+    #: an autonomous action outside its bounds); an approval sends it again, a denial closes it.
+    proposed = "proposed"
     #: A worker holds the lease and is running the pre-call stages or the call.
     executing = "executing"
     #: The call is over; verification is reading the authoritative system.

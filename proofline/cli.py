@@ -9,7 +9,16 @@ import os
 
 import click
 
-from proofline.commands import actions, console_cmd, contracts_cmd, ledger_cmds, operate, publish, runtime
+from proofline.commands import (
+    actions,
+    authority_cmd,
+    console_cmd,
+    contracts_cmd,
+    ledger_cmds,
+    operate,
+    publish,
+    runtime,
+)
 from proofline.commands.base import MODE, ProoflineGroup, _set_debug, _set_json, to_json
 from proofline.commands.contracts_cmd import contracts  # noqa: F401 - other modules add sub-commands to it
 from proofline.commands.runtime import ROLE_QUEUES, role_queues  # noqa: F401 - used by tests and tools
@@ -44,7 +53,7 @@ def main() -> None:
         init_sentry(get_settings())
 
 
-for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd):
+for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd, authority_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

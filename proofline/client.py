@@ -62,6 +62,11 @@ class ActionResult:
         return self.status.value in SETTLED
 
     @property
+    def proposed(self) -> bool:
+        """Waiting for an approver (authority mode ``propose``): approve or deny it, or wait again."""
+        return self.status == ActionStatus.proposed
+
+    @property
     def verified(self) -> bool:
         return self.outcome == Outcome.completed_verified
 
@@ -86,7 +91,8 @@ class ActionHandle:
         return self.client.status(self.action_id)
 
     def wait(self, timeout: float) -> ActionResult:
-        """Block until the action is settled and return its proven outcome; raise ``wait_timed_out``
+        """Block until the action is settled (or ``proposed``: an approver's turn, see
+        ``ActionResult.proposed``) and return its proven outcome; raise ``wait_timed_out``
         after ``timeout`` seconds (the action keeps running; wait again or read ``status()``)."""
         return self.client.wait(self.action_id, timeout)
 
@@ -161,7 +167,7 @@ class Client:
         listening = self._listen()  # before the first read: a settlement after it is heard or read
         while True:
             result = self.status(action_id)
-            if result.settled:
+            if result.settled or result.proposed:
                 return result
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -69,6 +69,19 @@ class ReadPath(_Model):
     extract: Extraction = Extraction()
 
 
+class Prepare(ReadPath):
+    """How to ask the system of record for a plan (a preview of the change) before the write: a
+    read-only tool called through the read identity, its arguments, and where the plan says what it is.
+
+    ``plan_id`` and ``target_version`` are CEL over ``plan`` (the extracted result), ``envelope``,
+    ``args`` and ``target``."""
+
+    #: The downstream's own id for this plan, when it gives one.
+    plan_id: str | None = None
+    #: The version of the target the plan was computed against; compared again before the call.
+    target_version: str | None = None
+
+
 class OperationRecordRead(ReadPath):
     """Where the downstream keeps an asynchronous operation's own status record (a job status API,
     an MCP Task): read once when verification starts. That record is evidence, never the verdict;
@@ -153,6 +166,9 @@ class Contract(_Model):
     #: CEL over ``result`` giving the downstream operation id, when the tool returns one.
     operation_id: str | None = None
     precondition_read: ReadPath
+    #: A read-only prepare tool giving the plan an approver reviews (see ``proofline/plan.py``);
+    #: without one the plan is the precondition snapshot plus the arguments.
+    prepare: Prepare | None = None
     preconditions: tuple[Condition, ...] = ()
     verification: Verification
     tool_errors: ToolErrors = ToolErrors()
@@ -184,6 +200,13 @@ class Contract(_Model):
         return self
 
     @model_validator(mode="after")
+    def _prepare_is_not_the_write(self) -> Contract:
+        # A plan is read, never written: the write tool cannot be its own preview.
+        if self.prepare is not None and self.prepare.tool == self.tool:
+            raise ValueError(f"prepare.tool {self.prepare.tool!r} is the write tool; a prepare tool only reads")
+        return self
+
+    @model_validator(mode="after")
     def _compile_conditions(self) -> Contract:
         for where, expr in self._expressions():
             try:
@@ -201,9 +224,12 @@ class Contract(_Model):
             found += [(f"verification.{name}.{i}", e) for i, e in enumerate(getattr(v, name))]
         found += [("verification.absent", v.absent)] if v.absent else []
         for field, read in (("precondition_read", self.precondition_read), ("verification.read", v.read),
-                            ("verification.operation_record", v.operation_record)):
+                            ("verification.operation_record", v.operation_record), ("prepare", self.prepare)):
             found += [(f"{field}.arguments.{k}", e) for k, e in (read.arguments.items() if read else ())]
         found += [("verification.operation_record.gone", v.operation_record.gone)] if v.operation_record else []
+        found += [(f"prepare.{name}", e) for name, e in (("plan_id", self.prepare.plan_id),
+                                                         ("target_version", self.prepare.target_version)) if e
+                  ] if self.prepare else []
         found += [(name, e) for name, e in (("operation_id", self.operation_id), ("amount_cents", self.amount_cents))
                   if e]
         for kind in ("compensation", "rollback", "forward"):

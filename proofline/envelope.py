@@ -113,6 +113,9 @@ class Envelope(_Frozen):
     tool: ToolRef
     policy_version: int = Field(ge=1)
     approval: Approval
+    #: Approvals signed by approvers (``proofline/approvals.py``), carried as they were signed. The
+    #: controller's own ``approval`` above is its request context; these are the authority.
+    approvals: tuple[dict[str, Any], ...] = Field(default=(), max_length=5)
     authority_budget: AuthorityBudget = AuthorityBudget()
     idempotency_key: str = Field(min_length=1, max_length=200)
     #: Extra CEL conditions the controller adds to the contract's preconditions.

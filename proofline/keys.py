@@ -39,16 +39,19 @@ KEYRING_FILE = "keyring.json"
 
 
 class KeyRole(str, Enum):
-    """What a key may sign: fresh actions, derived recovery envelopes, ledger checkpoints, or the
-    evidence a worker records (never an envelope or a checkpoint)."""
+    """What a key may sign; each role signs one kind of statement and nothing else."""
 
-    #: Fresh actions (controllers).
+    #: Fresh actions: "I request this" (never "this was approved").
     controller = "controller"
-    #: Derived recovery envelopes (recovery processes).
+    #: Derived recovery envelopes (compensation, rollback, forward fix) with a parent link.
     recovery = "recovery"
-    #: Ledger checkpoints (the checkpointer).
+    #: Ledger checkpoints.
     ledger = "ledger"
-    #: Evidence statements of what a worker recorded (one key per worker host or process).
+    #: Approvals, revocations and authority policies: held by people or an approval service, never by
+    #: workers, controllers' automation or recovery. Its keyring entry names the approver (``identity``).
+    approver = "approver"
+    #: Evidence statements of what a worker recorded (one key per worker host or process); never an
+    #: envelope, an approval or a checkpoint.
     worker = "worker"
 
 
@@ -78,6 +81,8 @@ class PublicKey:
     not_after: datetime | None = None
     revoked: bool = False
     development: bool = False
+    #: Who holds the key (an approver's identity); two approvals count twice only with two identities.
+    identity: str | None = None
 
     def expired(self, now: datetime) -> bool:
         return self.not_after is not None and now >= self.not_after
@@ -186,8 +191,13 @@ def parse_keyring(data: dict[str, Any], path: Path, environment: str = "developm
             raise ConfigurationError(f"{path}: {key_id} is a development key; a production process refuses "
                                      "a keyring that accepts it (revoke or remove it)")
         public = Ed25519PublicKey.from_public_bytes(_b64_32(entry.get("public_key"), f"public_key of {key_id}", path))
+        identity = entry.get("identity")
+        if identity is not None and (not isinstance(identity, str) or not identity or len(identity) > 200):
+            raise ConfigurationError(f"{path}: identity of {key_id} must be a non-empty string of at most 200 characters")
+        if role == KeyRole.approver and identity is None:
+            raise ConfigurationError(f"{path}: approver key {key_id} names no identity (who approves with it)")
         keys[key_id] = PublicKey(key_id, role, public, _not_after(entry.get("not_after"), path, key_id), revoked,
-                                 development)
+                                 development, identity)
     return Keyring(keys)
 
 
@@ -346,6 +356,34 @@ def rotate(directory: Path, role: KeyRole, overlap: timedelta) -> tuple[str, str
     return str(old.get("key_id")), key_file["key_id"]
 
 
+def add_approver(keyring_path: Path, key_path: Path, identity: str, development: bool = False) -> str:
+    """Make an approver key for ``identity``: its private file at ``key_path`` (0600, for that person
+    or approval service alone) and its public entry, naming the identity, in the keyring."""
+    return _add_key(keyring_path, key_path, KeyRole.approver, development, identity=identity)
+
+
+def add_worker(keyring_path: Path, key_path: Path, development: bool = False) -> str:
+    """One more worker key (another worker host or process): its private file at ``key_path`` (0600,
+    for that worker alone) and its public entry in the keyring."""
+    return _add_key(keyring_path, key_path, KeyRole.worker, development)
+
+
+def _add_key(keyring_path: Path, key_path: Path, role: KeyRole, development: bool, **extra: str) -> str:
+    ring = _read_json(keyring_path, "keyring")
+    parse_keyring(ring, keyring_path)
+    if Path(key_path).exists():
+        raise ConfigurationError(f"{key_path} already exists; {role.value} keys are never overwritten")
+    key_file, entry = new_signing_key(role, development)
+    key_file.update(extra)
+    entry.update(extra)
+    ring["keys"].append(entry)
+    # Private file first: a keyring entry without its key would be harmless, the reverse never happens.
+    Path(key_path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write(Path(key_path), key_file, 0o600)
+    _write(Path(keyring_path), ring, 0o644)
+    return str(key_file["key_id"])
+
+
 def revoke(keyring_path: Path, key_id: str) -> None:
     """Mark a key revoked: every message it signed is refused from now on (fresh or stored)."""
     ring = _read_json(keyring_path, "keyring")
@@ -356,23 +394,3 @@ def revoke(keyring_path: Path, key_id: str) -> None:
     matches[0]["revoked"] = True
     _write(Path(keyring_path), ring, 0o644)
 
-
-def add_worker(directory: Path, name: str) -> tuple[str, Path]:
-    """One more worker key (for another worker host or process): ``directory/name`` (0600) and its
-    keyring entry, added to ``directory/keyring.json``. Returns (key id, key file)."""
-    directory = Path(directory)
-    if not name or "/" in name or name.startswith("."):
-        raise ConfigurationError(f"{name!r} is not a plain file name")
-    key_path, ring_path = directory / name, directory / KEYRING_FILE
-    if key_path.exists():
-        raise ConfigurationError(f"{key_path} already exists; a worker key is never overwritten in place "
-                                 "(revoke it and add a new one)")
-    ring = _read_json(ring_path, "keyring")
-    parse_keyring(ring, ring_path)
-    development = any(e.get("development") is True for e in ring["keys"] if e.get("role") == KeyRole.worker.value)
-    key_file, entry = new_signing_key(KeyRole.worker, development)
-    ring["keys"].append(entry)
-    # Keyring first, as in rotate(): evidence signed with the new key always finds it there.
-    _write(ring_path, ring, 0o644)
-    _write(key_path, key_file, 0o600)
-    return key_file["key_id"], key_path

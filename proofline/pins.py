@@ -13,7 +13,7 @@ The file (``PROOFLINE_PINS_FILE``, default ``pins.json`` in the contracts direct
                          "tools": {"issue_refund": "<sha256>", ...},
                          "available": ["get_account", "issue_refund", ...]}}}
 
-``tools`` holds the hashes of the tools the contracts name; ``available`` every tool the server
+``tools`` holds the hashes of the tools the contracts name (write tools and prepare tools); ``available`` every tool the server
 listed, so a contract naming a tool the server does not have is reported as ``unknown_tool``
 without connecting again.
 """
@@ -91,21 +91,32 @@ def write_pins(path: Path, pins: dict[str, ServerPin]) -> None:
     os.replace(tmp, path)
 
 
+def named_tools(contract: Contract) -> list[str]:
+    """Every tool a contract calls: its write tool, then its prepare tool when it has one."""
+    return [contract.tool, *([contract.prepare.tool] if contract.prepare is not None else [])]
+
+
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
                by: str) -> tuple[ServerPin, dict[str, str]]:
     """The pin for one server from what it listed now, and the contracts it cannot serve.
 
-    Returns the pin (the named tools that exist) and ``{action_type: detail}`` for each contract
-    whose tool the server does not have."""
-    unknown = {c.action_type: unknown_tool_detail(c, live_hashes) for c in contracts if c.tool not in live_hashes}
-    tools = {c.tool: live_hashes[c.tool] for c in contracts if c.tool in live_hashes}
+    Returns the pin (the named tools that exist: write and prepare tools) and
+    ``{action_type: detail}`` for each contract naming a tool the server does not have."""
+    unknown = {}
+    for c in contracts:
+        missing = [tool for tool in named_tools(c) if tool not in live_hashes]
+        if missing:
+            unknown[c.action_type] = unknown_tool_detail(c, live_hashes, missing[0])
+    tools = {tool: live_hashes[tool] for c in contracts for tool in named_tools(c) if tool in live_hashes}
     return ServerPin(version=live_version, tools=tools, available=tuple(sorted(live_hashes)),
                      pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by), unknown
 
 
-def unknown_tool_detail(contract: Contract, available: Any) -> str:
+def unknown_tool_detail(contract: Contract, available: Any, tool: str | None = None) -> str:
+    tool = tool or contract.tool
     names = ", ".join(sorted(available)) or "none"
-    return f"server {contract.server!r} has no tool {contract.tool!r} (it lists: {names})"
+    role = " (its prepare tool)" if tool != contract.tool else ""
+    return f"server {contract.server!r} has no tool {tool!r}{role} (it lists: {names})"
 
 
 def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str | None, str]:
@@ -126,11 +137,20 @@ def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> t
 
 
 def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: Path) -> dict[str, tuple[str, str]]:
-    """``{action_type: (reason_code, detail)}`` for each contract the pins cannot serve."""
+    """``{action_type: (reason_code, detail)}`` for each contract the pins cannot serve: its write
+    tool as :func:`pinned_tool` sees it, and its prepare tool, which the server must list too."""
     found: dict[str, tuple[str, str]] = {}
     for action_type, contract in contracts.items():
         try:
             pinned_tool(pins, contract, path)
         except (UnknownTool, ContractNotPinned) as exc:
             found[action_type] = (exc.code, exc.detail)
+            continue
+        prepare = contract.prepare.tool if contract.prepare is not None else None
+        pin = pins[contract.server]
+        if prepare is not None and prepare not in pin.available:
+            found[action_type] = ("unknown_tool", unknown_tool_detail(contract, pin.available, prepare))
+        elif prepare is not None and prepare not in pin.tools:
+            found[action_type] = ("contract_not_pinned", f"prepare tool {prepare!r} of server {contract.server!r} "
+                                                         f"is not pinned in {path}: run `proofline contracts pin`")
     return found

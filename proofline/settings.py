@@ -42,14 +42,14 @@ class Settings(BaseSettings):
     #: (``environment_mismatch``), and only development/test may enable fault points.
     environment: str = "development"
 
-    #: Postgres for the ledger, as this process's own role (README "Database roles"); the default
+    #: Postgres for the ledger, as this process's own role (docs/concepts/database-roles.md); the default
     #: proofline_runtime is the development role (worker + recovery).
     #: URLs may hold passwords: they are ``SecretStr`` (never shown by repr, logs or Sentry); read
     #: them with :func:`reveal` where a connection is opened.
     database_url: SecretStr = SecretStr("postgresql://proofline_runtime@127.0.0.1:5432/proofline")
     #: Postgres as a role that may run migrations.
     admin_database_url: SecretStr | None = None
-    #: Celery broker: ``redis://`` or ``amqp://`` (RabbitMQ, quorum queues: README "Brokers");
+    #: Celery broker: ``redis://`` or ``amqp://`` (RabbitMQ, quorum queues: docs/how-to/rabbitmq.md);
     #: ``sqla+postgresql+psycopg://`` needs no server.
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
 
@@ -72,6 +72,7 @@ class Settings(BaseSettings):
     inline_verification: bool = True
     #: A lease not renewed for this long is expired (database clock).
     lease_ttl_seconds: float = 10.0
+    #: How often a worker renews the lease it holds (and keeps its lock session busy).
     heartbeat_seconds: float = 2.0
     #: How long an idempotency record answers for its key.
     replay_window_seconds: float = 7 * 24 * 3600
@@ -125,7 +126,7 @@ class Settings(BaseSettings):
     keys_dir: Path | None = None
     #: The ledger's Ed25519 signing key (JSON, role "ledger"); default ``keys_dir/ledger.key``.
     ledger_key_file: Path | None = None
-    #: Where signed checkpoints are appended, outside Postgres; default ``var/checkpoints``.
+    #: Where signed checkpoints are appended, outside Postgres; default ``checkpoints`` in state_dir.
     checkpoint_dir: Path | None = None
     #: How often Celery beat asks for a checkpoint (task ``proofline.checkpoint``, queue ``checkpoint``).
     checkpoint_interval_seconds: float = 300.0
@@ -168,6 +169,10 @@ class Settings(BaseSettings):
     worker_key_file: Path | None = None
     #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
     keyring_file: Path | None = None
+    #: The signed authority policy (``proofline authority sign``): each action type's mode (read,
+    #: simulate, propose, approved, autonomous), approvers required and autonomy bounds. Required in
+    #: production; without it, development and test accept the controller's approval as before.
+    authority_file: Path | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -194,7 +199,7 @@ class Settings(BaseSettings):
     max_unsettled_deliveries: int = 3
     #: AMQP brokers only: a quorum queue dead-letters a message after this many failed deliveries
     #: (``x-delivery-limit``). The second line behind ``max_unsettled_deliveries``, which it must
-    #: exceed: the guard acts first whenever it can count, the broker when it could not (README "Brokers").
+    #: exceed: the guard acts first whenever it can count, the broker when it could not (docs/how-to/rabbitmq.md).
     broker_delivery_limit: int = Field(default=10, ge=1)
     #: AMQP brokers only: how long a broker dead letter the ledger could not record waits,
     #: unacknowledged, before the consumer's event loop requeues it (``worker/dead_letters.py``).
@@ -213,11 +218,11 @@ class Settings(BaseSettings):
     task_retry_limit: int = 50
     #: The reconciler closes a still-published action this long after its deadline.
     deadline_grace_seconds: float = 60.0
-    #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
     #: Prefork pool processes of ``proofline worker`` when ``--concurrency`` is not given: twice the
     #: processors, because a pool process spends about half an action waiting on the MCP servers and
-    #: Postgres (README "Cost benchmark").
+    #: Postgres (docs/design/cost-benchmark.md).
     worker_concurrency: int = Field(default_factory=lambda: 2 * (os.cpu_count() or 1), ge=1)
+    #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
     worker_max_tasks_per_child: int = 1000
     worker_max_memory_per_child_kb: int = 512 * 1024
     # --- containment: tenant fairness and quotas ---

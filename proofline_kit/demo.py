@@ -8,6 +8,7 @@ the broker. With ``PROOFLINE_DATABASE_URL`` and ``PROOFLINE_BROKER_URL`` set (an
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,9 @@ from celery import Celery
 from ledger import store
 from ledger.migrate import sqlalchemy_url, upgrade
 from ledger.states import ActionStatus
+from proofline.authority import AuthorityPolicy, sign_policy
 from proofline.controller import describe_server, prepare, publish, send_message, signed_message
+from proofline.keys import KeyRole, add_approver, load_signing_key
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline_kit.sor import store as sor
@@ -39,6 +42,18 @@ SETTINGS = Settings()
 #: ``PROOFLINE_STATE_DIR``, never in the current directory or the installed package.
 WORKDIR = SETTINGS.servers_base_dir / "var" / "demo"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
+APPROVER = "demo-approver@example.com"
+#: The demo's authority policy, signed by its approver: tickets are opened, small credits refunded
+#: and services restarted within bounds without a human; a ticket is closed only on a proposal an
+#: approver approved (the demo approves two, and one of them changes before its commit).
+POLICY = {"version": 1, "default_mode": "approved", "action_types": {
+    "ticket.create": {"mode": "autonomous", "bounds": {"max_actions_per_tenant": 100}},
+    "ticket.close": {"mode": "propose"},
+    "refund.issue": {"mode": "autonomous", "bounds": {"max_amount_cents": 10_000},
+                     "autonomous_reason": "the demo's outage credits are small and reconciled every day"},
+    "service.restart": {"mode": "autonomous", "bounds": {"max_actions_per_tenant": 20},
+                        "autonomous_reason": "a rolling restart keeps the service up and is verified healthy"},
+}}
 
 
 def _as_role(url: str, role: str) -> str:
@@ -96,12 +111,13 @@ def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0) -> None:
+def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0,
+          statuses: tuple[ActionStatus, ...] = SETTLED) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with conn.cursor() as cur:
             cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND status = ANY(%s)",
-                        (action_ids, [s.value for s in SETTLED]))
+                        (action_ids, [s.value for s in statuses]))
             if cur.fetchone()["n"] == len(action_ids):
                 return
         time.sleep(0.2)
@@ -143,25 +159,30 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         # Development keys, made fresh for each demo (a production process refuses them).
         keys_dir = WORKDIR / "keys"
         generate_keys(keys_dir, force=True, development=True)
+        authority_file = _authority(keys_dir)
         servers_file = _servers_file()
         settings = Settings(database_url=runtime, broker_url=broker, keys_dir=keys_dir, servers_file=servers_file,
-                            state_dir=SETTINGS.state_dir)
+                            state_dir=SETTINGS.state_dir, authority_file=authority_file)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
         # The worker runs in the controller's environment: it refuses envelopes for any other.
         env.update({"PROOFLINE_DATABASE_URL": runtime, "PROOFLINE_BROKER_URL": broker, "SOR_DB": str(sor_db),
                     "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir),
                     "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file),
-                    "PROOFLINE_STATE_DIR": str(settings.state_dir)})
+                    "PROOFLINE_STATE_DIR": str(settings.state_dir), "PROOFLINE_AUTHORITY_FILE": str(authority_file)})
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(_stop, worker)
         app = Celery("proofline-demo-controller", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         stack.callback(app.close)
-        # Publishing is the controller's right alone (README "Database roles").
+        # Publishing is the controller's right alone (docs/concepts/database-roles.md).
         controller = os.environ.get("PROOFLINE_CONTROLLER_DATABASE_URL") or _as_role(runtime, "proofline_controller")
         conn = store.connect(controller)
         stack.callback(conn.close)
+        operator = store.connect(os.environ.get("PROOFLINE_OPERATOR_DATABASE_URL")
+                                 or _as_role(runtime, "proofline_operator"))
+        stack.callback(operator.close)
         rows = _scenarios(settings, conn, app, sor_db)
+        rows += _proposals(settings, conn, operator, app, sor_db, rows[0]["action_id"].rsplit("-", 1)[0])
         _wait(conn, [r["action_id"] for r in rows])
         _print_table(conn, rows, sor_db)
         if report is not None:
@@ -173,6 +194,42 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         else:
             print(f"to read the ledger afterwards: proofline demo --keep, then proofline forensics {lost}")
     return 0
+
+
+def _authority(keys_dir: Path) -> Path:
+    """An approver key for the demo (development) and the demo's policy, signed with it."""
+    key_path = WORKDIR / "approver.key"
+    key_path.unlink(missing_ok=True)
+    add_approver(keys_dir / "keyring.json", key_path, APPROVER, development=True)
+    signed = sign_policy(AuthorityPolicy.model_validate(POLICY), load_signing_key(key_path, KeyRole.approver))
+    path = WORKDIR / "authority.json"
+    path.write_text(json.dumps(signed, indent=2) + "\n")
+    return path
+
+
+def _proposals(settings: Settings, conn: Any, operator: Any, app: Celery, sor_db: Path, run: str
+               ) -> list[dict[str, Any]]:
+    """Two ticket closures proposed to the demo's approver: one approved and run, one whose ticket
+    changes after the proposal, so that its approved plan is no longer the plan (plan_changed)."""
+    from recovery.proposals import approve
+    from worker.dispatch import CeleryDispatch
+
+    rows = []
+    for n, note in enumerate(("proposed, approved by the demo approver, then verified",
+                              "proposed; the ticket changed before the commit: refused, nothing called"), 6):
+        ticket = sor.put_ticket(sor_db, "acme", f"demo proposal {n}", "ops")
+        version = sor.get_ticket(sor_db, ticket)["ticket"]["version"]
+        envelope = prepare(settings, action_type="ticket.close", tenant="acme", run_id=f"{run}-p{n}",
+                           action_id=f"{run}-{n}", arguments={"ticket_id": ticket, "expected_version": version},
+                           target={"type": "ticket", "id": ticket, "expected_version": version})
+        publish(settings, conn, app, envelope)
+        rows.append({"action_id": envelope.action_id, "note": note, "key": envelope.idempotency_key, "ticket": ticket})
+    _wait(conn, [r["action_id"] for r in rows], statuses=(ActionStatus.proposed, *SETTLED))
+    sor.bump_version(sor_db, "ticket", rows[1]["ticket"])  # changed after the approver looked
+    key = load_signing_key(WORKDIR / "approver.key", KeyRole.approver)
+    for r in rows:
+        approve(settings, operator, CeleryDispatch(app), r["action_id"], key, note="demo")
+    return rows
 
 
 def _console_hint(runtime: str, broker: str, keys_dir: Path) -> None:

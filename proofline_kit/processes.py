@@ -50,6 +50,23 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
         proc.wait(5)
 
 
+def stop_group(pgid: int, grace: float = 20.0) -> None:
+    """Stop a process group a test started with ``start_new_session=True`` (a shell script and what
+    it left running in the background): SIGTERM, then SIGKILL after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
 def unused_port() -> int:
     """A loopback port that was free a moment ago, for a server that cannot bind port 0 and report
     it (redis-server, RabbitMQ): the caller tries it and checks that the server answering is its own."""

@@ -19,6 +19,13 @@ ACTION_META_KEY = "proofline/action_id"
 FENCING_META_KEY = "proofline/fencing_token"
 
 
+#: The behaviour hints (``readOnlyHint``, ``destructiveHint``, ...) of every tool this process has
+#: listed, by tool contract hash. The hash covers the annotations, so a hint looked up by the hash an
+#: envelope was approved (and revalidated) for is exactly what the approver's tool declared.
+TOOL_HINTS: dict[str, dict[str, Any]] = {}
+_MAX_HINTS = 10_000
+
+
 async def live_tool_hashes(client: Client) -> dict[str, str]:
     """Contract hashes of every tool the live server lists, bypassing any cache."""
     hashes: dict[str, str] = {}
@@ -26,7 +33,11 @@ async def live_tool_hashes(client: Client) -> dict[str, str]:
     while True:
         page = await client.list_tools(cursor=cursor, cache_mode="bypass")
         for tool in page.tools:
-            hashes[tool.name] = tool_contract_hash(tool)
+            digest = hashes[tool.name] = tool_contract_hash(tool)
+            if digest not in TOOL_HINTS and len(TOOL_HINTS) < _MAX_HINTS:
+                annotations = getattr(tool, "annotations", None)
+                TOOL_HINTS[digest] = (annotations.model_dump(mode="json", exclude_none=True, by_alias=True)
+                                      if annotations is not None and hasattr(annotations, "model_dump") else {})
         cursor = page.next_cursor
         if not cursor:
             return hashes

@@ -35,6 +35,7 @@ from proofline.errors import (
     LeaseBusy,
     MalformedEnvelope,
     McpUnavailable,
+    PlanChanged,
     ProoflineError,
     RevalidationFailed,
     StaleLease,
@@ -42,14 +43,15 @@ from proofline.errors import (
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
+from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import calls, faultpoints, quota, sandbox_events
+from worker import faultpoints, quota, sandbox_events
+from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
 from worker.dispatch import Dispatch
 from worker.lease import (
-    Heartbeat,
     Locks,
     SessionKeeper,
     action_lock_name,
@@ -62,7 +64,7 @@ from worker.lease import (
 )
 from worker.lease import unlock as unlock_locks
 from worker.limits import check_limits, check_run_budget_txn
-from worker.mcp_client import CancelHandle
+from worker.plan import make_plan
 from worker.preflight import (
     check_point_of_no_return,
     check_preconditions,
@@ -74,6 +76,7 @@ from worker.results import result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.summary import TaskSummary
+from worker.tool_call import call_tool
 from worker.validate import (
     check_parent_link,
     claimed_fields,
@@ -82,7 +85,7 @@ from worker.validate import (
     revalidate_static,
     validate_envelope,
 )
-from worker.verification import decides_in_place, finding_evidence, first_read
+from worker.verification import decides_in_place, read_in_place
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +219,9 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         if existing["status"] == ActionStatus.pending:
             # A later step delivered before the runtime released it: it waits its turn.
             return _already_settled(rt, envelope, existing["status"], delivery, event="early_delivery_ignored")
+        if existing["status"] == ActionStatus.proposed:
+            # A proposal waits for an approver; an approval moves it back to published and sends it.
+            return _already_settled(rt, envelope, existing["status"], delivery, event="proposal_waiting")
         if existing["cancel_requested_at"] and existing["status"] == ActionStatus.published:
             return _close_before_effect(rt, envelope, red, events, "cancelled_before_start",
                                         {"requested_at": str(existing["cancel_requested_at"])}, "cancelled",
@@ -238,10 +244,14 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             published_at = existing.get("published_at") if existing else None
             static["limits"] = check_limits(envelope, contract, settings, facts["now"],
                                             datetime.fromisoformat(published_at) if published_at else None)
-            if envelope.irreversible:
-                static["point_of_no_return"] = check_point_of_no_return(conn, envelope)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
+                                 parent_link)
+            static["authority"] = decision.evidence
+            if decision.point_of_no_return:
+                static["point_of_no_return"] = check_point_of_no_return(conn, envelope,
+                                                                        legacy=decision.mode == UNMANAGED)
             recovery_tools = recovery_tool_hashes(rt, contract, server.name, hashes)
             if recovery_tools:
                 # What recovery derives its envelopes from: it runs no tool servers of its own.
@@ -262,6 +272,18 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
                                 dispatch)
         failures = check_preconditions(contract, envelope, before)
+        # An approved plan is checked first (a changed target is a changed plan); a plan is only
+        # proposed or simulated when its preconditions hold.
+        if decision.approved_plan_hash or (not failures and decision.route != "execute"):
+            try:
+                routed = _plan_route(rt, envelope, contract, red, events, decision, before, server, dispatch)
+            except (TargetReadFailed, McpUnavailable) as exc:
+                return _transient_before(rt, envelope, red, events, exc, dispatch)
+            except ConditionError as exc:  # the prepare tool's arguments cannot be built: never will be
+                return _not_started(rt, envelope, red, events, "preconditions_failed", exc.as_evidence(), exc.code,
+                                    dispatch)
+            if routed is not None:
+                return routed
 
         try:
             step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before,
@@ -290,7 +312,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return TaskSummary(step, None, aid).as_dict()
 
         stages.enter("proofline.tool_call")
-        report = _call(rt, server, envelope, contract, token, facts["now"], t0)
+        report = call_tool(rt, server, envelope, contract, token, facts["now"], t0)
         verdict = classify(report, contract, result_limit(settings, server, contract))
         for _ in report.progress:
             stages.event("progress")
@@ -300,7 +322,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         first = None
         if decides_in_place(settings, verdict):
             stages.enter("proofline.verification", **{"proofline.tool": contract.verification_read.tool})
-            first = _first_read(rt, envelope, contract, before, verdict, red, token)
+            first = read_in_place(rt, envelope, contract, before, verdict, red, token)
             stages.note(**{"proofline.verification_finding": first.obs.finding.value})
         stages.enter("proofline.record_result")
         locked = False  # the result transaction releases both locks as its last statement
@@ -362,6 +384,33 @@ def recovery_tool_hashes(rt: Runtime, contract: Contract, server_name: str,
         if derived.server == server_name and derived.tool in hashes:
             tools[derived.tool] = hashes[derived.tool]
     return tools
+
+
+def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redactor, events: list,
+                decision: Decision, before: dict[str, Any], server: Server, dispatch: Dispatch) -> dict[str, Any] | None:
+    """Prepare the plan: record it and stop (simulate), record it and wait for an approver
+    (propose), or refuse the commit when it is not the plan the approvals name (``plan_changed``).
+    None: the approved plan is the one in front of us, go on to the call."""
+    plan = make_plan(rt, server, contract, envelope)
+    evidence = {**plan.as_evidence(), **decision.evidence}
+    if decision.route == "simulate":
+        return _not_started(rt, envelope, red, events, "simulated", evidence, "simulated", dispatch)
+    if decision.route == "propose":
+        with store.transaction(rt.conn) as cur:
+            store.transition_txn(cur, envelope.action_id, [ActionStatus.published], ActionStatus.proposed,
+                                 reason_code="awaiting_approval", events=[*events, ("proposed", evidence)],
+                                 actor=rt.settings.worker_id, redactor=red)
+        _unlock_now(rt, envelope)
+        return TaskSummary("proposed", "awaiting_approval", envelope.action_id).as_dict()
+    try:
+        # The approval names the plan by hash; its target version is the one the approver reviewed.
+        check_plan(str(decision.approved_plan_hash),
+                   envelope.target.expected_version if plan.target_version is not None else None, plan)
+    except PlanChanged as exc:
+        return _not_started(rt, envelope, red, events, "revalidation_failed", {**exc.as_evidence(), **evidence},
+                            exc.code, dispatch)
+    events.append(("plan_confirmed", {"plan_hash": plan.hash, "plan_id": plan.plan_id}))
+    return None
 
 
 def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
@@ -488,67 +537,6 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
         raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
     return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
                                 Outcome.failed_before_side_effect, dispatch)
-
-
-def _sent(exc: BaseException) -> bool:
-    """False only when the failure proves the request never left (connection refused or not opened)."""
-    if isinstance(exc, McpUnavailable | ConnectionRefusedError):
-        return False
-    if type(exc).__name__ == "ConnectError":
-        return False
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_sent(e) for e in exc.exceptions)
-    cause = exc.__cause__ or exc.__context__
-    return _sent(cause) if cause is not None and cause is not exc else True
-
-
-def _call(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float
-          ) -> CallReport:
-    settings = rt.settings
-    remaining = (envelope.deadline - db_now).total_seconds() - (time.monotonic() - t0)
-    deadline_monotonic = time.monotonic() + remaining
-    timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
-    progress = calls.ProgressLog(limit=settings.progress_events_limit)
-    started = time.monotonic()
-    handle = CancelHandle()
-    unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
-    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
-        if not heartbeat.valid():
-            # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
-            return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
-        faultpoints.hit("before_send")
-        try:
-            trace_meta = tracing.carrier()  # read here: the call runs on the MCP session's thread
-            result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
-                c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
-                action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
-                progress=progress, fencing_token=token, trace_meta=trace_meta), cancel_handle=handle)
-        except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            sent = _sent(exc)
-            # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
-            # evidence on this action.
-            violation = rt.mcp.discard(server, "write") if sent else None
-            return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
-                              progress=tuple(progress.kept), progress_total=progress.total,
-                              sandbox_violation=violation, unsandboxed=unsandboxed)
-    faultpoints.hit("after_send")
-    return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
-                      progress_total=progress.total, unsandboxed=unsandboxed)
-
-
-def _first_read(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],
-                verdict: Classification, red: Redactor, token: int) -> FirstRead:
-    """The verification read made in place, the lease renewed meanwhile (the fencing token still
-    decides whether the verdict may be written)."""
-    settings = rt.settings
-    began = time.monotonic()
-    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch):
-        obs = first_read(rt, envelope, contract, envelope.model_dump(mode="json"), before, verdict.values or {}, red)
-    return FirstRead(obs, time.monotonic() - began, finding_evidence(envelope, contract, obs, verdict.outcome))
 
 
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,

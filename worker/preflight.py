@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from proofline.conditions import Variables, build_arguments, holds
-from proofline.contracts import Contract, extract
+from proofline.contracts import Contract, ReadPath, extract
 from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed
 from worker import calls
@@ -18,7 +18,8 @@ from worker.runtime import Runtime
 from worker.servers import Server
 
 
-def _variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
+def envelope_variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
+    """What CEL sees of an envelope: ``envelope``, ``args``, ``target`` and any ``extra`` names."""
     doc = envelope.model_dump(mode="json")
     return {"envelope": doc, "args": doc["arguments"], "target": doc["target"], **extra}
 
@@ -27,9 +28,17 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
     """One authoritative read through the contract's precondition read path."""
     path = contract.precondition_read
     try:
-        arguments = build_arguments(path.arguments, _variables(envelope), contract.compiled())
+        arguments = build_arguments(path.arguments, envelope_variables(envelope), contract.compiled())
     except Exception as exc:  # noqa: BLE001 - the read cannot even be asked for: no snapshot
         raise TargetReadFailed(f"read {path.tool} arguments could not be built: {str(exc)[:300]}") from None
+    return read_through(rt, server, contract, path, arguments, role)
+
+
+def read_through(rt: Runtime, server: Server, contract: Contract, path: ReadPath, arguments: dict[str, Any],
+                 role: str, failed: type[TargetReadFailed] = TargetReadFailed) -> dict[str, Any]:
+    """Call a read tool and extract its answer, bounded by the result limit. Every way it can go
+    wrong (the call, an error result, a result too large or unreadable) raises ``failed``: a
+    retryable refusal before any side effect, its cause recorded."""
     try:
         result = rt.mcp.run(server, role, lambda c: calls.read_tool(  # type: ignore[arg-type]
             c, tool=path.tool, arguments=arguments, timeout_seconds=contract.timeout_seconds))
@@ -37,23 +46,22 @@ def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envel
         raise
     except BaseException as exc:  # noqa: BLE001 - any read failure means "no fresh snapshot"
         violation = rt.mcp.discard(server, role)  # type: ignore[arg-type]
-        raise TargetReadFailed(f"read {path.tool} failed: {exc!r}"[:500],
-                               **({"sandbox_violation": violation} if violation else {})) from None
+        raise failed(f"read {path.tool} failed: {exc!r}"[:500],
+                     **({"sandbox_violation": violation} if violation else {})) from None
     limit = result_limit(rt.settings, server, contract)
     size = measure(result).size
     if size > limit:
-        raise TargetReadFailed(f"read {path.tool} returned {size} bytes; the limit is {limit}")
+        raise failed(f"read {path.tool} returned {size} bytes; the limit is {limit}")
     if getattr(result, "is_error", False):
         text = "".join(getattr(b, "text", "") for b in result.content or [])
-        raise TargetReadFailed(f"read {path.tool} returned an error: {text[:300]}")
+        raise failed(f"read {path.tool} returned an error: {text[:300]}")
     try:
         return extract(result, path.extract)
     except Exception as exc:  # noqa: BLE001 - a result the contract cannot read is no fresh snapshot either
         # Inside the read's own error handling: an unreadable read is a target_read_failed with its
         # cause (recorded, retried while the deadline allows), never an unexpected task failure.
-        raise TargetReadFailed(f"read {path.tool} returned a result the contract cannot read: "
-                               f"{getattr(exc, 'code', type(exc).__name__)}: {str(exc)[:300]}",
-                               unreadable=True) from None
+        raise failed(f"read {path.tool} returned a result the contract cannot read: "
+                     f"{getattr(exc, 'code', type(exc).__name__)}: {str(exc)[:300]}", unreadable=True) from None
 
 
 def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:
@@ -77,7 +85,7 @@ def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, st
 
 def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
     """Evaluate every precondition; a condition that cannot be evaluated has failed."""
-    variables = Variables(_variables(envelope, before=before))  # converted to CEL once for every condition
+    variables = Variables(envelope_variables(envelope, before=before))  # converted to CEL once for every condition
     compiled = contract.compiled()
     failures = []
     conditions = [(c.name, c.expr, c.reason) for c in contract.preconditions]
@@ -92,12 +100,14 @@ def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str
     return failures
 
 
-def check_point_of_no_return(conn: Any, envelope: Envelope) -> dict[str, Any]:
-    """An irreversible action runs only with an approval that covers irreversibility, as the last
-    step of its run, and only after every earlier step is verified."""
+def check_point_of_no_return(conn: Any, envelope: Envelope, legacy: bool = True) -> dict[str, Any]:
+    """A point of no return (the contract's, or the envelope's flag) runs only with an approval
+    that covers irreversibility, as the last step of its run, and only after every earlier step is
+    verified. Under an authority policy the signed approvals prove the coverage
+    (``worker/authorize.py``); without one (``legacy``) the controller's approval context must say so."""
     from proofline.errors import PointOfNoReturnRefused
 
-    if not envelope.approval.covers_irreversible:
+    if legacy and not envelope.approval.covers_irreversible:
         raise PointOfNoReturnRefused("the approval does not cover an irreversible action",
                                      compensation="not available")
     if envelope.step != envelope.run_steps - 1:

@@ -192,12 +192,15 @@ def load_servers(path: Path) -> dict[str, Server]:
         read_override = spec.pop("read_identity", None)
         expected = spec.pop("expected_version", None)
         max_result = spec.pop("max_result_bytes", None)
+        # A server's own fields: the rest of the block is its write endpoint.
+        tool_list_age = spec.pop("tool_list_max_age_seconds", None)
         if read_override is None:
             raise ConfigurationError(f"server {name}: a read_identity for verification is required")
         try:
             servers[name] = Server(
                 name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
                 expected_version=expected, max_result_bytes=max_result,
+                tool_list_max_age_seconds=tool_list_age,
             )
         except ValueError as exc:
             raise ConfigurationError(f"server {name}: {exc}", server=name) from None

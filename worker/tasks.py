@@ -214,6 +214,10 @@ def reconcile_task() -> dict[str, Any]:
         rt.holding_locks = False
     if run is None:
         return {"skipped": 1}
+    # Authority grown on evidence: a regression demotes its action type (recovery/authority_watch.py).
+    from recovery.authority_watch import watch
+
+    watch(conn, rt.settings, rt.settings.worker_id)
     sweep_finished()
     return run.counts
 

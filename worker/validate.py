@@ -128,7 +128,8 @@ def check_parent_link(envelope: Envelope, parent_row: ActionRow | None, keyring:
     if spec is None or spec.action_type != envelope.action_type:
         raise refuse("recovery_not_declared", f"{parent.action_type}'s contract declares no {kind or 'recovery'} "
                      f"of type {envelope.action_type}")
-    return {"parent": parent.action_id, "kind": kind, "parent_message_hash": envelope.parent_message_hash}
+    return {"parent": parent.action_id, "kind": kind, "parent_message_hash": envelope.parent_message_hash,
+            "parent_action_type": parent.action_type}
 
 
 def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, revoked: list[str],

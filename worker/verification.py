@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledger.redact import Redactor
 from ledger.states import Outcome, VerificationFinding
 from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
 from proofline.contracts import Contract, Verification, extract
@@ -17,7 +18,9 @@ from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge
 from proofline.telemetry import tracing
 from worker import calls
-from worker.record_call import verification_key
+from worker.classify import Classification
+from worker.lease import Heartbeat
+from worker.record_call import FirstRead, verification_key
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
 
@@ -160,3 +163,15 @@ def first_read(rt: Runtime, envelope: Envelope, contract: Contract, doc: dict[st
     obs = observe(rt, envelope, contract, base, max_reads=1)
     obs.before = kept
     return obs
+
+
+def read_in_place(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],
+                verdict: Classification, red: Redactor, token: int) -> FirstRead:
+    """The verification read made in place, the lease renewed meanwhile (the fencing token still
+    decides whether the verdict may be written)."""
+    settings = rt.settings
+    began = time.monotonic()
+    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
+                   touch=rt.touch):
+        obs = first_read(rt, envelope, contract, envelope.model_dump(mode="json"), before, verdict.values or {}, red)
+    return FirstRead(obs, time.monotonic() - began, finding_evidence(envelope, contract, obs, verdict.outcome))

@@ -32,7 +32,8 @@ def _loopback(host: str) -> bool:
 @click.pass_context
 def console(ctx: click.Context, host: str | None, port: int | None, users: str | None, port_file: str | None) -> None:
     """Serve the operator console: actions, evidence, runs, the manual queue, kill switches,
-    revocations and an overview. Reads as the reader role, writes as the operator role."""
+    revocations, proposals, approvals, the authority policy and an overview. Reads as the reader
+    role, writes as the operator role; approver users' approvals are signed with their own key."""
     if ctx.invoked_subcommand is not None:
         return
     if MODE.json:
@@ -55,16 +56,23 @@ def console(ctx: click.Context, host: str | None, port: int | None, users: str |
 
 @console.command("add-user")
 @click.argument("name")
-@click.option("--role", type=click.Choice(["viewer", "operator"]), required=True)
+@click.option("--role", type=click.Choice(["viewer", "operator", "approver"]), required=True)
+@click.option("--approver-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="approvers only: the approver key file the console signs this user's approvals with")
 @click.option("--users", "users", default=None, help="the users file (default PROOFLINE_CONSOLE_USERS_FILE)")
-def add_user(name: str, role: str, users: str | None) -> None:
+def add_user(name: str, role: str, approver_key: Path | None, users: str | None) -> None:
     """Add a console user (or give one a new token). The token is printed once and stored hashed."""
     from proofline.console.access import ConsoleRole
     from proofline.console.access import add_user as do_add
 
     path = users_file(users)
-    token = do_add(path, name, ConsoleRole(role))
-    emit({"user": name, "role": role, "token": token, "users_file": str(path)},
+    if approver_key is not None:  # a file that is no approver key is refused now, not at the console's start
+        from proofline.keys import KeyRole, load_signing_key
+
+        load_signing_key(approver_key, KeyRole.approver, settings().environment)
+    token = do_add(path, name, ConsoleRole(role), approver_key)
+    shown = {"approver_key": str(approver_key.resolve())} if approver_key else {}
+    emit({"user": name, "role": role, "token": token, "users_file": str(path), **shown},
          f"{name} ({role}) added to {path}\ntoken (shown once): {token}")
 
 

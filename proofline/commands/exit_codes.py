@@ -1,8 +1,8 @@
 """One exit code per class of error, so scripts can branch without parsing text.
 
 Each row is (exit code, what it means, the error classes or stable codes it covers). The first
-row whose class matches (``isinstance``, most specific first) decides. The README's "Command line"
-section prints this table; ``tests/integration/test_cli_errors.py`` checks that the two agree.
+row whose class matches (``isinstance``, most specific first) decides. The command line reference
+(docs/reference/cli.md) prints this table; ``tests/integration/test_cli_errors.py`` checks that the two agree.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ TABLE: tuple[tuple[int, str, tuple[type[BaseException], ...]], ...] = (
     (16, "proofline_error", (e.ProoflineError, click.ClickException)),
 )
 
-#: What each class of error means, for the README's table.
+#: What each class of error means, for the reference's table.
 MEANING = {
     "usage": "a missing or unknown option, a bad value (`--target` that is not a JSON object, a bad `--since`)",
     "configuration_error": "settings that do not load, missing keys, a schema never migrated (`schema_missing`)",
@@ -58,7 +58,7 @@ MEANING = {
     "proofline_error": "any other Proofline error; the line names its stable code",
 }
 
-#: Rows the table cannot express as a class: for the README.
+#: Rows the table cannot express as a class: for the reference.
 OTHER_ROWS = (
     (OK, "ok", "the command did what it says"),
     (CHECK_FAILED, "check_failed", "verify-ledger found a broken chain; contracts check refused a file"),
@@ -101,7 +101,7 @@ def message(exc: BaseException) -> str:
 
 
 def markdown_table() -> str:
-    """The exit code table as README markdown."""
+    """The exit code table as Markdown (docs/reference/cli.md)."""
     rows = [(c, n, w) for c, n, w in OTHER_ROWS[:2]]
     rows += [(c, n, MEANING[n]) for c, n, _ in TABLE]
     rows += list(OTHER_ROWS[2:])

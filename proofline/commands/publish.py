@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import click
 
 from proofline.commands.base import connect, emit, json_value, settings
@@ -16,8 +19,12 @@ from proofline.commands.base import connect, emit, json_value, settings
 @click.option("--action-id", required=True)
 @click.option("--requester", default="operator@example.com")
 @click.option("--workload-identity", default="agent:ops-assistant")
-def publish(action_type, tenant, target_json, args_json, run_id, action_id, requester, workload_identity) -> None:
-    """Build, sign and publish one envelope onto the actions queue."""
+@click.option("--approval", "approval_files", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="an approval signed by an approver (`proofline approvals sign`); repeat for two approvers")
+def publish(action_type, tenant, target_json, args_json, run_id, action_id, requester, workload_identity,
+            approval_files) -> None:
+    """Build, sign and publish one envelope onto the actions queue. The controller's signature
+    requests the action; approvals come from approvers (``--approval``) or the authority policy."""
     from kombu.exceptions import OperationalError
     from pydantic import ValidationError
 
@@ -29,11 +36,18 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     from worker.tasks import app
 
     target, arguments = json_value("--target", target_json), json_value("--args", args_json)
+    approvals = []
+    for path in approval_files:
+        try:
+            approvals.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(f"{path}: not a readable JSON approval ({exc})", param_hint="--approval") from None
     s = settings()
     check_process_keys(s, "controller")  # before anything is recorded
     try:
         envelope = prepare(s, action_type=action_type, arguments=arguments, target=target, tenant=tenant,
-                           run_id=run_id, action_id=action_id, requester=requester, workload_identity=workload_identity)
+                           run_id=run_id, action_id=action_id, requester=requester, workload_identity=workload_identity,
+                           approvals=tuple(approvals))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -148,16 +148,33 @@ def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
          f"{role} key {new} signs now; {old} verifies for {overlap_seconds:g} s more")
 
 
+@keys.command("add-approver")
+@click.option("--identity", required=True, help="who approves with this key (a person or an approval service)")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="the private key file (0600)")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+@click.option("--development", is_flag=True, help="mark the key as a development key (refused in production)")
+def keys_add_approver(identity: str, out: Path, keyring: Path, development: bool) -> None:
+    """Make an approver key: its private file for that approver alone, its public entry (naming the
+    identity) in the keyring. Approver keys sign approvals and authority policies, nothing else."""
+    from proofline.keys import add_approver
+
+    key_id = add_approver(keyring, out, identity, development)
+    emit({"key_id": key_id, "identity": identity, "wrote": str(out)},
+         f"approver key {key_id} for {identity}: {out} (keep it with the approver), public part in {keyring}")
+
+
 @keys.command("add-worker")
-@click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
-@click.option("--name", required=True, help="file name of the new key in --dir, e.g. worker-host2.key")
-def keys_add_worker(directory: Path, name: str) -> None:
-    """One more worker key (another worker host or process), added to the keyring in --dir."""
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="the private key file (0600)")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+@click.option("--development", is_flag=True, help="mark the key as a development key (refused in production)")
+def keys_add_worker(out: Path, keyring: Path, development: bool) -> None:
+    """One more worker key (another worker host or process): its private file for that worker alone,
+    its public entry in the keyring. Worker keys sign evidence, nothing else."""
     from proofline.keys import add_worker
 
-    key_id, path = add_worker(directory, name)
-    emit({"key_id": key_id, "key_file": str(path)},
-         f"worker key {key_id} written to {path}; point that worker's PROOFLINE_WORKER_KEY_FILE at it")
+    key_id = add_worker(keyring, out, development)
+    emit({"key_id": key_id, "wrote": str(out)},
+         f"worker key {key_id}: {out} (point that worker's PROOFLINE_WORKER_KEY_FILE at it), public part in {keyring}")
 
 
 @keys.command("revoke")

@@ -1,8 +1,9 @@
 """Who may use the console, and how a write proves it came from the console's own page.
 
 Operators are named in a users file (JSON, ``PROOFLINE_CONSOLE_USERS_FILE``): a name, a role
-(``viewer`` reads; ``operator`` also acts) and the sha256 of a random token the operator logs in
-with. The file never holds a token itself; ``proofline console add-user`` writes it and prints the
+(``viewer`` reads; ``operator`` also acts; ``approver`` approves proposals) and the sha256 of a
+random token the operator logs in with. An approver also names the approver key file the console
+signs that user's approvals with (:mod:`proofline.console.approvers` checks it at start). The file never holds a token itself; ``proofline console add-user`` writes it and prints the
 token once. A login opens a server-side session: the cookie is a random id (HttpOnly,
 SameSite=Strict), the session holds the user, the role and a CSRF token. Every write must send that
 token back (a form field, or the ``X-CSRF-Token`` header htmx adds): a write without it, or from a
@@ -38,6 +39,15 @@ class ConsoleRole(str, Enum):
     viewer = "viewer"
     #: also resolves, retries and cancels escalated actions, sets and clears kill switches and revocations
     operator = "operator"
+    #: approves proposals with their own approver key; also denies proposals and revokes approvals
+    approver = "approver"
+
+
+#: Who may send each kind of write. Only an approver approves (an operator holds no approver key);
+#: denying a proposal or revoking an approval stops something from running, which both may do.
+OPERATOR_ONLY = frozenset({ConsoleRole.operator})
+APPROVER_ONLY = frozenset({ConsoleRole.approver})
+PROPOSAL_STOPPERS = frozenset({ConsoleRole.operator, ConsoleRole.approver})
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class User:
     name: str
     role: ConsoleRole
     token_sha256: str
+    #: The approver key file this user's approvals are signed with (approvers only).
+    approver_key: Path | None = None
 
 
 def token_digest(token: str) -> str:
@@ -68,21 +80,31 @@ def load_users(path: Path) -> dict[str, User]:
         role = entry.get("role") if isinstance(entry, dict) else None
         digest = entry.get("token_sha256") if isinstance(entry, dict) else None
         if role not in {r.value for r in ConsoleRole} or not isinstance(digest, str) or len(digest) != 64:
-            raise ConfigurationError(f"console user {name!r} in {path} needs a role (viewer or operator) and a "
-                                     "token_sha256")
-        found[name] = User(name, ConsoleRole(role), digest)
+            raise ConfigurationError(f"console user {name!r} in {path} needs a role (viewer, operator or approver) "
+                                     "and a token_sha256")
+        key = entry.get("approver_key")
+        if (role == ConsoleRole.approver.value) != isinstance(key, str) or key == "":
+            raise ConfigurationError(f"console user {name!r} in {path}: an approver, and only an approver, names "
+                                     "its approver_key file")
+        found[name] = User(name, ConsoleRole(role), digest, Path(key) if key else None)
     return found
 
 
-def add_user(path: Path, name: str, role: ConsoleRole) -> str:
-    """Add (or replace) a user with a fresh token; returns the token, which is stored only hashed."""
+def add_user(path: Path, name: str, role: ConsoleRole, approver_key: Path | None = None) -> str:
+    """Add (or replace) a user with a fresh token; returns the token, which is stored only hashed.
+    An approver needs ``approver_key``, the key file the console signs that user's approvals with."""
     if not name or not name.replace("-", "").replace("_", "").replace(".", "").replace("@", "").isalnum():
         raise ConfigurationError(f"a console user name is letters, digits and - _ . @ (got {name!r})")
+    if (role == ConsoleRole.approver) != (approver_key is not None):
+        raise ConfigurationError("an approver user needs --approver-key (and only an approver has one)")
     data: dict[str, Any] = {"users": {}}
     if path.exists():
         data = json.loads(path.read_text())
     token = secrets.token_urlsafe(24)
-    data.setdefault("users", {})[name] = {"role": role.value, "token_sha256": token_digest(token)}
+    entry = {"role": role.value, "token_sha256": token_digest(token)}
+    if approver_key is not None:
+        entry["approver_key"] = str(Path(approver_key).resolve())
+    data.setdefault("users", {})[name] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     path.chmod(0o600)
@@ -138,13 +160,20 @@ class Sessions:
             self._held.pop(session_id or "", None)
 
 
-def authorize_write(session: Session | None, sent_token: str | None) -> Session:
-    """The session a write acts for, or a refusal: not logged in / a viewer (``console_forbidden``),
-    a missing or wrong CSRF token (``csrf_refused``)."""
+def _a(role: ConsoleRole) -> str:
+    return f"{'an' if role.value[0] in 'aeiou' else 'a'} {role.value}"
+
+
+def authorize_write(session: Session | None, sent_token: str | None,
+                    roles: frozenset[ConsoleRole] = OPERATOR_ONLY) -> Session:
+    """The session a write acts for, or a refusal: not logged in / a role not in ``roles``
+    (``console_forbidden``), a missing or wrong CSRF token (``csrf_refused``)."""
     if session is None:
         raise ConsoleForbidden("log in first: writes need an operator session")
     if not sent_token or not hmac.compare_digest(session.csrf, sent_token):
         raise CsrfRefused("this write did not carry the session's CSRF token; reload the page and try again")
-    if session.role != ConsoleRole.operator:
-        raise ConsoleForbidden(f"{session.user} is a {session.role.value}: only an operator may change anything")
+    if session.role not in roles:
+        may = " or ".join(sorted(_a(r) for r in roles))
+        raise ConsoleForbidden(f"{session.user} is {_a(session.role)}: only {may} may do this",
+                               user=session.user, role=session.role.value)
     return session

@@ -35,7 +35,9 @@ from proofline.console import overview, reads
 from proofline.console.access import (
     CSRF_FIELD,
     CSRF_HEADER,
+    OPERATOR_ONLY,
     SESSION_COOKIE,
+    ConsoleRole,
     Session,
     Sessions,
     authorize_write,
@@ -179,13 +181,14 @@ def switches_page(request: Request) -> Response:
 # --- writes -----------------------------------------------------------------------------------------
 
 
-async def _write(request: Request, where: str, act: Callable[[Session, Any, Any], str]) -> Response:
-    """Authorize (session, CSRF token, operator role), run ``act`` with the operator's connection,
+async def _write(request: Request, where: str, act: Callable[[Session, Any, Any], str],
+                 roles: frozenset[ConsoleRole] = OPERATOR_ONLY) -> Response:
+    """Authorize (session, CSRF token, one of ``roles``), run ``act`` with the operator's connection,
     and go back to ``where`` with what happened; a refused write answers 403 and changes nothing."""
     form = await request.form()
     sent = form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER)
     try:
-        session = authorize_write(request.state.session, str(sent) if sent else None)
+        session = authorize_write(request.state.session, str(sent) if sent else None, roles)
     except ConsoleForbidden as refused:
         log.warning("console write refused", extra={"event": "console_write_refused", "reason_code": refused.code,
                                                     "path": request.url.path})
@@ -363,8 +366,13 @@ async def logout(request: Request) -> Response:
 OPEN_PATHS = ("/login", "/static/", "/favicon.ico")
 
 
-def create_app(sessions: Sessions, operator_role: str) -> Starlette:
-    routes = [
+def create_app(sessions: Sessions, operator_role: str, approvers: dict[str, Any] | None = None) -> Starlette:
+    """The application; ``approvers`` maps each approver user to its checked key
+    (:func:`proofline.console.approvers.approver_keys`)."""
+    # Imported here: the proposal pages use this module's helpers (render, _write).
+    from proofline.console.proposal_pages import ROUTES as PROPOSAL_ROUTES
+
+    routes = [*PROPOSAL_ROUTES,
         Route("/", overview_page), Route("/actions", actions_page), Route("/actions/{action_id:path}/resolve",
                                                                           resolve, methods=["POST"]),
         Route("/actions/{action_id:path}/retry", retry, methods=["POST"]),
@@ -397,6 +405,7 @@ def create_app(sessions: Sessions, operator_role: str) -> Starlette:
                     middleware=[Middleware(BaseHTTPMiddleware, dispatch=who)])
     app.state.sessions = sessions
     app.state.operator_role = operator_role
+    app.state.approvers = approvers or {}
     return app
 
 

@@ -11,6 +11,7 @@ import uvicorn
 
 from proofline.console.access import Sessions, load_users
 from proofline.console.app import create_app
+from proofline.console.approvers import approver_keys
 from proofline.listen import listening_socket
 
 
@@ -29,8 +30,13 @@ def operator_role() -> str:
 
 def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
           on_ready: Callable[[str, int], None] | None = None) -> None:
-    """Serve until interrupted. The users file is read once, before the socket opens."""
-    sessions = Sessions(load_users(users_file))
+    """Serve until interrupted. The users file is read once, before the socket opens, and every
+    approver user's key is checked against the keyring then (``configuration_error`` if not usable)."""
+    from proofline.commands.base import settings
+
+    users = load_users(users_file)
+    approvers = approver_keys(users, settings())
+    sessions = Sessions(users)
     sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
@@ -39,6 +45,6 @@ def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
         tmp.replace(port_file)
     if on_ready is not None:
         on_ready(host, bound)
-    config = uvicorn.Config(create_app(sessions, operator_role()), log_level="warning", access_log=False, proxy_headers=False,
+    config = uvicorn.Config(create_app(sessions, operator_role(), approvers), log_level="warning", access_log=False, proxy_headers=False,
                             server_header=False)
     uvicorn.Server(config).run(sockets=[sock])

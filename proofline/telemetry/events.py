@@ -174,6 +174,13 @@ COUNTERS: tuple[EventCounter, ...] = (
                  (Path("event", ("@event",)), REASON)),
     EventCounter("reconciler_redrives", "Actions the reconciler re-drove, by why (lease_expired: a lease "
                  "ran out under a worker)", ("redriven",), (Path("reason", ("reason",)),)),
+    EventCounter("proposals", "Actions prepared and left waiting for an approver, by authority mode (an "
+                 "autonomous action outside its bounds is proposed too)", ("proposed",), (Path("mode", ("mode",)),)),
+    EventCounter("simulations", "Actions simulated: plan prepared and recorded, nothing committed", ("simulated",)),
+    EventCounter("authority_demotions", "Action types demoted automatically after a regression, by the rung "
+                 "they were sent to", ("authority_demoted",), (Path("to", ("to",)),)),
+    EventCounter("proposal_decisions", "Proposals approved or denied by approvers", ("approval_recorded",
+                 "proposal_denied"), (Path("decision", ("@event",)),)),
     EventCounter("final_states", "Actions reaching a final state through verification or cancellation",
                  ("final_state",), (Path("status", ("status",)), Path("outcome", ("outcome",)))),
 )

@@ -124,3 +124,11 @@ def settle(conn: sqlite3.Connection) -> None:
         record_effect(
             conn, "operation_completed", None, f"service:{op['service']}", {"operation_id": op["id"]}
         )
+
+
+def plan_document(tool: str, target: str, plan_id: str, version: int | None, refusal: str | None,
+                  changes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer of every ``preview_*`` tool: what ``tool`` would change on ``target`` now, or the
+    refusal it would give (then nothing changes)."""
+    return {"plan_id": plan_id, "tool": tool, "target": target, "target_version": version,
+            "applicable": refusal is None, "refusal": refusal, "changes": [] if refusal else changes}

@@ -94,3 +94,21 @@ class RefundLookup(BaseModel):
     found: bool
     refund: Refund | None = None
     refunds: list[Refund] = []
+
+
+class PlannedChange(BaseModel):
+    field: str
+    before: str | int | None = None
+    after: str | int | None = None
+
+
+class Plan(BaseModel):
+    """What a write would change now (the answer of a ``preview_*`` prepare tool)."""
+
+    plan_id: str
+    tool: str
+    target: str
+    target_version: int | None = None
+    applicable: bool
+    refusal: str | None = None
+    changes: list[PlannedChange] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proofline_kit.sor.core import PathLike, Refused, record_effect, settle
+from proofline_kit.sor.core import PathLike, Refused, plan_document, record_effect, settle
 from proofline_kit.sor.db import next_id, now, reading, writing
 
 
@@ -110,3 +110,24 @@ def find_refund_by_key(path: PathLike, idempotency_key: str) -> dict[str, Any]:
         ).fetchall()
     refunds = [dict(r) for r in rows]
     return {"found": bool(refunds), "refund": refunds[0] if refunds else None, "refunds": refunds}
+
+
+def preview_refund(path: PathLike, account: str, amount_cents: int) -> dict[str, Any]:
+    """What ``issue_refund`` would change now, read-only (the prepare tool of ``refund.issue``).
+
+    Returns ``{"plan_id", "tool", "target", "target_version", "applicable", "refusal", "changes"}``:
+    the balance before and after and the account version; a refund that would be refused
+    (``invalid_amount``, ``not_found``, ``insufficient_balance``) has ``applicable`` false and no
+    changes. The plan id names the account, its version and the amount.
+    """
+    with reading(path) as conn:
+        acct = conn.execute("SELECT * FROM accounts WHERE id = ?", (account,)).fetchone()
+    version = acct["version"] if acct is not None else None
+    refusal = ("invalid_amount" if amount_cents <= 0 else "not_found" if acct is None
+               else "insufficient_balance" if acct["balance_cents"] < amount_cents else None)
+    changes = [] if refusal else [
+        {"field": "balance_cents", "before": acct["balance_cents"], "after": acct["balance_cents"] - amount_cents},
+        {"field": "version", "before": version, "after": version + 1},
+    ]
+    return plan_document("issue_refund", f"account:{account}", f"issue_refund:{account}@{version}:{amount_cents}",
+                         version, refusal, changes)

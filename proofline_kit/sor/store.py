@@ -33,10 +33,22 @@ from proofline_kit.sor.faults import (
     set_replica_position,
     take_fault,
 )
-from proofline_kit.sor.refunds import find_refund_by_key, get_account, issue_refund, reverse_refund
+from proofline_kit.sor.refunds import (
+    find_refund_by_key,
+    get_account,
+    issue_refund,
+    preview_refund,
+    reverse_refund,
+)
 from proofline_kit.sor.seed import bump_version, put_account, put_service, put_ticket, reset_db, seed_demo
 from proofline_kit.sor.services import get_operation, get_service, restart_service
-from proofline_kit.sor.tickets import close_ticket, create_ticket, find_ticket_by_key, get_ticket
+from proofline_kit.sor.tickets import (
+    close_ticket,
+    create_ticket,
+    find_ticket_by_key,
+    get_ticket,
+    preview_close_ticket,
+)
 
 __all__ = [
     # database
@@ -83,4 +95,7 @@ __all__ = [
     "reverse_refund",
     "get_account",
     "find_refund_by_key",
+    # prepare tools (read-only plans)
+    "preview_close_ticket",
+    "preview_refund",
 ]

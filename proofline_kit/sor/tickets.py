@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from proofline_kit.sor.core import PathLike, Refused, record_effect, settle
+from proofline_kit.sor.core import PathLike, Refused, plan_document, record_effect, settle
 from proofline_kit.sor.db import next_id, now, reading, writing
 
 
@@ -95,3 +95,25 @@ def find_ticket_by_key(path: PathLike, idempotency_key: str) -> dict[str, Any]:
     with reading(path) as conn:
         row = conn.execute("SELECT * FROM tickets WHERE idempotency_key = ?", (idempotency_key,)).fetchone()
     return {"found": row is not None, "ticket": dict(row) if row else None}
+
+
+def preview_close_ticket(path: PathLike, ticket_id: str, expected_version: int) -> dict[str, Any]:
+    """What ``close_ticket`` would change now, read-only (the prepare tool of ``ticket.close``).
+
+    Returns ``{"plan_id", "tool", "target", "target_version", "applicable", "refusal", "changes"}``:
+    ``changes`` lists ``{"field", "before", "after"}``; a close that would be refused has
+    ``applicable`` false, the refusal ``close_ticket`` would give (``not_found``,
+    ``version_conflict``), and no changes. The plan id names
+    the ticket and the version the plan was computed against, so an unchanged ticket gets the same id.
+    """
+    with reading(path) as conn:
+        row = conn.execute("SELECT * FROM tickets WHERE id = ?", (ticket_id,)).fetchone()
+    version = row["version"] if row is not None else None
+    # Exactly the checks close_ticket makes (it checks the version only, not the status).
+    refusal = "not_found" if row is None else "version_conflict" if version != expected_version else None
+    changes = [] if refusal else [
+        {"field": "status", "before": row["status"], "after": "closed"},
+        {"field": "version", "before": version, "after": version + 1},
+    ]
+    return plan_document("close_ticket", f"ticket:{ticket_id}", f"close_ticket:{ticket_id}@{version}", version,
+                         refusal, changes)

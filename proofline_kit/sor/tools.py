@@ -148,6 +148,28 @@ def register(server: MCPServer, run: Runner, config: SorConfig) -> None:
         return await run.write(ctx, "reverse_refund", apply, lie, structured)
 
     _register_reads(server, run, path)
+    _register_previews(server, run, path)
+
+
+def _register_previews(server: MCPServer, run: Runner, path: str) -> None:
+    """Prepare tools: what a write would change, read-only (they run on the reader identity too)."""
+
+    @server.tool(annotations=READ)
+    async def preview_close_ticket(
+        ticket_id: str, expected_version: int, ctx: Context
+    ) -> Annotated[CallToolResult, models.Plan]:
+        """Preview close_ticket: the status and version change, the plan id and the ticket's current version. Changes nothing."""
+        return await run.read(
+            ctx, "preview_close_ticket", lambda: store.preview_close_ticket(path, ticket_id, expected_version),
+            structured,
+        )
+
+    @server.tool(annotations=READ)
+    async def preview_refund(account: str, amount_cents: int, ctx: Context) -> Annotated[CallToolResult, models.Plan]:
+        """Preview issue_refund: the balance before and after, the plan id and the account's current version. Changes nothing."""
+        return await run.read(
+            ctx, "preview_refund", lambda: store.preview_refund(path, account, amount_cents), structured
+        )
 
 
 def _register_reads(server: MCPServer, run: Runner, path: str) -> None:

@@ -2,7 +2,7 @@
 database roles from the stack's environment), and Debian's Chromium driven by Playwright.
 
 Every page a test opens is saved as a PNG under ``tests/console/screenshots/`` (ignored by git;
-the README names it), so a reviewer can look at what the tests saw.
+docs/design/tests.md names it), so a reviewer can look at what the tests saw.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,9 @@ class Console:
         self.url, self.tokens, self.log = url, tokens, log
 
 
-@pytest.fixture(scope="session")
-def console(stack: Stack) -> Iterator[Console]:
-    users = stack.workdir / "console-users.json"
-    tokens = {"ops-alice": add_user(users, "ops-alice", ConsoleRole.operator),
-              "viewer-bob": add_user(users, "viewer-bob", ConsoleRole.viewer)}
+@contextmanager
+def running_console(stack: Stack, users: Path, tokens: dict[str, str]) -> Iterator[Console]:
+    """``proofline console`` on ``stack`` as its own process, serving the users in ``users``."""
     port_file = stack.workdir / "ports" / "console.port"
     log = stack.workdir / "console.log"
     proc = start_process([sys.executable, "-m", "proofline", "console", "--port", "0", "--port-file", str(port_file),
@@ -46,26 +45,41 @@ def console(stack: Stack) -> Iterator[Console]:
         stop_process(proc)
 
 
-@pytest.fixture(scope="module")
-def browser(stack: Stack) -> Iterator[Any]:
-    """Chromium for one test module. Playwright's sync API keeps an asyncio loop running in this
-    thread while it is open, which would break any later test that calls ``asyncio.run``: so it is
-    closed after each module, not held for the session."""
+@pytest.fixture(scope="session")
+def console(stack: Stack) -> Iterator[Console]:
+    users = stack.workdir / "console-users.json"
+    tokens = {"ops-alice": add_user(users, "ops-alice", ConsoleRole.operator),
+              "viewer-bob": add_user(users, "viewer-bob", ConsoleRole.viewer)}
+    with running_console(stack, users, tokens) as running:
+        yield running
+
+
+@contextmanager
+def chromium(stack: Stack) -> Iterator[Any]:
+    """Debian's Chromium under Playwright, for one test module. Playwright's sync API keeps an
+    asyncio loop running in this thread while it is open, which would break any later test that
+    calls ``asyncio.run``: so it is closed after each module, not held for the session."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (bash .ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     SCREENSHOTS.mkdir(exist_ok=True)
-    # Playwright's sync API keeps an event loop running in this thread; the controller's probe of
-    # the live server (asyncio.run) must happen first, and the stack caches what it found.
+    # The controller's probe of the live server (asyncio.run) must happen before Playwright's loop
+    # starts; the stack caches what it found.
     stack.live()
     with sync_playwright() as driver:
         # Debian's Chromium, never a browser Playwright downloads; as root it needs --no-sandbox.
-        chromium = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        launched = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            yield chromium
+            yield launched
         finally:
-            chromium.close()
+            launched.close()
+
+
+@pytest.fixture(scope="module")
+def browser(stack: Stack) -> Iterator[Any]:
+    with chromium(stack) as launched:
+        yield launched
 
 
 def log_in(browser: Any, console: Console, user: str) -> Any:

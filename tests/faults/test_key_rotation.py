@@ -1,6 +1,6 @@
 """Controller key rotation with signed messages already stored in the ledger.
 
-The rule (README, Keys and signatures): a key past its ``not_after`` is *retired*: it signs nothing
+The rule (docs/concepts/authority.md, Keys and signatures): a key past its ``not_after`` is *retired*: it signs nothing
 new, but a message the ledger stored before it retired is still the authority it was, so a re-drive
 of it (the broker lost the message) runs. A *revoked* key is refused whatever was stored, with
 ``envelope_key_revoked``, and the action it signed never runs: it ends

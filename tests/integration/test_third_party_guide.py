@@ -1,49 +1,27 @@
-"""Runs the README chapter "Configuring a server you did not write" as written, against the
+"""Runs the how-to "Configuring a server you did not write" (docs/how-to/third-party-servers.md) as written, against the
 reference SQLite MCP server installed from PyPI into its own virtual environment, and checks that
 the action it publishes was verified through that server's read-only identity."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
+from proofline_kit.processes import stop_group
 from tests.conftest import build_stack, teardown_stack
+from tests.integration.doc_blocks import as_script, blocks
 
-CHAPTER = "## Configuring a server you did not write"
-FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
+GUIDE = ROOT / "docs" / "how-to" / "third-party-servers.md"
 
 
 def chapter_blocks() -> list[tuple[str, str]]:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index(CHAPTER + "\n")
-    end = readme.find("\n## ", start + len(CHAPTER))
-    return FENCE.findall(readme[start:end if end != -1 else None])
-
-
-def as_script(blocks: list[tuple[str, str]]) -> str:
-    """One bash script doing what the reader does: run the shell blocks, save the files the YAML
-    blocks name on their first line, run the Python blocks."""
-    lines = ["set -euo pipefail"]
-    for lang, body in blocks:
-        if lang == "bash":
-            lines.append(body)
-        elif lang == "yaml":
-            target = re.match(r"# file: (\S+)\n", body)
-            assert target, f"a YAML block of the chapter names no file: {body[:80]!r}"
-            lines += [f"mkdir -p \"$(dirname {target.group(1)})\"",
-                      f"cat > {target.group(1)} <<'GUIDE_EOF'\n{body}GUIDE_EOF"]
-        elif lang == "python":
-            lines.append(f"python - <<'GUIDE_EOF'\n{body}GUIDE_EOF")
-    return "\n".join(lines) + "\n"
+    """Every fenced block of the guide's page, in order."""
+    return blocks(GUIDE)
 
 
 def registry_reachable(tmp: Path) -> str | None:
@@ -51,22 +29,6 @@ def registry_reachable(tmp: Path) -> str | None:
     probe = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(tmp),
                             "mcp-server-sqlite"], capture_output=True, text=True, timeout=180)
     return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["no output"])[-1]
-
-
-def stop_group(pgid: int) -> None:
-    """Stop what the guide started in the background (the worker), by the process group it ran in."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
 
 
 def test_the_third_party_chapter_runs_as_written(tmp_path: Path) -> None:

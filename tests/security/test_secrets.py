@@ -452,7 +452,7 @@ def test_operator_text_is_stored_scrubbed(secure: Stack) -> None:
     held = ticket(stack, f"t-{TAG}-held")
     publish(stack.settings, stack.conn, stack.app, held, hold=True)
     pasted = f"customer card {CARD} / Authorization: Bearer {CANARIES['authorization']}x"
-    # Operator commands run as the operator role (README "Database roles").
+    # Operator commands run as the operator role (docs/concepts/database-roles.md).
     assert cancel(stack.operator, CeleryDispatch(stack.app), held.action_id, "ops@example.com", pasted)["accepted"]
     value = f"nothing@nobody-{TAG}"
     set_switch(stack.operator, KillSwitchScope.tool_tenant, value, "ops@example.com", pasted)

@@ -136,8 +136,7 @@ def worker_db(stack: Stack) -> psycopg.Connection:
 
 def insert_forged_row(stack: Stack, env: Envelope, *, action_id: str, key_id: str | None, signature: str | None,
                       recovery_data: dict[str, Any], status: str = "recovery", tenant: str | None = None) -> None:
-    """Forge an ``actions`` row. The workers' own role is refused by Postgres (README "Database
-    roles"); the row is then written with the table owner's rights, an attacker with more than a
+    """Forge an ``actions`` row. The workers' own role is refused by Postgres (docs/concepts/database-roles.md); the row is then written with the table owner's rights, an attacker with more than a
     worker host holds, so that the signature checks in recovery are what is tested."""
     sql = """INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool, idempotency_key,
                                   status, outcome, finding, envelope, recovery_data, deadline, key_id, signature)

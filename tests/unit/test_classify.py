@@ -18,7 +18,7 @@ from proofline.contracts import ToolErrors, contract_for
 from proofline.errors import McpUnavailable
 from proofline.settings import ROOT
 from worker.classify import REFUSED_BEFORE_RUNNING, CallReport, classify
-from worker.execute import _sent
+from worker.tool_call import _sent
 
 contract = partial(contract_for, ROOT / "contracts")
 

@@ -21,8 +21,9 @@ from proofline.settings import ROOT
 #: The domain: pure definitions every layer shares (envelope, contracts, conditions, canonical
 #: form, signing, errors, settings and what they are built from).
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
-          "proofline.conditions", "proofline.contracts", "proofline.envelope", "proofline.errors",
-          "proofline.keys", "proofline.ledger_check", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
+          "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts",
+          "proofline.envelope", "proofline.errors", "proofline.keys", "proofline.ledger_check", "proofline.plan",
+          "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
           "proofline.telemetry.observe"}
 #: Instrumentation every layer reports through (metric and span definitions, log context): at the
 #: bottom like the domain, but outside the no-I/O-at-import check, because prometheus_client reads

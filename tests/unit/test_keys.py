@@ -140,20 +140,23 @@ def test_a_worker_key_must_be_active_in_the_keyring(tmp_path: Path) -> None:
 
 def test_add_worker_writes_one_more_worker_key_and_its_keyring_entry(tmp_path: Path) -> None:
     generate(tmp_path, development=True)
-    result = cli("keys", "add-worker", "--dir", str(tmp_path), "--name", "worker-b.key")
+    add = ("keys", "add-worker", "--out", str(tmp_path / "host-b" / "worker.key"), "--keyring",
+           str(tmp_path / "keyring.json"), "--development")
+    result = cli(*add)
     assert result.returncode == 0, result.stderr
-    added = json.loads((tmp_path / "worker-b.key").read_text())
-    assert stat.S_IMODE((tmp_path / "worker-b.key").stat().st_mode) == 0o600
+    added = json.loads((tmp_path / "host-b" / "worker.key").read_text())
+    assert stat.S_IMODE((tmp_path / "host-b" / "worker.key").stat().st_mode) == 0o600
     assert added["role"] == "worker" and added["development"] is True
     ring = load_keyring(tmp_path / "keyring.json")
     assert [k.role for k in ring.keys.values()].count(KeyRole.worker) == 2
     entry = ring.get(added["key_id"])
     assert entry is not None and not entry.revoked
-    signer = read_signing_key(tmp_path / "worker-b.key", KeyRole.worker)
+    signer = read_signing_key(tmp_path / "host-b" / "worker.key", KeyRole.worker)
     entry.public.verify(signer.sign(b"x"), b"x")
     # The second worker starts with its own key file; the first one's is untouched.
-    assert check_process_keys(Settings(keys_dir=tmp_path, worker_key_file=tmp_path / "worker-b.key"), "execute")
-    again = cli("keys", "add-worker", "--dir", str(tmp_path), "--name", "worker-b.key")
+    assert check_process_keys(Settings(keys_dir=tmp_path, worker_key_file=tmp_path / "host-b" / "worker.key"),
+                              "execute")
+    again = cli(*add)
     assert again.returncode != 0 and "already exists" in again.stderr
 
 
@@ -239,3 +242,14 @@ def test_key_files_default_to_the_keys_dir(tmp_path: Path) -> None:
         tmp_path / "controller.key", tmp_path / "recovery.key", tmp_path / "keyring.json")
     assert Settings(keys_dir=tmp_path, keyring_file=tmp_path / "other.json").keyring_file == tmp_path / "other.json"
     assert Settings().keyring_file is None
+
+
+def test_rotating_the_worker_key_keeps_the_old_one_verifiable_until_not_after(tmp_path: Path) -> None:
+    generate(tmp_path)
+    old, new = rotate(tmp_path, KeyRole.worker, timedelta(hours=1))
+    assert json.loads((tmp_path / "worker.key").read_text())["key_id"] == new != old
+    ring = load_keyring(tmp_path / "keyring.json")
+    retiring, current = ring.get(old), ring.get(new)
+    assert retiring is not None and retiring.role == KeyRole.worker and retiring.not_after is not None
+    assert current is not None and current.role == KeyRole.worker and current.not_after is None
+    check_process_keys(Settings(keys_dir=tmp_path), "execute")

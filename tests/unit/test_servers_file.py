@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proofline.errors import ServersVariableUnset
+from proofline.errors import ConfigurationError, ServersVariableUnset
 from worker.servers import load_servers
 
 
@@ -58,3 +58,26 @@ servers:
         load_servers(path)
     assert raised.value.code == "servers_variable_unset"
     assert "servers.shop.command[2] names ${PL_TEST_MISSING}" in raised.value.detail and str(path) in raised.value.detail
+
+
+def test_a_server_may_set_its_own_tool_list_age(tmp_path: Path) -> None:
+    """``tool_list_max_age_seconds`` belongs to the server, not to its endpoints: it is read, kept
+    for the server, and bounded like the setting (never negative)."""
+    path = write(tmp_path, """
+servers:
+  fast:
+    transport: http
+    url: http://127.0.0.1:9/mcp
+    tool_list_max_age_seconds: 5
+    read_identity: {}
+  default:
+    transport: http
+    url: http://127.0.0.1:9/mcp
+    read_identity: {}
+""")
+    servers = load_servers(path)
+    assert servers["fast"].tool_list_max_age_seconds == 5
+    assert servers["default"].tool_list_max_age_seconds is None
+    negative = write(tmp_path / "neg", path.read_text().replace(": 5", ": -1"))
+    with pytest.raises(ConfigurationError, match="tool_list_max_age_seconds"):
+        load_servers(negative)

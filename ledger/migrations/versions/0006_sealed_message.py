@@ -3,7 +3,7 @@ redacted ``actions.envelope``.
 
 Rows written before this revision keep their envelope as it was and have no sealed message: a
 migration holds no key to seal with, and re-driving them still works from ``envelope``,
-``key_id`` and ``signature`` only until they settle (see README, Secrets and redaction).
+``key_id`` and ``signature`` only until they settle (see docs/concepts/secrets.md).
 
 Revision ID: 0006
 Revises: 0003

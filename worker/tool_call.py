@@ -1,0 +1,70 @@
+"""The tool call itself: sent under a live lease, heartbeating, every failure kept for the classifier.
+
+Whether a failed request was sent decides everything after it (a request that never left is a
+failure before any side effect; one that left may have changed the world), so :func:`_sent` says
+False only when the failure proves the request never left.
+"""
+
+from __future__ import annotations
+
+import time
+
+from proofline.contracts import Contract
+from proofline.envelope import Envelope
+from proofline.errors import McpUnavailable, StaleLease
+from proofline.telemetry import tracing
+from worker import calls, faultpoints
+from worker.classify import CallReport
+from worker.lease import Heartbeat
+from worker.mcp_client import CancelHandle
+from worker.runtime import Runtime
+from worker.servers import Server
+
+
+def _sent(exc: BaseException) -> bool:
+    """False only when the failure proves the request never left (connection refused or not opened)."""
+    if isinstance(exc, McpUnavailable | ConnectionRefusedError):
+        return False
+    if type(exc).__name__ == "ConnectError":
+        return False
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_sent(e) for e in exc.exceptions)
+    cause = exc.__cause__ or exc.__context__
+    return _sent(cause) if cause is not None and cause is not exc else True
+
+
+def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float
+          ) -> CallReport:
+    settings = rt.settings
+    remaining = (envelope.deadline - db_now).total_seconds() - (time.monotonic() - t0)
+    deadline_monotonic = time.monotonic() + remaining
+    timeout = min(envelope.timeout_seconds, contract.timeout_seconds)
+    progress = calls.ProgressLog(limit=settings.progress_events_limit)
+    started = time.monotonic()
+    handle = CancelHandle()
+    unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
+    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
+                   touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
+        if not heartbeat.valid():
+            # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
+            return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
+        faultpoints.hit("before_send")
+        try:
+            trace_meta = tracing.carrier()  # read here: the call runs on the MCP session's thread
+            result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
+                c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
+                action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
+                progress=progress, fencing_token=token, trace_meta=trace_meta), cancel_handle=handle)
+        except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            sent = _sent(exc)
+            # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
+            # evidence on this action.
+            violation = rt.mcp.discard(server, "write") if sent else None
+            return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
+                              progress=tuple(progress.kept), progress_total=progress.total,
+                              sandbox_violation=violation, unsandboxed=unsandboxed)
+    faultpoints.hit("after_send")
+    return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
+                      progress_total=progress.total, unsandboxed=unsandboxed)
