@@ -167,6 +167,11 @@ def _json(value: Any) -> Jsonb:
     return Jsonb(value, dumps=_dumps)
 
 
+def stored_form(value: Any) -> Any:
+    """``value`` as a jsonb column written by this store gives it back (tuples as lists, NULs kept visible)."""
+    return json.loads(_dumps(value))
+
+
 # --- ledger events ------------------------------------------------------------------------------
 
 

@@ -410,6 +410,18 @@ class ParentRowMismatch(ProoflineError):
     the envelope its signed message carries: the row was not written by the runtime."""
 
     code = "parent_row_mismatch"
+
+
+class EvidenceUnsigned(ParentSignatureInvalid):
+    """No valid worker signature covers the evidence recovery would act on (``cause`` says why)."""
+
+    code = "evidence_unsigned"
+
+
+class EvidenceMismatch(ParentRowMismatch):
+    """The action row's evidence columns differ from what the worker signed (the ``columns`` named)."""
+
+    code = "evidence_mismatch"
 # --- containment: conditions, outputs and budgets ---------------------------------------------
 
 

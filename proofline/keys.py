@@ -3,7 +3,7 @@ process that verifies, and the one command that makes them all (``proofline keys
 
 Formats (JSON; private files are written 0600):
 
-- ``controller.key`` / ``recovery.key`` / ``ledger.key``:
+- ``controller.key`` / ``recovery.key`` / ``ledger.key`` / ``worker.key``:
   ``{"key_id", "role", "private_key": base64(raw 32-byte Ed25519 seed)}``
 - ``seal.key``: ``{"key_id", "key": base64(32 random bytes)}`` (AES-256-GCM, used by the sealing code)
 - ``keyring.json``: ``{"keys": [{"key_id", "role", "public_key": base64(raw 32 bytes),
@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from proofline.errors import ConfigurationError
 
 PRODUCTION = "production"
-FILES = {"controller": "controller.key", "recovery": "recovery.key", "ledger": "ledger.key"}
+FILES = {"controller": "controller.key", "recovery": "recovery.key", "ledger": "ledger.key", "worker": "worker.key"}
 SEAL_FILE = "seal.key"
 KEYRING_FILE = "keyring.json"
 
@@ -50,6 +50,9 @@ class KeyRole(str, Enum):
     #: Approvals, revocations and authority policies: held by people or an approval service, never by
     #: workers, controllers' automation or recovery. Its keyring entry names the approver (``identity``).
     approver = "approver"
+    #: Evidence statements of what a worker recorded (one key per worker host or process); never an
+    #: envelope, an approval or a checkpoint.
+    worker = "worker"
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,13 @@ def private_key_readable(path: Path | None) -> bool:
     return path is not None and Path(path).is_file() and os.access(path, os.R_OK)
 
 
+def _active_key(ring: Keyring, key: SigningKey) -> None:
+    entry = ring.get(key.key_id)
+    if entry is None or entry.role != key.role or entry.revoked:
+        raise ConfigurationError(f"{key.role.value} key {key.key_id} is not an active {key.role.value} key in the "
+                                 "keyring")
+
+
 def check_process_keys(settings: Any, role: str) -> list[str]:
     """What a process of ``role`` (execute, recovery, all, controller) must and must not hold.
 
@@ -248,12 +258,14 @@ def check_process_keys(settings: Any, role: str) -> list[str]:
         return warnings
     ring = load_keyring(settings.keyring_file, env)
     if role in ("recovery", "all"):
-        key = load_signing_key(settings.recovery_key_file, KeyRole.recovery, env)
-        entry = ring.get(key.key_id)
-        if entry is None or entry.role != KeyRole.recovery or entry.revoked:
-            raise ConfigurationError(f"recovery key {key.key_id} is not an active recovery key in the keyring")
+        _active_key(ring, load_signing_key(settings.recovery_key_file, KeyRole.recovery, env))
+    if role in ("execute", "all"):
+        # Execution signs the evidence it records (proofline/signing.py, sign_evidence).
+        _active_key(ring, load_signing_key(settings.worker_key_file, KeyRole.worker, env))
     if role == "execute":
-        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file) if private_key_readable(p)]
+        ledger = settings.ledger_key_file or (Path(settings.keys_dir) / FILES["ledger"] if settings.keys_dir else None)
+        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file, ledger)
+                if private_key_readable(p)]
         if held and env == PRODUCTION:
             raise ConfigurationError(f"an execute worker must not be able to read signing keys: {', '.join(held)}")
         warnings += [f"execute worker can read the private key {p} (refused in production)" for p in held]
@@ -301,7 +313,8 @@ def new_signing_key(role: KeyRole, development: bool = False) -> tuple[dict[str,
 
 
 def generate(directory: Path, *, force: bool = False, development: bool = False) -> list[Path]:
-    """Write controller.key, recovery.key, ledger.key, seal.key and keyring.json into ``directory``."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key and keyring.json into
+    ``directory``."""
     directory = Path(directory)
     names = [*FILES.values(), SEAL_FILE, KEYRING_FILE]
     existing = [n for n in names if (directory / n).exists()]
@@ -346,12 +359,23 @@ def rotate(directory: Path, role: KeyRole, overlap: timedelta) -> tuple[str, str
 def add_approver(keyring_path: Path, key_path: Path, identity: str, development: bool = False) -> str:
     """Make an approver key for ``identity``: its private file at ``key_path`` (0600, for that person
     or approval service alone) and its public entry, naming the identity, in the keyring."""
+    return _add_key(keyring_path, key_path, KeyRole.approver, development, identity=identity)
+
+
+def add_worker(keyring_path: Path, key_path: Path, development: bool = False) -> str:
+    """One more worker key (another worker host or process): its private file at ``key_path`` (0600,
+    for that worker alone) and its public entry in the keyring."""
+    return _add_key(keyring_path, key_path, KeyRole.worker, development)
+
+
+def _add_key(keyring_path: Path, key_path: Path, role: KeyRole, development: bool, **extra: str) -> str:
     ring = _read_json(keyring_path, "keyring")
     parse_keyring(ring, keyring_path)
     if Path(key_path).exists():
-        raise ConfigurationError(f"{key_path} already exists; an approver key is never overwritten")
-    key_file, entry = new_signing_key(KeyRole.approver, development)
-    key_file["identity"] = entry["identity"] = identity
+        raise ConfigurationError(f"{key_path} already exists; {role.value} keys are never overwritten")
+    key_file, entry = new_signing_key(role, development)
+    key_file.update(extra)
+    entry.update(extra)
     ring["keys"].append(entry)
     # Private file first: a keyring entry without its key would be harmless, the reverse never happens.
     Path(key_path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -369,3 +393,4 @@ def revoke(keyring_path: Path, key_id: str) -> None:
         raise ConfigurationError(f"{keyring_path}: no key {key_id}")
     matches[0]["revoked"] = True
     _write(Path(keyring_path), ring, 0o644)
+

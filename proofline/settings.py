@@ -164,6 +164,9 @@ class Settings(BaseSettings):
     signing_key_file: Path | None = None
     #: The recovery key that signs derived envelopes (recovery processes only).
     recovery_key_file: Path | None = None
+    #: This worker's key (role "worker"): it signs the evidence the worker records, nothing else
+    #: (execute workers; default ``keys_dir/worker.key``).
+    worker_key_file: Path | None = None
     #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
     keyring_file: Path | None = None
     #: The signed authority policy (``proofline authority sign``): each action type's mode (read,
@@ -176,6 +179,7 @@ class Settings(BaseSettings):
     def _key_files_default_to_keys_dir(cls, data: object) -> object:
         if isinstance(data, dict) and data.get("keys_dir"):
             for name, default in (("signing_key_file", "controller.key"), ("recovery_key_file", "recovery.key"),
+                                  ("worker_key_file", "worker.key"),
                                   ("keyring_file", "keyring.json")):
                 if not data.get(name):
                     data[name] = Path(str(data["keys_dir"])) / default

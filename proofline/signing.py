@@ -15,6 +15,11 @@ the rotation, a re-drive of a message the broker lost, the parent a compensation
 :func:`verify` accepts such a message when the caller says when the ledger stored it
 (``stored_at``, from the database clock). A revoked key is refused whatever was stored. Whether the role fits the content (a fresh action or a
 derived one) is checked once the envelope is parsed (:func:`check_role`).
+
+Worker keys sign evidence statements only (:func:`sign_evidence`): what a worker recorded about an
+action, which recovery verifies (:func:`verify_evidence`) before it derives or settles anything. The
+signed bytes carry their own prefix, so an evidence signature is never a valid envelope signature,
+and :func:`verify` refuses a worker key on any envelope whatever it signed.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from proofline.canonical import canonical_bytes, sha256_hex
 from proofline.envelope import Envelope
 from proofline.errors import (
     BadSignature,
+    EvidenceUnsigned,
     ExpiredSigningKey,
     MalformedEnvelope,
     RevokedSigningKey,
@@ -43,6 +49,8 @@ from proofline.keys import Keyring, KeyRole, PublicKey, SigningKey
 
 SIGNATURE_BYTES = 64
 ENVELOPE_ROLES = (KeyRole.controller, KeyRole.recovery)
+#: What a worker key's signature covers: this prefix, then the statement's canonical JSON.
+EVIDENCE_CONTEXT = b"proofline-evidence-v1\n"
 
 
 @dataclass(frozen=True)
@@ -135,3 +143,42 @@ def verify(message: Any, keyring: Keyring, now: datetime | None = None,
     except InvalidSignature:
         raise BadSignature("signature does not match the envelope content") from None
     return Verified(message["envelope"], key, stored)
+
+
+def sign_evidence(statement: dict[str, Any], key: SigningKey) -> dict[str, Any]:
+    """A worker's signed evidence statement: ``{"statement", "key_id", "signature"}``."""
+    if key.role != KeyRole.worker:
+        raise WrongKeyRole(f"a {key.role.value} key may not sign evidence", role=key.role.value)
+    return {"statement": statement, "key_id": key.key_id,
+            "signature": encode_signature(key.sign(EVIDENCE_CONTEXT + canonical_bytes(statement)))}
+
+
+def verify_evidence(seal: Any, keyring: Keyring, stored_at: datetime | None, now: datetime | None = None) -> PublicKey:
+    """The worker key that signed ``seal``, or :class:`EvidenceUnsigned` with its ``cause``.
+
+    A key past its ``not_after`` still vouches for a statement the ledger stored (``stored_at``)
+    before that moment; a revoked key vouches for nothing."""
+    def refuse(cause: str, detail: str) -> EvidenceUnsigned:
+        return EvidenceUnsigned(detail, cause=cause)
+
+    if not isinstance(seal, dict) or not isinstance(seal.get("statement"), dict):
+        raise refuse("missing", "no signed evidence statement")
+    key_id, signature = seal.get("key_id"), seal.get("signature")
+    if not isinstance(key_id, str) or not isinstance(signature, str):
+        raise refuse("malformed", "evidence key_id and signature must be strings")
+    key = keyring.get(key_id)
+    if key is None:
+        raise refuse("unknown_key", f"evidence signed with unknown key {key_id[:64]!r}")
+    if key.role != KeyRole.worker:
+        raise refuse("wrong_key_role", f"evidence signed with {key.role.value} key {key_id}, not a worker key")
+    if key.revoked:
+        raise refuse("revoked_key", f"evidence signed with revoked worker key {key_id}")
+    if key.expired(now or datetime.now(UTC)) and (stored_at is None or stored_at >= key.not_after):  # type: ignore[operator]
+        raise refuse("expired_key", f"evidence stored after worker key {key_id} retired")
+    try:
+        key.public.verify(_decode(signature), EVIDENCE_CONTEXT + canonical_bytes(seal["statement"]))
+    except (BadSignature, InvalidSignature):
+        raise refuse("bad_signature", "the evidence signature does not match its statement") from None
+    except Exception as exc:  # noqa: BLE001 - rfc8785 refuses NaN, huge ints, non-str keys
+        raise refuse("malformed", f"the evidence statement is not canonicalisable JSON: {exc}"[:300]) from None
+    return key

@@ -6,8 +6,9 @@ containment engages a kill switch for the tool and tenant; manual intervention e
 operator queue. Nothing here calls a write tool directly.
 
 Before any of that, the action's stored signed message is verified against the keyring and the
-row's columns are compared with it (``worker.validate.authenticate_row``): a row the runtime did not
-write is refused (``recovery_refused``), escalated and alerted on, and nothing is derived or signed.
+row's columns are compared with it (``worker.validate.authenticate_row``), and its state columns with
+the evidence statement a worker signed for them (``ledger.evidence.check_txn``): a row the runtime did
+not write is refused (``recovery_refused``), escalated and alerted on, and nothing is derived or signed.
 Derived envelopes are signed with the recovery key, which only recovery processes hold.
 """
 
@@ -17,7 +18,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from ledger import store
+from ledger import evidence, store
 from ledger.publication import publish_message, validate_for_publish
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, RecoveryKind, VerificationFinding
@@ -54,6 +55,14 @@ def facts_for(action: store.ActionRow, envelope: Envelope, record: store.Idempot
     )
 
 
+def signed_statuses(action: store.ActionRow, envelope: Envelope) -> tuple[ActionStatus, ...]:
+    """The signed statuses that vouch for a row in recovery: a worker moved it there, or it is a
+    verified step of a multi-step run that the run coordinator sent back to be undone."""
+    if action.reason_code == "run_step_failed" and envelope.run_steps > 1 and envelope.recovers is None:
+        return ActionStatus.recovery, ActionStatus.closed
+    return (ActionStatus.recovery,)
+
+
 def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
     actor = rt.settings.worker_id
     backoff = 0.0
@@ -63,9 +72,11 @@ def recover(rt: Runtime, action_id: str, dispatch: Dispatch) -> dict[str, Any]:
         if action is None or action.status != ActionStatus.recovery:
             return {"status": "skipped", "action_id": action_id}
         try:
-            # Every fact below comes from the verified signed message, never from the row's copy.
-            envelope = authenticate_row(action, load_keyring(rt.settings.keyring_file, rt.settings.environment),
-                                        KeyRole.controller if action.kind == "action" else KeyRole.recovery)
+            # Every fact below comes from the verified signed message, never from the row's copy, and
+            # from state columns equal to what a worker signed (EvidenceUnsigned/-Mismatch are among these).
+            ring = load_keyring(rt.settings.keyring_file, rt.settings.environment)
+            envelope = authenticate_row(action, ring, KeyRole.controller if action.kind == "action" else KeyRole.recovery)
+            evidence.check_txn(cur, action, ring, signed_statuses(action, envelope))
         except (ParentSignatureInvalid, ParentRowMismatch) as exc:
             return _refuse_txn(cur, action, exc, actor)
         contract = rt.contract(envelope.action_type)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ledger import store
+from ledger import evidence, store
 from ledger.redact import scrub_text
 from ledger.states import ActionStatus, KillSwitchScope, Outcome
 from proofline.envelope import Envelope
-from proofline.errors import ParentRowMismatch, ParentSignatureInvalid
+from proofline.errors import EvidenceMismatch, ParentRowMismatch, ParentSignatureInvalid
 from proofline.keys import KeyRole, load_keyring
 from proofline.settings import get_settings
 from worker.dispatch import Dispatch
@@ -53,7 +53,8 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
     succeeded = status == ActionStatus.closed and outcome == Outcome.completed_verified
     with store.transaction(conn) as cur:
         own = store.get_action(cur, recovery_env.action_id)
-        verified = _authentic_recovery_row(cur, own, actor) if own is not None else None
+        # Only a success needs the worker's signature: a failure escalates, which no forgery can abuse.
+        verified = _authentic_recovery_row(cur, own, actor, succeeded) if own is not None else None
         if verified is None:
             return  # a recovery row the runtime did not write never settles anything
         parent_id = verified.recovers
@@ -81,21 +82,29 @@ def settle_parent(conn: Any, actor: str, recovery_env: Envelope, status: ActionS
     after_settle(conn, actor, parent_id, dispatch)
 
 
-def _authentic_recovery_row(cur: Any, row: store.ActionRow, actor: str) -> Envelope | None:
+def _authentic_recovery_row(cur: Any, row: store.ActionRow, actor: str, succeeded: bool) -> Envelope | None:
     """The recovery action's verified envelope (its stored message signed by the recovery key, its
-    columns matching), or None after recording the refusal and raising the alert once."""
+    columns matching; for a success, its closed verified state signed by a worker), or None after
+    recording the refusal and raising the alert once."""
     settings = get_settings()
     try:
-        return authenticate_row(row, load_keyring(settings.keyring_file, settings.environment), KeyRole.recovery)
+        ring = load_keyring(settings.keyring_file, settings.environment)
+        envelope = authenticate_row(row, ring, KeyRole.recovery)
+        if succeeded:
+            if (row.status, row.outcome) != (ActionStatus.closed, Outcome.completed_verified):
+                raise EvidenceMismatch(f"recovery action {row.action_id} is not closed verified", action_id=row.action_id,
+                                       columns="status, outcome")
+            evidence.check_txn(cur, row, ring, (ActionStatus.closed,))
+        return envelope
     except (ParentSignatureInvalid, ParentRowMismatch) as exc:
         cur.execute("SELECT 1 FROM ledger_events WHERE action_id = %s AND event = 'settlement_refused'",
                     (row.action_id,))
         if cur.fetchone() is None:
-            evidence = {**exc.as_evidence(), "reason": exc.code, "kind": row.kind,
-                        "claimed_parent": row.parent_action_id}
-            store.append_event_txn(cur, row.action_id, "settlement_refused", actor, evidence)
+            refusal = {**exc.as_evidence(), "reason": exc.code, "kind": row.kind,
+                       "claimed_parent": row.parent_action_id}
+            store.append_event_txn(cur, row.action_id, "settlement_refused", actor, refusal)
             store.append_event_txn(cur, SECURITY_ALERTS, "security_alert", actor,
-                                   {"alert": "settlement_refused", "action_id": row.action_id, **evidence})
+                                   {"alert": "settlement_refused", "action_id": row.action_id, **refusal})
             log.error("security_alert settlement_refused: %s for recovery action %s (%s)", exc.code, row.action_id,
                       exc.detail, extra={"event": "settlement_refused", "action_id": row.action_id})
         return None

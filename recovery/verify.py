@@ -12,8 +12,8 @@ import logging
 import time
 from typing import Any
 
-from ledger import store
-from ledger.redact import current_redactor, for_envelope
+from ledger import evidence, store
+from ledger.redact import Redactor, current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
 from proofline.envelope import CancellationBehaviour, Envelope
@@ -24,7 +24,7 @@ from recovery.operation_record import read_operation_record
 from worker import faultpoints, sandbox_events
 from worker.dispatch import Dispatch
 from worker.runtime import Runtime
-from worker.verification import finding_evidence, judge, observe
+from worker.verification import Observation, finding_evidence, judge, observe
 
 __all__ = ["DISPOSITION", "judge", "observe", "verify"]
 
@@ -55,6 +55,20 @@ def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, curren
         # The server ignored the cancellation and the effect is proven: that is the final state.
         return ActionStatus.closed, Outcome.completed_verified, IdempotencyStatus.completed, "cancel_too_late"
     return status, outcome, record_status, reason
+
+
+def verdict_evidence(rt: Runtime, action: store.ActionRow, red: Redactor, status: ActionStatus,
+                     outcome: Outcome | None, obs: Observation, reason: str,
+                     recovered: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The signed statement of what the verdict's commit leaves on the row (recovery derives only
+    from a row that matches it)."""
+    data = dict(action.recovery_data or {})
+    if obs.after is not None:
+        data["after"] = evidence.as_stored({"after": obs.after}, red)["after"]
+    return evidence.signed_event(rt.worker_key, evidence.statement(
+        action_id=action.action_id, idempotency_key=action.idempotency_key, status=status, outcome=outcome,
+        finding=obs.finding.value, reason_code=reason, recovery_data=data, signer=rt.settings.worker_id,
+        result=evidence.as_stored(recovered, red) if recovered is not None else action.result))
 
 
 @sandbox_events.records_audit
@@ -150,6 +164,8 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                              red)
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
+            # The worker's signed statement of this verdict, then the final state (always the last event).
+            events.append(verdict_evidence(rt, action, red, status, outcome or action.outcome, obs, reason, recovered))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)
                            else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,

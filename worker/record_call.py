@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ledger import store
+from ledger import evidence, store
 from ledger.redact import Redactor
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
@@ -124,12 +124,24 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
                 finding=VerificationFinding.expected.value, reason_code="verified",
                 recovery_data={"after": after} if after is not None else None, redactor=red,
                 events=[("verification_finished", {**first.evidence, "in_place": True}),
+                        _closed_evidence(rt, envelope, red, verdict, first),
                         ("final_state", {"status": ActionStatus.closed.value,
                                          "outcome": Outcome.completed_verified.value, "reason_code": "verified"})],
                 actor=actor, deferred=True)
         release_lease_txn(cur, aid, token)
         cur.execute(*unlock_sql(locks))
     return retry, verified
+
+
+def _closed_evidence(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification,
+                     first: FirstRead) -> tuple[str, dict[str, Any]]:
+    """The signed statement of the action closed verified in place: what the row holds after this commit."""
+    after = evidence.as_stored({"after": first.obs.after}, red)["after"]
+    return evidence.signed_event(rt.worker_key, evidence.statement(
+        action_id=envelope.action_id, idempotency_key=envelope.idempotency_key, status=ActionStatus.closed,
+        outcome=Outcome.completed_verified, finding=VerificationFinding.expected.value, reason_code="verified",
+        result=evidence.as_stored(_action_result(verdict), red),
+        recovery_data={"before": evidence.as_stored(first.obs.before), "after": after}, signer=rt.settings.worker_id))
 
 
 def _action_result(verdict: Classification) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ import psycopg
 from ledger import seal
 from ledger.store import connect
 from proofline.contracts import Contract, contract_for
+from proofline.keys import KeyRole, SigningKey, load_signing_key
 from proofline.settings import Settings, get_settings, reveal
 from worker.mcp_client import McpSessions, sessions
 from worker.servers import Server, server_named
@@ -36,6 +37,12 @@ class Runtime:
     def seal_key(self) -> seal.SealKey:
         """The key stored signed messages are sealed with (``Settings.seal_key_file``)."""
         return seal.sealer_for(self.settings)
+
+    @property
+    def worker_key(self) -> SigningKey:
+        """This worker's key (``Settings.worker_key_file``): it signs the evidence the worker records.
+        Re-read when the file changes, so a replaced key signs from the next action on."""
+        return load_signing_key(self.settings.worker_key_file, KeyRole.worker, self.settings.environment)
 
     _conn: psycopg.Connection[dict[str, Any]] | None = None
     _last_used: float = 0.0

@@ -37,6 +37,8 @@ class Observation:
     kept: list[dict[str, Any]] = field(default_factory=list)
     #: Conditions that could not be evaluated (recorded, bounded): they counted as not holding.
     condition_errors: list[dict[str, str]] = field(default_factory=list)
+    #: The execute task's first read only: the ``before`` snapshot as the ledger stores it.
+    before: Any = None
 
 
 def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
@@ -155,10 +157,12 @@ def first_read(rt: Runtime, envelope: Envelope, contract: Contract, doc: dict[st
     """One read of the system of record through the read identity, judged as the verification
     task's first read would be: ``before`` and the result's ``values`` as the ledger stores them
     (``stored`` is the action's redactor), the envelope as signed."""
-    base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
-            "before": stored({"before": before})["before"] or {},
+    kept = stored({"before": before})["before"]
+    base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"], "before": kept or {},
             "result": stored({"values": values})["values"] or {}}
-    return observe(rt, envelope, contract, base, max_reads=1)
+    obs = observe(rt, envelope, contract, base, max_reads=1)
+    obs.before = kept
+    return obs
 
 
 def read_in_place(rt: Runtime, envelope: Envelope, contract: Contract, before: dict[str, Any],

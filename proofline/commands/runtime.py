@@ -127,7 +127,7 @@ def keys() -> None:
 @click.option("--force", is_flag=True, help="replace existing key files")
 @click.option("--development", is_flag=True, help="mark the keys as development keys (refused in production)")
 def keys_generate(directory: Path, force: bool, development: bool) -> None:
-    """Write controller.key, recovery.key, ledger.key, seal.key (0600) and keyring.json."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key (0600) and keyring.json."""
     from proofline.keys import generate
 
     written = [str(p) for p in generate(directory, force=force, development=development)]
@@ -136,7 +136,7 @@ def keys_generate(directory: Path, force: bool, development: bool) -> None:
 
 @keys.command("rotate")
 @click.option("--dir", "directory", required=True, type=click.Path(path_type=Path))
-@click.option("--role", type=click.Choice(["controller", "recovery", "ledger"]), default="controller")
+@click.option("--role", type=click.Choice(["controller", "recovery", "ledger", "worker"]), default="controller")
 @click.option("--overlap-seconds", default=7200.0, show_default=True,
               help="the old key still verifies for this long (longer than the longest deadline)")
 def keys_rotate(directory: Path, role: str, overlap_seconds: float) -> None:
@@ -161,6 +161,20 @@ def keys_add_approver(identity: str, out: Path, keyring: Path, development: bool
     key_id = add_approver(keyring, out, identity, development)
     emit({"key_id": key_id, "identity": identity, "wrote": str(out)},
          f"approver key {key_id} for {identity}: {out} (keep it with the approver), public part in {keyring}")
+
+
+@keys.command("add-worker")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="the private key file (0600)")
+@click.option("--keyring", "keyring", required=True, type=click.Path(path_type=Path))
+@click.option("--development", is_flag=True, help="mark the key as a development key (refused in production)")
+def keys_add_worker(out: Path, keyring: Path, development: bool) -> None:
+    """One more worker key (another worker host or process): its private file for that worker alone,
+    its public entry in the keyring. Worker keys sign evidence, nothing else."""
+    from proofline.keys import add_worker
+
+    key_id = add_worker(keyring, out, development)
+    emit({"key_id": key_id, "wrote": str(out)},
+         f"worker key {key_id}: {out} (point that worker's PROOFLINE_WORKER_KEY_FILE at it), public part in {keyring}")
 
 
 @keys.command("revoke")

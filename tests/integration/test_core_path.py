@@ -57,6 +57,9 @@ def test_happy_path_is_verified_with_one_effect(stack: Stack) -> None:
     assert finished["finding"] == "expected" and finished["after"]["ticket"]["title"] == "disk full"
     assert finished["verification_key"] == "verify-" + env.idempotency_key
     assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 1
+    # The worker's signed statement of that verdict commits with it, and matches the row.
+    assert writing_transactions(stack, env.action_id, "verification_finished", "evidence_signed") == 1
+    assert_signed_evidence(stack, env.action_id)
 
 
 @pytest.mark.parametrize("stack", [VERIFY_TASK], indirect=True)
@@ -71,6 +74,20 @@ def test_with_in_place_verification_off_the_verification_task_decides(stack: Sta
     finished = next(e for e in timeline if e["event"] == "verification_finished")
     assert "first_read" not in enqueued["evidence"] and "in_place" not in finished["evidence"]
     assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 2
+    assert writing_transactions(stack, env.action_id, "verification_finished", "evidence_signed") == 1
+    assert_signed_evidence(stack, env.action_id)
+
+
+def assert_signed_evidence(stack: Stack, action_id: str) -> None:
+    """One ``evidence_signed`` event, by an active worker key, equal to the closed row."""
+    from ledger import evidence
+    from proofline.keys import KeyRole, load_keyring
+
+    with stack.conn.cursor() as cur:
+        key_id = evidence.check_txn(cur, stack.action(action_id), load_keyring(stack.settings.keyring_file),
+                                    (ActionStatus.closed,))
+    assert load_keyring(stack.settings.keyring_file).get(key_id).role == KeyRole.worker
+    assert stack.events(action_id).count("evidence_signed") == 1
 
 
 def writing_transactions(stack: Stack, action_id: str, *events: str) -> int:
@@ -186,4 +203,6 @@ def test_a_first_read_that_proves_nothing_hands_the_verdict_to_the_verification_
     assert enqueued["first_read"] == "unavailable"
     assert "in_place" not in finished and finished["finding"] == "expected"
     assert writing_transactions(stack, env.action_id, "tool_called", "verification_finished") == 2
+    assert writing_transactions(stack, env.action_id, "verification_finished", "evidence_signed") == 1
+    assert_signed_evidence(stack, env.action_id)
     assert stack.effects(env.idempotency_key) == 1

@@ -403,7 +403,12 @@ def test_the_compose_file_ships_no_secret_and_no_open_door() -> None:
     assert services["flower"]["ports"] == ["127.0.0.1:5555:5555"]
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
     env = services["worker"]["environment"]
-    assert env["PROOFLINE_KEYS_DIR"] == "/keys/worker" and env["PROOFLINE_ENVIRONMENT"] == "production"
+    assert env["PROOFLINE_KEYS_DIR"] == "/keys/execute" and env["PROOFLINE_ENVIRONMENT"] == "production"
+    # The execute worker's keys: its worker key (evidence only), never a key that signs envelopes.
+    split = str(services["keys"]["command"])
+    assert "cp -p keyring.json seal.key worker.key /keys/execute/" in split
+    assert services["worker"]["volumes"] == ["keys-execute:/keys/execute:ro"]
+    assert all("keys-execute" not in str(services[s].get("volumes")) for s in ("beat", "flower", "recovery"))
     assert ":?" in env["PROOFLINE_DATABASE_URL"] and ":?" in env["PROOFLINE_BROKER_URL"]
     assert "keys generate" in str(services["keys"]["command"])
     for tool_server in ("sor", "sor-reader"):  # untrusted: no credentials, no keys

@@ -66,7 +66,7 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         keys = Path(stack.env["PROOFLINE_KEYS_DIR"])
         public = ["keyring.json", "ledger.key", "seal.key"]
-        execute_keys = _link_dir(keys, stack.workdir / "keys-execute", public)
+        execute_keys = _link_dir(keys, stack.workdir / "keys-execute", [*public, "worker.key"])
         recovery_keys = _link_dir(keys, stack.workdir / "keys-recovery", [*public, "recovery.key"])
         start_workers(stack, role="execute", name="exec", beat=False,
                       env={**stack.env, "PROOFLINE_KEYS_DIR": str(execute_keys)})
@@ -160,8 +160,10 @@ def victim_ticket(stack: Stack) -> dict[str, Any]:
 
 
 def test_the_execute_worker_holds_no_private_key(split: Stack) -> None:
+    """No key that signs an envelope: its own worker key signs evidence only."""
     execute_keys = split.workdir / "keys-execute"
-    assert sorted(p.name for p in execute_keys.iterdir()) == ["keyring.json", "ledger.key", "seal.key"]
+    assert sorted(p.name for p in execute_keys.iterdir()) == ["keyring.json", "ledger.key", "seal.key", "worker.key"]
+    assert json.loads((execute_keys / "worker.key").read_text())["role"] == "worker"
     ring = json.loads((execute_keys / "keyring.json").read_text())
     assert all(set(e) >= {"key_id", "role", "public_key"} and "private_key" not in e for e in ring["keys"])
 

@@ -28,7 +28,8 @@ from proofline.keys import (
 )
 from proofline.settings import ROOT, Settings
 
-FILES = ("controller.key", "recovery.key", "ledger.key", "seal.key", "keyring.json")
+FILES = ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key", "keyring.json")
+SIGNING_ROLES = ("controller", "recovery", "ledger", "worker")
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -37,17 +38,17 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env={**base, **(env or {})}, timeout=60)
 
 
-def test_generate_writes_the_five_files_in_the_agreed_format(tmp_path: Path) -> None:
+def test_generate_writes_the_six_files_in_the_agreed_format(tmp_path: Path) -> None:
     result = cli("keys", "generate", "--dir", str(tmp_path / "k"))
     assert result.returncode == 0, result.stderr
     d = tmp_path / "k"
     assert sorted(p.name for p in d.iterdir()) == sorted(FILES)
-    for name in ("controller.key", "recovery.key", "ledger.key", "seal.key"):
+    for name in ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
     ring = json.loads((d / "keyring.json").read_text())
     by_role = {e["role"]: e for e in ring["keys"]}
-    assert sorted(by_role) == ["controller", "ledger", "recovery"]
-    for role in ("controller", "recovery", "ledger"):
+    assert sorted(by_role) == sorted(SIGNING_ROLES)
+    for role in SIGNING_ROLES:
         key = json.loads((d / f"{role}.key").read_text())
         assert set(key) == {"key_id", "role", "private_key"} and key["role"] == role
         assert len(base64.b64decode(key["private_key"])) == 32
@@ -59,7 +60,7 @@ def test_generate_writes_the_five_files_in_the_agreed_format(tmp_path: Path) -> 
         Ed25519PublicKey.from_public_bytes(base64.b64decode(entry["public_key"])).verify(signer.sign(b"x"), b"x")
     seal = json.loads((d / "seal.key").read_text())
     assert set(seal) == {"key_id", "key"} and len(base64.b64decode(seal["key"])) == 32
-    assert len({json.loads((d / f).read_text())["key_id"] for f in FILES if f != "keyring.json"}) == 4
+    assert len({json.loads((d / f).read_text())["key_id"] for f in FILES if f != "keyring.json"}) == 5
 
 
 def test_generate_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
@@ -104,7 +105,17 @@ def test_process_roles(tmp_path: Path) -> None:
     public_only = tmp_path / "public"
     public_only.mkdir()
     (public_only / "keyring.json").write_text((tmp_path / "keyring.json").read_text())
+    # Its own worker key is the one private key an execute worker holds (it signs evidence only).
+    with pytest.raises(ConfigurationError, match="worker.key does not exist"):
+        check_process_keys(Settings(keys_dir=public_only, environment="production"), "execute")
+    (public_only / "worker.key").write_text((tmp_path / "worker.key").read_text())
+    (public_only / "worker.key").chmod(0o600)
     assert check_process_keys(Settings(keys_dir=public_only, environment="production"), "execute") == []
+    # ... and never the ledger key, even where the other two are out of reach.
+    (public_only / "ledger.key").write_text((tmp_path / "ledger.key").read_text())
+    (public_only / "ledger.key").chmod(0o600)
+    with pytest.raises(ConfigurationError, match="ledger.key"):
+        check_process_keys(Settings(keys_dir=public_only, environment="production"), "execute")
     with pytest.raises(ConfigurationError, match="does not exist"):
         check_process_keys(Settings(keys_dir=public_only, environment="production"), "recovery")
     with pytest.raises(ConfigurationError, match="no keyring"):
@@ -117,6 +128,36 @@ def test_a_recovery_key_must_be_active_in_the_keyring(tmp_path: Path) -> None:
     revoke(tmp_path / "keyring.json", key_id)
     with pytest.raises(ConfigurationError, match="not an active recovery key"):
         check_process_keys(Settings(keys_dir=tmp_path), "recovery")
+
+
+def test_a_worker_key_must_be_active_in_the_keyring(tmp_path: Path) -> None:
+    generate(tmp_path)
+    check_process_keys(Settings(keys_dir=tmp_path), "execute")
+    revoke(tmp_path / "keyring.json", json.loads((tmp_path / "worker.key").read_text())["key_id"])
+    with pytest.raises(ConfigurationError, match="not an active worker key"):
+        check_process_keys(Settings(keys_dir=tmp_path), "execute")
+
+
+def test_add_worker_writes_one_more_worker_key_and_its_keyring_entry(tmp_path: Path) -> None:
+    generate(tmp_path, development=True)
+    add = ("keys", "add-worker", "--out", str(tmp_path / "host-b" / "worker.key"), "--keyring",
+           str(tmp_path / "keyring.json"), "--development")
+    result = cli(*add)
+    assert result.returncode == 0, result.stderr
+    added = json.loads((tmp_path / "host-b" / "worker.key").read_text())
+    assert stat.S_IMODE((tmp_path / "host-b" / "worker.key").stat().st_mode) == 0o600
+    assert added["role"] == "worker" and added["development"] is True
+    ring = load_keyring(tmp_path / "keyring.json")
+    assert [k.role for k in ring.keys.values()].count(KeyRole.worker) == 2
+    entry = ring.get(added["key_id"])
+    assert entry is not None and not entry.revoked
+    signer = read_signing_key(tmp_path / "host-b" / "worker.key", KeyRole.worker)
+    entry.public.verify(signer.sign(b"x"), b"x")
+    # The second worker starts with its own key file; the first one's is untouched.
+    assert check_process_keys(Settings(keys_dir=tmp_path, worker_key_file=tmp_path / "host-b" / "worker.key"),
+                              "execute")
+    again = cli(*add)
+    assert again.returncode != 0 and "already exists" in again.stderr
 
 
 @pytest.mark.parametrize(
