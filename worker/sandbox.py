@@ -122,6 +122,14 @@ def strace_available() -> bool:
     return shutil.which(STRACE) is not None
 
 
+def bwrap_binary() -> str:
+    """bwrap as found on this process's PATH (an absolute path), else the bare name.
+
+    The launcher runs with :func:`launcher_environment`'s fixed PATH, so it is handed this path:
+    the bwrap the worker's checks found (worker/sandbox_probe.py) is the one every sandbox runs."""
+    return shutil.which(BWRAP) or BWRAP
+
+
 def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
                   available: bool | None = None) -> str | None:
     """Whether a sandboxed server runs audited: None when it does, else why not (recorded).
@@ -291,9 +299,9 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
               f"ulimit -n {spec.open_files} && ulimit -p {spec.processes}")
     if status_path is not None:
         script = f"{limits} && exec {STATUS_FD}>\"$0\" && exec \"$@\""
-        argv = [SHELL, "-c", script, status_path, BWRAP, "--json-status-fd", str(STATUS_FD), *bw]
+        argv = [SHELL, "-c", script, status_path, bwrap_binary(), "--json-status-fd", str(STATUS_FD), *bw]
     else:
-        argv = [SHELL, "-c", f"{limits} && exec \"$@\"", "sandbox", BWRAP, *bw]
+        argv = [SHELL, "-c", f"{limits} && exec \"$@\"", "sandbox", bwrap_binary(), *bw]
     if audit_path is not None:
         from worker.sandbox_audit import strace_args
 

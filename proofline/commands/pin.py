@@ -25,7 +25,7 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
     naming each contract whose tool the server does not have (unknown_tool)."""
     from proofline.contracts import scan_contracts
     from proofline.controller import describe_server
-    from proofline.errors import ProoflineError
+    from proofline.errors import ConfigurationError, ProoflineError
     from proofline.pins import pin_server, pins_path, read_pins, write_pins
 
     settings = get_settings()
@@ -54,6 +54,8 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
                 pins[server] = fresh
                 tools = ", ".join(f"{tool} {digest[:12]}" for tool, digest in sorted(fresh.tools.items()))
                 click.echo(f"pinned  {server} {version}: {tools}")
+    except ConfigurationError:
+        raise  # a servers file or pins file that does not load: configuration_error, exit 3
     except ProoflineError as exc:
         raise click.ClickException(str(exc)) from None
     if not check:

@@ -27,7 +27,7 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-CHECKS = ["database", "migrations", "broker", "reconciler", "keys", "contracts", "servers"]
+CHECKS = ["database", "migrations", "broker", "reconciler", "keys", "contracts", "pins", "servers"]
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:
