@@ -8,12 +8,14 @@ start on the first failure, one line, exit 3 (``configuration_error``): see :fun
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from proofline.errors import ConfigurationError, ProoflineError
-from proofline.settings import Settings, reveal
+from proofline.settings import Environment, Settings, reveal
 
 #: The connect timeout of each service check, in seconds: a check must answer, not hang.
 CONNECT_TIMEOUT = 5
@@ -21,6 +23,9 @@ CONNECT_TIMEOUT = 5
 HEARTBEAT_INTERVALS = 3
 #: ... but never less than this, so a short interval does not make a healthy deployment look dead.
 HEARTBEAT_FLOOR_SECONDS = 30.0
+#: Broker schemes that take a password in production, with the form of a URL that carries one.
+CREDENTIALED_BROKERS = {"redis": "redis://:PASSWORD@HOST:6379/0", "rediss": "rediss://:PASSWORD@HOST:6380/0",
+                        "amqp": "amqp://USER:PASSWORD@HOST:5672//", "amqps": "amqps://USER:PASSWORD@HOST:5671//"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,22 @@ class Failed(Exception):
     def __init__(self, detail: str, fix: str) -> None:
         super().__init__(detail)
         self.detail, self.fix = detail, fix
+
+
+def check_environment(settings: Settings) -> str:
+    """In production, two rules more: not as root, and a broker URL with credentials."""
+    env = settings.environment
+    if env != Environment.production:
+        return f"{env.value}: the production rules are off (development keys, unsandboxed servers, one process " \
+               "with every role are accepted)"
+    url = urlsplit(reveal(settings.broker_url) or "")
+    if url.scheme in CREDENTIALED_BROKERS and not url.password:
+        raise Failed(f"PROOFLINE_BROKER_URL ({url.scheme}://{url.hostname or ''}) carries no password: anyone who "
+                     "reaches the broker can send tasks to the workers",
+                     f"give the broker a password and put it in the URL ({CREDENTIALED_BROKERS[url.scheme]})")
+    if os.geteuid() == 0:
+        raise Failed("this process runs as root", "run Proofline as an unprivileged user (its own system user)")
+    return f"production: not root (uid {os.geteuid()}), the broker URL carries credentials"
 
 
 def _database_url(settings: Settings, own: bool) -> str:
@@ -131,7 +152,8 @@ def check_keys(settings: Settings, role: str) -> str:
     from proofline.errors import ProoflineError
     from proofline.keys import check_process_keys
 
-    fix = "create them with `proofline keys generate --dir DIR` and set PROOFLINE_KEYS_DIR=DIR"
+    fix = ("create them with `proofline keys generate --dir DIR` (no --development in production) and set "
+           "PROOFLINE_KEYS_DIR=DIR, or run the process role the message names")
     if settings.keys_dir is None and settings.keyring_file is None:
         raise Failed("no keys configured (PROOFLINE_KEYS_DIR is not set)", fix)
     try:
@@ -193,24 +215,29 @@ def check_servers(settings: Settings) -> str:
     return f"{len(servers)} server(s) in {path}{found}{note}"
 
 
-def check_pins(settings: Settings) -> str:
-    """The pinned contract registry reads, and pins every contract's tool (publish needs it)."""
+def check_pins(settings: Settings, publishing: bool = True) -> str:
+    """The pinned contract registry reads, and (``publishing``: what ``proofline publish`` needs)
+    pins every contract's tool. A worker never reads the pins, so for it only a file that exists
+    and cannot be read fails; contracts left unpinned are named in the answer."""
     from proofline.contracts import scan_contracts
     from proofline.pins import pins_path, problems, read_pins
 
     path = pins_path(settings)
     fix = "run `proofline contracts pin` and review what it records, or set PROOFLINE_PINS_FILE"
     if not path.exists():
-        return f"no pins file at {path} (the worker needs none; `proofline publish` does)"
+        if publishing:
+            raise Failed(f"no pins file at {path}: `proofline publish` has no reviewed tool contracts", fix)
+        return f"no pins file at {path} (a worker needs none; `proofline publish` does)"
     try:
         pins = read_pins(path)
     except ProoflineError as exc:
         raise Failed(exc.detail[:400], fix) from None
     found = problems(pins, scan_contracts(Path(settings.contracts_dir)).contracts, path)
-    if found:
-        named = "; ".join(f"{action}: {code}" for action, (code, _) in sorted(found.items()))
+    named = "; ".join(f"{action}: {code}" for action, (code, _) in sorted(found.items()))
+    if found and publishing:
         raise Failed(f"{path}: {named[:400]}", fix)
-    return f"{sum(len(p.tools) for p in pins.values())} tool(s) pinned in {path}"
+    pinned = f"{sum(len(p.tools) for p in pins.values())} tool(s) pinned in {path}"
+    return pinned + (f"; not publishable until pinned: {named[:300]}" if found else "")
 
 
 #: Checks that read the database: not run (and failed) when it cannot be reached.
@@ -218,11 +245,12 @@ NEEDS_DATABASE = ("migrations", "reconciler")
 
 
 def worker_checks(settings: Settings, role: str) -> list[tuple[str, Any]]:
-    """What a worker checks before it consumes, in order (each a name and a call). Not the broker
-    (Celery waits for it and reconnects) nor the reconciler (a worker may be the first to start)."""
-    return [("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings)),
-            ("pins", lambda: check_pins(settings)), ("keys", lambda: check_keys(settings, role)),
-            ("database", lambda: check_database(settings, own=True)),
+    """What a worker checks before it consumes, in order (each a name and a call): the process's own
+    keys and rules first, then its files, then the database. Not the broker (Celery waits for it
+    and reconnects) nor the reconciler's heartbeat (a worker may be the first process to start)."""
+    return [("keys", lambda: check_keys(settings, role)), ("environment", lambda: check_environment(settings)),
+            ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings)),
+            ("pins", lambda: check_pins(settings, publishing=False)), ("database", lambda: check_database(settings, own=True)),
             ("migrations", lambda: check_migrations(settings, own=True))]
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proofline.errors import ConfigurationError
+from proofline.settings import Environment
 
 BWRAP = "bwrap"
 STRACE = "strace"
@@ -110,7 +111,7 @@ def require_policy(server: str, role: str, spec: SandboxSpec, environment: str) 
     Returns the recorded reason for an unsandboxed server (None when sandboxed)."""
     if spec.enabled:
         return None
-    if environment == "production" and not spec.reason:
+    if environment == Environment.production and not spec.reason:
         raise ConfigurationError(
             f"server {server!r} ({role}) runs unsandboxed in production without a reason: set "
             "sandbox: {enabled: false, reason: \"...\"} in the servers file, or sandbox it",
@@ -144,7 +145,7 @@ def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
                                  server=server, role=role)
     if spec.audit is not False and available:
         return None
-    if environment == "production" and not spec.audit_reason:
+    if environment == Environment.production and not spec.audit_reason:
         why = "audit: false" if spec.audit is False else "strace is not installed"
         raise ConfigurationError(
             f"server {server!r} ({role}) runs without sandbox auditing in production ({why}) and gives no "

@@ -2,9 +2,10 @@
 
 One line per check (``ok`` or ``FAIL``, what was found, and for a failure how to fix it), exit 1 if
 any check failed, ``--json`` for machines. Every check runs even when an earlier one failed, so
-one run lists everything that is wrong. Checks: the database, its migrations, the broker, the
-reconciler's heartbeat, the keys this process role needs, the contracts and their pins, the
-servers file and what its sandboxes need on this host. The checks themselves live in
+one run lists everything that is wrong. Checks: the production rules (not root, a broker URL with
+credentials), the database, its migrations, the broker, the reconciler's heartbeat, the keys this
+process role needs, the contracts and their pins, the servers file and what its sandboxes need on
+this host. The checks themselves live in
 ``proofline/setup_checks.py``: ``proofline worker`` runs the same ones before it starts.
 """
 
@@ -25,6 +26,7 @@ from proofline.setup_checks import (
     check_broker,
     check_contracts,
     check_database,
+    check_environment,
     check_keys,
     check_migrations,
     check_pins,
@@ -35,18 +37,19 @@ from proofline.setup_checks import (
 
 def run_checks(settings: Settings, role: str) -> list[Check]:
     checks: list[tuple[str, Callable[[], str]]] = [
+        ("environment", lambda: check_environment(settings)),
         ("database", lambda: check_database(settings)),
         ("migrations", lambda: check_migrations(settings)),
         ("broker", lambda: check_broker(settings)),
         ("reconciler", lambda: check_reconciler(settings)),
         ("keys", lambda: check_keys(settings, role)),
         ("contracts", lambda: check_contracts(settings)),
-        ("pins", lambda: check_pins(settings)),
+        ("pins", lambda: check_pins(settings, publishing=role in ("controller", "all"))),
         ("servers", lambda: check_servers(settings)),
     ]
     results: list[Check] = []
     for name, check in checks:
-        if name in NEEDS_DATABASE and not results[0].ok:
+        if name in NEEDS_DATABASE and not next(r.ok for r in results if r.name == "database"):
             results.append(Check(name, False, "not checked: the database is unreachable",
                                  "fix the database check first"))
             continue

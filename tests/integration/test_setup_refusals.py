@@ -6,6 +6,8 @@ published before each attempt stays published, untouched, and a worker with a go
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -111,11 +113,53 @@ def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: s
     untouched(stack, waiting)
 
 
+def test_an_unreadable_pins_file_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+    """A worker reads no pins, but a pins file that exists and cannot be read breaks every publish:
+    a setup error. Contracts merely not pinned are not (the hostile-server stack starts with some)."""
+    pins = tmp_path / "pins.json"
+    pins.write_text('{"format": 1, "servers": {"sor": {"version": "1.0.0"}}}')
+    refused(worker(stack, PROOFLINE_PINS_FILE=str(pins)), "pins:", str(pins), "proofline contracts pin")
+    untouched(stack, waiting)
+
+
 @pytest.mark.parametrize("url", ["garbage", "postgresql://proofline_runtime@127.0.0.1:5432/pl_no_such_db_here"])
 def test_a_bad_database_url_is_refused(stack: Stack, waiting: str, url: str) -> None:
     line = refused(worker(stack, PROOFLINE_DATABASE_URL=url), "database:", "PROOFLINE_DATABASE_URL")
     assert ("not a PostgreSQL connection URL" in line) == (url == "garbage"), line
     assert "pl_no_such_db_here" in line or url == "garbage"
+    untouched(stack, waiting)
+
+
+@pytest.mark.parametrize("spelling", ["prod", "Production", "production "])
+def test_a_misspelled_environment_is_refused_by_the_worker_and_doctor(stack: Stack, waiting: str,
+                                                                       spelling: str) -> None:
+    for argv in (["worker", "--role", "execute"], ["doctor"]):
+        line = refused(run(stack, argv, PROOFLINE_ENVIRONMENT=spelling), "environment",
+                       repr(spelling), "development, test, staging, production")
+        assert "Traceback" not in line
+    untouched(stack, waiting)
+
+
+def test_production_refuses_a_broker_without_a_password_then_root(stack: Stack, waiting: str,
+                                                                   tmp_path: Path) -> None:
+    """Production keys for a recovery process (development keys would be refused first), so the
+    production rules of the environment check are what refuses."""
+    keys = tmp_path / "keys"
+    assert run(stack, ["keys", "generate", "--dir", str(keys)]).returncode == 0
+    production = {"PROOFLINE_ENVIRONMENT": "production", "PROOFLINE_KEYS_DIR": str(keys),
+                  "PROOFLINE_FAULT_POINTS_ENABLED": "false"}
+    recovery = ["worker", "--role", "recovery", "--concurrency", "1"]
+    refused(run(stack, recovery, **production), "environment:", "carries no password", "redis://:PASSWORD@")
+    with_password = stack.broker_url.replace("redis://", "redis://:not-checked-before-start@", 1)
+    assert with_password != stack.broker_url
+    # doctor runs the same check and starts nothing, whoever runs this test.
+    doctor = run(stack, ["doctor", "--json", "--role", "recovery"], **production, PROOFLINE_BROKER_URL=with_password)
+    environment = next(c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "environment")
+    assert environment["ok"] == (os.geteuid() != 0), environment
+    if os.geteuid() == 0:
+        assert "runs as root" in environment["detail"] and "unprivileged user" in environment["fix"]
+        refused(run(stack, recovery, **production, PROOFLINE_BROKER_URL=with_password), "environment:",
+                "runs as root")
     untouched(stack, waiting)
 
 
