@@ -164,7 +164,10 @@ def check_keys(settings: Settings, role: str) -> str:
     return f"a {role} process's keys in {where} load" + (f" ({'; '.join(warnings)})" if warnings else "")
 
 
-def check_contracts(settings: Settings) -> str:
+def check_contracts(settings: Settings, warnings: list[str] | None = None) -> str:
+    """The contracts folder exists and its contracts load. With ``warnings`` (a worker), a refused
+    file is a warning, not a failure: a broken contract refuses only its own action type (each of
+    its actions is refused and recorded as ``contract_invalid``), never the others'."""
     from proofline.contracts import scan_contracts
 
     directory = Path(settings.contracts_dir)
@@ -174,7 +177,10 @@ def check_contracts(settings: Settings) -> str:
     loaded = scan_contracts(directory)
     if loaded.broken:
         named = ", ".join(f"{name}: {reason}" for name, reason in sorted(loaded.broken.values()))
-        raise Failed(f"{len(loaded.broken)} refused in {directory}: {named[:400]}", fix)
+        if warnings is None:
+            raise Failed(f"{len(loaded.broken)} refused in {directory}: {named[:400]}", fix)
+        warnings.append(f"contracts: {len(loaded.broken)} refused in {directory} (their action types are refused "
+                        f"and recorded): {named[:300]}")
     if not loaded.contracts:
         raise Failed(f"no contracts in {directory}", "set PROOFLINE_CONTRACTS_DIR to the contracts folder")
     return f"{len(loaded.contracts)} loaded from {directory}"
@@ -244,24 +250,28 @@ def check_pins(settings: Settings, publishing: bool = True) -> str:
 NEEDS_DATABASE = ("migrations", "reconciler")
 
 
-def worker_checks(settings: Settings, role: str) -> list[tuple[str, Any]]:
+def worker_checks(settings: Settings, role: str, warnings: list[str]) -> list[tuple[str, Any]]:
     """What a worker checks before it consumes, in order (each a name and a call): the process's own
     keys and rules first, then its files, then the database. Not the broker (Celery waits for it
     and reconnects) nor the reconciler's heartbeat (a worker may be the first process to start)."""
     return [("keys", lambda: check_keys(settings, role)), ("environment", lambda: check_environment(settings)),
-            ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings)),
-            ("pins", lambda: check_pins(settings, publishing=False)), ("database", lambda: check_database(settings, own=True)),
+            ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings, warnings)),
+            ("pins", lambda: check_pins(settings, publishing=False)),
+            ("database", lambda: check_database(settings, own=True)),
             ("migrations", lambda: check_migrations(settings, own=True))]
 
 
-def refuse_bad_setup(settings: Settings, role: str) -> None:
+def refuse_bad_setup(settings: Settings, role: str) -> list[str]:
     """Run :func:`worker_checks`; the first that fails stops the process with one line: the check,
-    what is wrong (the file, and the line where there is one) and the fix.
+    what is wrong (the file, and the line where there is one) and the fix. Returns the warnings
+    of the checks that passed (a refused contract file), for the worker to print.
 
     Raises ConfigurationError (``configuration_error``, exit 3) with ``check`` in its context."""
-    for name, check in worker_checks(settings, role):
+    warnings: list[str] = []
+    for name, check in worker_checks(settings, role, warnings):
         try:
             check()
         except Failed as exc:
             raise ConfigurationError(f"the worker refuses to start: {name}: {exc.detail}; fix: {exc.fix}",
                                      check=name) from None
+    return warnings

@@ -58,8 +58,8 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
     from proofline.supervise import supervise
 
     _foreground("worker")
-    refuse_bad_setup(settings(), role)
-    for warning in check_process_keys(settings(), role):
+    warnings = refuse_bad_setup(settings(), role)
+    for warning in [*warnings, *check_process_keys(settings(), role)]:
         click.echo(f"proofline worker: warning: {warning}", err=True)
     if metrics_port is not None:
         from proofline.telemetry.serve import prepare_multiprocess_dir, serve_worker_metrics

@@ -113,6 +113,14 @@ def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: s
     untouched(stack, waiting)
 
 
+def test_a_missing_contracts_folder_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+    """A folder that is not there refuses the worker; one broken file in a good folder does not (it
+    refuses its own action type only: tests/integration/test_limits_stack.py starts such a worker)."""
+    gone = tmp_path / "no-contracts"
+    refused(worker(stack, PROOFLINE_CONTRACTS_DIR=str(gone)), "contracts:", f"{gone} is not a directory")
+    untouched(stack, waiting)
+
+
 def test_an_unreadable_pins_file_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
     """A worker reads no pins, but a pins file that exists and cannot be read breaks every publish:
     a setup error. Contracts merely not pinned are not (the hostile-server stack starts with some)."""
