@@ -27,7 +27,7 @@ from ledger.redact import leaf_names
 from proofline.arguments import check_arguments
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import Contract, contract_for
-from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
+from proofline.envelope import Envelope, EvidenceRequirements, build_envelope, reported_version
 from proofline.errors import IdempotencyConflict, MalformedEnvelope, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
 from proofline.pins import (
@@ -61,7 +61,7 @@ def describe_tools(settings: Settings, server_name: str) -> tuple[str | None, di
                                  environment=settings.environment)
         async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
-            version = client.server_info.version if client.server_info else None
+            version = reported_version(client.server_info.version if client.server_info else None)
             return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
                     {t.name: dict(t.input_schema) for t in tools.tools})
 
@@ -125,7 +125,7 @@ def prepare(
             run_id=run_id, action_id=action_id, workflow_type=extra.pop("workflow_type", "agent.ops"),
             action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
             environment=environment or settings.environment, target=target, operation=contract.operation,
-            arguments=arguments, server={"name": contract.server, "version": version or "unknown"},
+            arguments=arguments, server={"name": contract.server, "version": reported_version(version)},
             tool={"name": contract.tool, "contract_hash": contract_hash},
             policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
             approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
