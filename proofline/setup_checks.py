@@ -191,7 +191,7 @@ def check_servers(settings: Settings) -> str:
     sandbox here (when a server runs in one) and every sandbox path exists."""
     from worker.sandbox import strace_available
     from worker.sandbox_probe import bwrap_problem
-    from worker.servers import check_sandbox_policy, load_servers
+    from worker.servers import check_sandbox_policy, load_servers, sandboxed_identities
 
     path = Path(settings.servers_file)
     fix = f"correct {path}, or set PROOFLINE_SERVERS_FILE"
@@ -202,8 +202,7 @@ def check_servers(settings: Settings) -> str:
         raise Failed(exc.detail[:400], fix) from None
     except OSError as exc:
         raise Failed(f"{path} cannot be read: {exc.strerror or exc}", fix) from None
-    sandboxed = [f"{s.name}/{role}" for s in servers.values() for role, e in (("write", s.write), ("read", s.read))
-                 if e.transport == "stdio" and e.sandbox.enabled]
+    sandboxed = sandboxed_identities(path)
     problem = bwrap_problem() if sandboxed else None
     if problem:
         raise Failed(f"{path}: {', '.join(sandboxed)} run sandboxed but {problem}",

@@ -246,3 +246,9 @@ def check_sandbox_policy(path: Path, environment: str) -> dict[str, str]:
                 elif unaudited is not None:
                     reasons[f"{server.name}/{role}"] = f"sandboxed, not audited: {unaudited}"
     return reasons
+
+
+def sandboxed_identities(path: Path) -> list[str]:
+    """``server/role`` of every stdio identity in the servers file that runs in a sandbox."""
+    return [f"{s.name}/{role}" for s in load_servers(Path(path)).values()
+            for role, e in (("write", s.write), ("read", s.read)) if e.transport == "stdio" and e.sandbox.enabled]

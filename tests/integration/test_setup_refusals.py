@@ -99,6 +99,20 @@ def test_no_bwrap_on_the_path_is_refused(stack: Stack, waiting: str, tmp_path: P
     untouched(stack, waiting)
 
 
+def test_a_worker_started_by_celery_itself_refuses_without_bwrap(stack: Stack, waiting: str, tmp_path: Path) -> None:
+    """``celery -A worker.tasks worker`` skips the command's checks; its start-up signal runs the
+    same bwrap probe."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
+                          "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", "nobwrap@%h"],
+                         env={**stack.env, "PATH": str(empty)}, cwd=stack.workdir, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "refuses to start" in out.stderr and "bubblewrap (bwrap) is not on PATH" in out.stderr, out.stderr
+    untouched(stack, waiting)
+
+
 def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
     """Installed is not usable: a bwrap that fails (here: no user namespaces) is refused at start,
     not found out one delivery at a time."""
