@@ -2,7 +2,7 @@
 before it consumes, so the two cannot disagree.
 
 Each check returns what it found or raises :class:`Failed` with the detail and the fix. ``doctor``
-runs them all and prints one line each; a worker runs :data:`WORKER_CHECKS` in order and refuses to
+runs them all and prints one line each; a worker runs :func:`worker_checks` in order and refuses to
 start on the first failure, one line, exit 3 (``configuration_error``): see :func:`refuse_bad_setup`.
 """
 
