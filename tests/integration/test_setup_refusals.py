@@ -21,6 +21,8 @@ from tests.conftest import Stack, build_stack, start_workers, teardown_stack
 pytestmark = pytest.mark.timeout(300)
 
 CONFIGURATION = 3
+#: The action published before any worker runs, and the number of ledger rows then.
+Waiting = tuple[str, int]
 #: A flow sequence left open: the parser fails at line 5, column 8 (the ``:`` after ``cwd``).
 BROKEN_YAML = "servers:\n  sor:\n    transport: stdio\n    command: [python, -m\n    cwd: var\n"
 
@@ -34,13 +36,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         teardown_stack(s)
 
 
+def ledger_rows(stack: Stack) -> int:
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT count(*) AS n FROM ledger_events")
+        return cur.fetchone()["n"]
+
+
 @pytest.fixture(scope="module")
-def waiting(stack: Stack) -> str:
-    """An action on the broker before any worker runs: each refused worker must leave it alone."""
+def waiting(stack: Stack) -> Waiting:
+    """An action on the broker before any worker runs, and the ledger's size then: each refused
+    worker must leave both alone."""
     env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": "refusals", "owner": "ops"},
                          target={"type": "ticket_queue", "id": "acme-ops"})
     stack.publish(env)
-    return env.action_id
+    return env.action_id, ledger_rows(stack)
 
 
 def run(stack: Stack, argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -63,13 +72,15 @@ def worker(stack: Stack, **env: str) -> subprocess.CompletedProcess[str]:
     return run(stack, ["worker", "--role", "all", "--concurrency", "1", "--without-gossip", "--without-mingle"], **env)
 
 
-def untouched(stack: Stack, action_id: str) -> None:
+def untouched(stack: Stack, waiting: Waiting) -> None:
+    action_id, rows = waiting
     row = stack.action(action_id)
     assert row is not None and row.status == ActionStatus.published, row
     assert stack.events(action_id) == ["published"], stack.events(action_id)
+    assert ledger_rows(stack) == rows  # nothing at all was written to the ledger
 
 
-def test_a_broken_servers_file_is_refused_naming_its_line(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_a_broken_servers_file_is_refused_naming_its_line(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     broken = tmp_path / "servers.yaml"
     broken.write_text(BROKEN_YAML)
     line = refused(worker(stack, PROOFLINE_SERVERS_FILE=str(broken)), str(broken), "line 5, column 8", "servers:",
@@ -83,14 +94,14 @@ def test_a_broken_servers_file_is_refused_naming_its_line(stack: Stack, waiting:
     assert str(broken) in servers[0] and "line 5, column 8" in servers[0]
 
 
-def test_a_servers_file_that_is_not_a_mapping_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_a_servers_file_that_is_not_a_mapping_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     listed = tmp_path / "servers.yaml"
     listed.write_text("- sor\n- other\n")
     refused(worker(stack, PROOFLINE_SERVERS_FILE=str(listed)), str(listed), "'servers:' mapping")
     untouched(stack, waiting)
 
 
-def test_no_bwrap_on_the_path_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_no_bwrap_on_the_path_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
     line = refused(worker(stack, PATH=str(empty)), str(stack.servers_file), "bubblewrap (bwrap) is not on PATH",
@@ -99,7 +110,7 @@ def test_no_bwrap_on_the_path_is_refused(stack: Stack, waiting: str, tmp_path: P
     untouched(stack, waiting)
 
 
-def test_a_worker_started_by_celery_itself_refuses_without_bwrap(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_a_worker_started_by_celery_itself_refuses_without_bwrap(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     """``celery -A worker.tasks worker`` skips the command's checks; its start-up signal runs the
     same bwrap probe."""
     empty = tmp_path / "bin"
@@ -113,7 +124,7 @@ def test_a_worker_started_by_celery_itself_refuses_without_bwrap(stack: Stack, w
     untouched(stack, waiting)
 
 
-def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     """Installed is not usable: a bwrap that fails (here: no user namespaces) is refused at start,
     not found out one delivery at a time."""
     bin_dir = tmp_path / "bin"
@@ -127,7 +138,7 @@ def test_a_bwrap_that_cannot_start_a_sandbox_is_refused(stack: Stack, waiting: s
     untouched(stack, waiting)
 
 
-def test_a_missing_contracts_folder_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_a_missing_contracts_folder_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     """A folder that is not there refuses the worker; one broken file in a good folder does not (it
     refuses its own action type only: tests/integration/test_limits_stack.py starts such a worker)."""
     gone = tmp_path / "no-contracts"
@@ -135,7 +146,7 @@ def test_a_missing_contracts_folder_is_refused(stack: Stack, waiting: str, tmp_p
     untouched(stack, waiting)
 
 
-def test_an_unreadable_pins_file_is_refused(stack: Stack, waiting: str, tmp_path: Path) -> None:
+def test_an_unreadable_pins_file_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     """A worker reads no pins, but a pins file that exists and cannot be read breaks every publish:
     a setup error. Contracts merely not pinned are not (the hostile-server stack starts with some)."""
     pins = tmp_path / "pins.json"
@@ -145,7 +156,7 @@ def test_an_unreadable_pins_file_is_refused(stack: Stack, waiting: str, tmp_path
 
 
 @pytest.mark.parametrize("url", ["garbage", "postgresql://proofline_runtime@127.0.0.1:5432/pl_no_such_db_here"])
-def test_a_bad_database_url_is_refused(stack: Stack, waiting: str, url: str) -> None:
+def test_a_bad_database_url_is_refused(stack: Stack, waiting: Waiting, url: str) -> None:
     line = refused(worker(stack, PROOFLINE_DATABASE_URL=url), "database:", "PROOFLINE_DATABASE_URL")
     assert ("not a PostgreSQL connection URL" in line) == (url == "garbage"), line
     assert "pl_no_such_db_here" in line or url == "garbage"
@@ -153,8 +164,7 @@ def test_a_bad_database_url_is_refused(stack: Stack, waiting: str, url: str) -> 
 
 
 @pytest.mark.parametrize("spelling", ["prod", "Production", "production "])
-def test_a_misspelled_environment_is_refused_by_the_worker_and_doctor(stack: Stack, waiting: str,
-                                                                       spelling: str) -> None:
+def test_a_misspelled_environment_is_refused_by_the_worker_and_doctor(stack: Stack, waiting: Waiting, spelling: str) -> None:
     for argv in (["worker", "--role", "execute"], ["doctor"]):
         line = refused(run(stack, argv, PROOFLINE_ENVIRONMENT=spelling), "environment",
                        repr(spelling), "development, test, staging, production")
@@ -162,7 +172,7 @@ def test_a_misspelled_environment_is_refused_by_the_worker_and_doctor(stack: Sta
     untouched(stack, waiting)
 
 
-def test_production_refuses_a_broker_without_a_password_then_root(stack: Stack, waiting: str,
+def test_production_refuses_a_broker_without_a_password_then_root(stack: Stack, waiting: Waiting,
                                                                    tmp_path: Path) -> None:
     """Production keys for a recovery process (development keys would be refused first), so the
     production rules of the environment check are what refuses."""
@@ -185,13 +195,13 @@ def test_production_refuses_a_broker_without_a_password_then_root(stack: Stack, 
     untouched(stack, waiting)
 
 
-def test_doctor_and_the_worker_agree_on_a_good_setup(stack: Stack, waiting: str) -> None:
+def test_doctor_and_the_worker_agree_on_a_good_setup(stack: Stack, waiting: Waiting) -> None:
     """The control: the checks pass the stack's own setup, and the waiting action, refused by
     nobody and touched by no refused worker, now runs."""
     doctor = run(stack, ["doctor", "--json"])
     assert '"name": "servers"' in doctor.stdout and "bwrap runs" in doctor.stdout, doctor.stdout
     start_workers(stack, beat=False)
-    row = stack.wait_settled(waiting)
+    row = stack.wait_settled(waiting[0])
     assert row.status == ActionStatus.closed, row
 
 
