@@ -29,9 +29,15 @@ Cursor = psycopg.Cursor[dict[str, Any]]
 
 
 def connect(url: str, **options: Any) -> psycopg.Connection[dict[str, Any]]:
-    """One autocommit connection; callers open explicit transactions with :func:`transaction`."""
-    conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, **options)
-    return conn
+    """One autocommit connection; callers open explicit transactions with :func:`transaction`.
+
+    A URL libpq cannot parse is a configuration error (``configuration_error``), not a defect; its
+    text is not repeated, since a mangled URL may still hold a password."""
+    try:
+        return psycopg.connect(url, autocommit=True, row_factory=dict_row, **options)
+    except psycopg.ProgrammingError:
+        raise ConfigurationError("the database URL is not a PostgreSQL connection URL (libpq cannot parse it; "
+                                 "expected postgresql://USER[:PASSWORD]@HOST:PORT/DATABASE)") from None
 
 
 @contextmanager

@@ -216,6 +216,23 @@ class Contract(_Model):
                 raise type(exc)(f"{where}: {exc.detail}", **exc.context) from None
         return self
 
+    def tools_used(self) -> tuple[tuple[str, str], ...]:
+        """Every tool of the contract's server the worker calls, with the field that names it: the
+        write tool, the precondition read, the verification reads and the prepare tool. (A recovery action is a
+        contract of its own, with its own tools.)"""
+        v = self.verification
+        found = [("tool", self.tool), ("precondition_read.tool", self.precondition_read.tool)]
+        found += [("verification.read.tool", v.read.tool)] if v.read else []
+        found += [("verification.operation_record.tool", v.operation_record.tool)] if v.operation_record else []
+        found += [("prepare.tool", self.prepare.tool)] if self.prepare is not None else []
+        return tuple(found)
+
+    def recovery_action_types(self) -> tuple[tuple[str, str], ...]:
+        """The action types this contract's recovery derives, with the field that names each."""
+        kinds = ("compensation", "rollback", "forward")
+        return tuple((f"recovery.{k}.action_type", getattr(self.recovery, k).action_type) for k in kinds
+                     if getattr(self.recovery, k) is not None)
+
     def _expressions(self) -> list[tuple[str, str]]:
         """Every CEL expression of the contract, with the field it sits in."""
         v = self.verification

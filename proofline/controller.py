@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp import Client
+from pydantic import ValidationError
 
 from ledger import seal, store
 from ledger.publication import (  # noqa: F401 - the controller's API
@@ -23,12 +24,20 @@ from ledger.publication import (
     publish_message as _publish_message,
 )
 from ledger.redact import leaf_names
+from proofline.arguments import check_arguments
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import Contract, contract_for
-from proofline.envelope import Envelope, EvidenceRequirements, build_envelope
-from proofline.errors import IdempotencyConflict, UnknownTool
+from proofline.envelope import Envelope, EvidenceRequirements, build_envelope, reported_version
+from proofline.errors import IdempotencyConflict, MalformedEnvelope, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
-from proofline.pins import pinned_tool, pins_path, read_pins, unknown_tool_detail
+from proofline.pins import (
+    missing_tools,
+    pinned_schema,
+    pinned_tool,
+    pins_path,
+    read_pins,
+    unknown_tool_detail,
+)
 from proofline.settings import Settings
 from proofline.signing import sign
 from proofline.telemetry import tracing
@@ -39,15 +48,22 @@ from worker.servers import server_named
 
 def describe_server(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str]]:
     """The live server version and the contract hash of each tool (what an approver reviews)."""
+    version, hashes, _ = describe_tools(settings, server_name)
+    return version, hashes
+
+
+def describe_tools(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]]]:
+    """:func:`describe_server` and the input schema of each tool (what ``contracts pin`` records)."""
     server = server_named(Path(settings.servers_file), server_name)
 
-    async def probe() -> tuple[str | None, dict[str, str]]:
+    async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]]]:
         target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                  environment=settings.environment)
         async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
-            version = client.server_info.version if client.server_info else None
-            return version, {t.name: tool_contract_hash(t) for t in tools.tools}
+            version = reported_version(client.server_info.version if client.server_info else None)
+            return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
+                    {t.name: dict(t.input_schema) for t in tools.tools})
 
     return asyncio.run(probe())
 
@@ -61,7 +77,7 @@ def pinned_or_live(settings: Settings, contract: Contract,
         path = pins_path(settings)
         return pinned_tool(read_pins(path), contract, path)
     version, hashes = live
-    if contract.tool not in hashes:
+    if missing_tools(contract, hashes):
         raise UnknownTool(unknown_tool_detail(contract, hashes), action_type=contract.action_type)
     return version, hashes[contract.tool]
 
@@ -90,25 +106,37 @@ def prepare(
 
     ``environment`` defaults to this deployment's (``settings.environment``): a worker refuses an
     envelope approved for another one. The contract's ``sensitive_fields`` are added to the
-    envelope's ``evidence.redact_fields``, so the signed envelope itself declares them."""
+    envelope's ``evidence.redact_fields``, so the signed envelope itself declares them.
+
+    From the pins, the arguments are checked against the tool's pinned input schema first
+    (``arguments_invalid``). Fields that do not make a valid envelope (an action id with a space)
+    are ``envelope_malformed``, never a raw pydantic error."""
     contract = contract_for(Path(settings.contracts_dir), action_type)
     version, contract_hash = pinned_or_live(settings, contract, live)
+    if live is None:
+        path = pins_path(settings)
+        check_arguments(contract.tool, pinned_schema(read_pins(path), contract, path), arguments)
     now = datetime.now(UTC)
-    evidence = EvidenceRequirements.model_validate(extra.pop("evidence", None) or {})
-    declared = tuple(dict.fromkeys((*evidence.redact_fields, *leaf_names(contract.sensitive_fields))))
-    evidence = evidence.model_copy(update={"redact_fields": declared})
-    return build_envelope(
-        run_id=run_id, action_id=action_id, workflow_type=extra.pop("workflow_type", "agent.ops"),
-        action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
-        environment=environment or settings.environment, target=target, operation=contract.operation, arguments=arguments,
-        server={"name": contract.server, "version": version or "unknown"},
-        tool={"name": contract.tool, "contract_hash": contract_hash},
-        policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
-        approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
-                  "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
-        timeout_seconds=extra.pop("timeout_seconds", contract.timeout_seconds),
-        deadline=now + deadline_in, evidence=evidence, **extra,
-    )
+    try:
+        evidence = EvidenceRequirements.model_validate(extra.pop("evidence", None) or {})
+        declared = tuple(dict.fromkeys((*evidence.redact_fields, *leaf_names(contract.sensitive_fields))))
+        evidence = evidence.model_copy(update={"redact_fields": declared})
+        return build_envelope(
+            run_id=run_id, action_id=action_id, workflow_type=extra.pop("workflow_type", "agent.ops"),
+            action_type=action_type, requester=requester, workload_identity=workload_identity, tenant=tenant,
+            environment=environment or settings.environment, target=target, operation=contract.operation,
+            arguments=arguments, server={"name": contract.server, "version": reported_version(version)},
+            tool={"name": contract.tool, "contract_hash": contract_hash},
+            policy_version=extra.pop("policy_version", settings.accepted_policy_versions[-1]),
+            approval={"id": approval_id or f"apr-{action_id}", "version": approval_version,
+                      "expires_at": now + approval_ttl, **extra.pop("approval_extra", {})},
+            timeout_seconds=extra.pop("timeout_seconds", contract.timeout_seconds),
+            deadline=now + deadline_in, evidence=evidence, **extra,
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise MalformedEnvelope(f"the envelope is not valid: {where}: {first['msg']}", field=where) from None
 
 
 def signed_message(settings: Settings, envelope: Envelope) -> dict[str, Any]:

@@ -40,6 +40,19 @@ class TargetResource(_Frozen):
     expected_version: str | int | None = None
 
 
+#: The version recorded for a server that reports none (an empty version string, as the 2.x SDK's
+#: ``MCPServer`` built without ``version=`` sends, or no server info at all). A value of its own,
+#: visible in envelopes, pins and the ledger: the controller and the worker both record it, so an
+#: unversioned server matches itself and never looks like a changed one.
+NO_VERSION = "(no version)"
+
+
+def reported_version(version: str | None) -> str:
+    """A server's version as Proofline records it: exactly what the server reported, or
+    :data:`NO_VERSION` when it reported none."""
+    return version if version else NO_VERSION
+
+
 class ServerRef(_Frozen):
     name: str = Field(min_length=1, max_length=100)
     version: str = Field(min_length=1, max_length=100)

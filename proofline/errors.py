@@ -5,9 +5,6 @@ people. Retryable and terminal errors are distinct classes. All of them pickle c
 Celery serialises exceptions across processes.
 """
 
-from __future__ import annotations
-
-
 class ProoflineError(Exception):
     """Proofline refused or could not complete a step."""
 
@@ -94,6 +91,12 @@ class ContractMismatch(EnvelopeRefused):
     """The envelope does not match its action contract (tool, server or operation)."""
 
     code = "contract_mismatch"
+
+
+class ArgumentsInvalid(EnvelopeRefused):
+    """The arguments do not satisfy the tool's input schema as pinned: refused before signing."""
+
+    code = "arguments_invalid"
 
 
 # --- revalidation: still authorized right now? ------------------------------------------------

@@ -31,8 +31,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from proofline.errors import ConfigurationError
+from proofline.settings import Environment
 
-PRODUCTION = "production"
+#: The one environment where development keys are refused: the enum member, never a spelling of it.
+PRODUCTION = Environment.production
 FILES = {"controller": "controller.key", "recovery": "recovery.key", "ledger": "ledger.key", "worker": "worker.key"}
 SEAL_FILE = "seal.key"
 KEYRING_FILE = "keyring.json"

@@ -11,11 +11,13 @@ The file (``PROOFLINE_PINS_FILE``, default ``pins.json`` in the contracts direct
     {"format": 1,
      "servers": {"sor": {"version": "1.0.0", "pinned_at": "...", "pinned_by": "...",
                          "tools": {"issue_refund": "<sha256>", ...},
+                         "input_schemas": {"issue_refund": {"type": "object", ...}, ...},
                          "available": ["get_account", "issue_refund", ...]}}}
 
-``tools`` holds the hashes of the tools the contracts name (write tools and prepare tools); ``available`` every tool the server
-listed, so a contract naming a tool the server does not have is reported as ``unknown_tool``
-without connecting again.
+``tools`` holds the hashes of the tools the contracts name; ``input_schemas`` their input schemas
+(part of what each hash covers), which ``publish`` checks the arguments against before signing
+(``proofline/arguments.py``); ``available`` every tool the server listed, so a contract naming a
+tool the server does not have is reported as ``unknown_tool`` without connecting again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -49,10 +51,13 @@ class ServerPin:
     available: tuple[str, ...]
     pinned_at: str = ""
     pinned_by: str = ""
+    #: The input schema of each pinned tool (a pin written before schemas were pinned has none).
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {"version": self.version, "pinned_at": self.pinned_at, "pinned_by": self.pinned_by,
-                "tools": dict(sorted(self.tools.items())), "available": sorted(self.available)}
+                "tools": dict(sorted(self.tools.items())), "input_schemas": dict(sorted(self.schemas.items())),
+                "available": sorted(self.available)}
 
 
 def read_pins(path: Path) -> dict[str, ServerPin]:
@@ -74,7 +79,8 @@ def _read(path: Path, stamp: int) -> dict[str, ServerPin]:
             raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT}")
         return {name: ServerPin(version=spec.get("version"), tools=dict(spec["tools"]),
                                 available=tuple(spec.get("available", spec["tools"])),
-                                pinned_at=spec.get("pinned_at", ""), pinned_by=spec.get("pinned_by", ""))
+                                pinned_at=spec.get("pinned_at", ""), pinned_by=spec.get("pinned_by", ""),
+                                schemas=dict(spec.get("input_schemas", {})))
                 for name, spec in raw["servers"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigurationError(f"pins file {path} is unreadable: {exc}", file=str(path)) from None
@@ -91,32 +97,31 @@ def write_pins(path: Path, pins: dict[str, ServerPin]) -> None:
     os.replace(tmp, path)
 
 
-def named_tools(contract: Contract) -> list[str]:
-    """Every tool a contract calls: its write tool, then its prepare tool when it has one."""
-    return [contract.tool, *([contract.prepare.tool] if contract.prepare is not None else [])]
-
-
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
-               by: str) -> tuple[ServerPin, dict[str, str]]:
+               by: str, live_schemas: dict[str, dict[str, Any]] | None = None) -> tuple[ServerPin, dict[str, str]]:
     """The pin for one server from what it listed now, and the contracts it cannot serve.
 
-    Returns the pin (the named tools that exist: write and prepare tools) and
-    ``{action_type: detail}`` for each contract naming a tool the server does not have."""
-    unknown = {}
-    for c in contracts:
-        missing = [tool for tool in named_tools(c) if tool not in live_hashes]
-        if missing:
-            unknown[c.action_type] = unknown_tool_detail(c, live_hashes, missing[0])
-    tools = {tool: live_hashes[tool] for c in contracts for tool in named_tools(c) if tool in live_hashes}
-    return ServerPin(version=live_version, tools=tools, available=tuple(sorted(live_hashes)),
+    Every tool a contract uses (:meth:`Contract.tools_used`: the write tool and the reads) is
+    pinned, with its input schema. Returns the pin and ``{action_type: detail}`` for each contract
+    naming a tool the server does not have."""
+    unknown = {c.action_type: unknown_tool_detail(c, live_hashes) for c in contracts if missing_tools(c, live_hashes)}
+    used = {tool for c in contracts for _, tool in c.tools_used() if tool in live_hashes}
+    schemas = {tool: (live_schemas or {})[tool] for tool in used if tool in (live_schemas or {})}
+    return ServerPin(version=live_version, tools={tool: live_hashes[tool] for tool in used},
+                     available=tuple(sorted(live_hashes)), schemas=schemas,
                      pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by), unknown
 
 
-def unknown_tool_detail(contract: Contract, available: Any, tool: str | None = None) -> str:
-    tool = tool or contract.tool
+def missing_tools(contract: Contract, available: Any) -> list[tuple[str, str]]:
+    """(field, tool) of each tool the contract uses that ``available`` does not hold."""
+    return [(where, tool) for where, tool in contract.tools_used() if tool not in available]
+
+
+def unknown_tool_detail(contract: Contract, available: Any) -> str:
     names = ", ".join(sorted(available)) or "none"
-    role = " (its prepare tool)" if tool != contract.tool else ""
-    return f"server {contract.server!r} has no tool {tool!r}{role} (it lists: {names})"
+    missing = missing_tools(contract, available) or [("tool", contract.tool)]
+    named = ", ".join(f"{tool!r} ({where})" for where, tool in missing)
+    return f"server {contract.server!r} has no tool {named} (it lists: {names})"
 
 
 def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str | None, str]:
@@ -128,7 +133,7 @@ def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> t
     if pin is None:
         raise ContractNotPinned(f"server {contract.server!r} is not pinned in {path}: run `proofline contracts "
                                 f"pin` and review what it records", action_type=contract.action_type)
-    if contract.tool not in pin.available:
+    if missing_tools(contract, pin.available):
         raise UnknownTool(unknown_tool_detail(contract, pin.available), action_type=contract.action_type)
     if contract.tool not in pin.tools:
         raise ContractNotPinned(f"tool {contract.tool!r} of server {contract.server!r} is not pinned in {path}: "
@@ -136,9 +141,20 @@ def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> t
     return pin.version, pin.tools[contract.tool]
 
 
+def pinned_schema(pins: dict[str, ServerPin], contract: Contract, path: Path) -> dict[str, Any]:
+    """The pinned input schema of the contract's write tool (after :func:`pinned_tool` passed).
+
+    Raises ``contract_not_pinned`` for a pin written before schemas were pinned."""
+    schema = pins[contract.server].schemas.get(contract.tool)
+    if schema is None:
+        raise ContractNotPinned(f"the input schema of tool {contract.tool!r} of server {contract.server!r} is not "
+                                f"pinned in {path}: run `proofline contracts pin` again", action_type=contract.action_type)
+    return schema
+
+
 def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: Path) -> dict[str, tuple[str, str]]:
-    """``{action_type: (reason_code, detail)}`` for each contract the pins cannot serve: its write
-    tool as :func:`pinned_tool` sees it, and its prepare tool, which the server must list too."""
+    """``{action_type: (reason_code, detail)}`` for each contract the pins cannot serve: every tool it
+    uses (write, reads, prepare) must be listed by the server and pinned."""
     found: dict[str, tuple[str, str]] = {}
     for action_type, contract in contracts.items():
         try:
@@ -146,11 +162,8 @@ def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: P
         except (UnknownTool, ContractNotPinned) as exc:
             found[action_type] = (exc.code, exc.detail)
             continue
-        prepare = contract.prepare.tool if contract.prepare is not None else None
-        pin = pins[contract.server]
-        if prepare is not None and prepare not in pin.available:
-            found[action_type] = ("unknown_tool", unknown_tool_detail(contract, pin.available, prepare))
-        elif prepare is not None and prepare not in pin.tools:
-            found[action_type] = ("contract_not_pinned", f"prepare tool {prepare!r} of server {contract.server!r} "
-                                                         f"is not pinned in {path}: run `proofline contracts pin`")
+        unpinned = [tool for _, tool in contract.tools_used() if tool not in pins[contract.server].tools]
+        if unpinned:
+            found[action_type] = ("contract_not_pinned", f"tool {unpinned[0]!r} of server {contract.server!r} is not "
+                                                         f"pinned in {path}: run `proofline contracts pin`")
     return found

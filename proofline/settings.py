@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -29,8 +30,24 @@ def default_state_dir() -> Path:
     return Path(base) / "proofline"
 
 
+class Environment(StrEnum):
+    """Where a deployment runs (``PROOFLINE_ENVIRONMENT``), spelled exactly: any other value is
+    refused at start, so a typo can never switch the production rules off."""
+
+    #: A developer's machine: development keys, one process with every role and unsandboxed servers
+    #: are accepted (each with a warning or a recorded reason).
+    development = "development"
+    #: Automated tests: as development; test-only fault points may be enabled.
+    test = "test"
+    #: A rehearsal of production on its own keys and data: development's rules, no fault points.
+    staging = "staging"
+    #: Every production rule on: no development keys, execution and recovery in separate processes,
+    #: stdio servers sandboxed (and audited) unless the servers file gives a reason.
+    production = "production"
+
+
 #: The only environments in which test-only fault points may be switched on.
-FAULT_POINT_ENVIRONMENTS = ("development", "test")
+FAULT_POINT_ENVIRONMENTS = (Environment.development, Environment.test)
 
 
 class Settings(BaseSettings):
@@ -40,7 +57,15 @@ class Settings(BaseSettings):
 
     #: This deployment's environment: workers refuse envelopes approved for another one
     #: (``environment_mismatch``), and only development/test may enable fault points.
-    environment: str = "development"
+    environment: Environment = Environment.development
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _known_environment(cls, value: object) -> object:
+        if isinstance(value, str) and value not in {e.value for e in Environment}:
+            raise ValueError(f"{value!r} is not an environment: use one of {', '.join(e.value for e in Environment)}, "
+                             "spelled exactly (lower case, no spaces)")
+        return value
 
     #: Postgres for the ledger, as this process's own role (docs/concepts/database-roles.md); the default
     #: proofline_runtime is the development role (worker + recovery).
@@ -144,7 +169,7 @@ class Settings(BaseSettings):
             object.__setattr__(self, "seal_key_file", self.keys_dir / "seal.key")
         if self.fault_points_enabled and self.environment not in FAULT_POINT_ENVIRONMENTS:
             raise ValueError(f"fault points may only be enabled in {', '.join(FAULT_POINT_ENVIRONMENTS)}, "
-                             f"not in environment {self.environment!r}")
+                             f"not in environment {self.environment.value!r}")
         return self
     # --- database roles ---
     #: The CLI's commands that act as another role connect here when set, else to ``database_url``:

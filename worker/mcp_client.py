@@ -33,6 +33,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable
 from worker import calls, sandbox
 from worker.bounded_stdio import bounded_stdio_client
@@ -433,10 +434,11 @@ class McpSessions:
         hashes = self._portal.call(session.tool_hashes, max_age)
         return hashes, session.tools.last_miss
 
-    def server_version(self, server: Server, role: Role = "write") -> str | None:
+    def server_version(self, server: Server, role: Role = "write") -> str:
+        """The version the server reported at initialization, as recorded (``NO_VERSION`` for none)."""
         session = self._session(server, role)
         info = session.client.server_info if session.client else None
-        return info.version if info else None
+        return reported_version(info.version if info else None)
 
     def unsandboxed_reason(self, server: Server, role: Role) -> str | None:
         """Why the server behind this identity runs unsandboxed (recorded on calls), or None."""

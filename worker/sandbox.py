@@ -29,6 +29,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proofline.errors import ConfigurationError
+from proofline.settings import Environment
 
 BWRAP = "bwrap"
 STRACE = "strace"
@@ -110,7 +111,7 @@ def require_policy(server: str, role: str, spec: SandboxSpec, environment: str) 
     Returns the recorded reason for an unsandboxed server (None when sandboxed)."""
     if spec.enabled:
         return None
-    if environment == "production" and not spec.reason:
+    if environment == Environment.production and not spec.reason:
         raise ConfigurationError(
             f"server {server!r} ({role}) runs unsandboxed in production without a reason: set "
             "sandbox: {enabled: false, reason: \"...\"} in the servers file, or sandbox it",
@@ -120,6 +121,14 @@ def require_policy(server: str, role: str, spec: SandboxSpec, environment: str) 
 
 def strace_available() -> bool:
     return shutil.which(STRACE) is not None
+
+
+def bwrap_binary() -> str:
+    """bwrap as found on this process's PATH (an absolute path), else the bare name.
+
+    The launcher runs with :func:`launcher_environment`'s fixed PATH, so it is handed this path:
+    the bwrap the worker's checks found (worker/sandbox_probe.py) is the one every sandbox runs."""
+    return shutil.which(BWRAP) or BWRAP
 
 
 def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
@@ -136,7 +145,7 @@ def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
                                  server=server, role=role)
     if spec.audit is not False and available:
         return None
-    if environment == "production" and not spec.audit_reason:
+    if environment == Environment.production and not spec.audit_reason:
         why = "audit: false" if spec.audit is False else "strace is not installed"
         raise ConfigurationError(
             f"server {server!r} ({role}) runs without sandbox auditing in production ({why}) and gives no "
@@ -291,9 +300,9 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
               f"ulimit -n {spec.open_files} && ulimit -p {spec.processes}")
     if status_path is not None:
         script = f"{limits} && exec {STATUS_FD}>\"$0\" && exec \"$@\""
-        argv = [SHELL, "-c", script, status_path, BWRAP, "--json-status-fd", str(STATUS_FD), *bw]
+        argv = [SHELL, "-c", script, status_path, bwrap_binary(), "--json-status-fd", str(STATUS_FD), *bw]
     else:
-        argv = [SHELL, "-c", f"{limits} && exec \"$@\"", "sandbox", BWRAP, *bw]
+        argv = [SHELL, "-c", f"{limits} && exec \"$@\"", "sandbox", bwrap_binary(), *bw]
     if audit_path is not None:
         from worker.sandbox_audit import strace_args
 

@@ -38,7 +38,7 @@ import re
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -175,15 +175,32 @@ def anchored(spec: dict, base: Path) -> dict:
     return spec
 
 
+def _parse(path: Path) -> dict[str, Any]:
+    """The ``servers:`` mapping of the file, or a ConfigurationError naming the file (and the line
+    and column of a YAML error): never a parser's traceback."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigurationError(f"servers file {path} does not exist", file=str(path)) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigurationError(f"servers file {path}{where}: not valid YAML ({what})", file=str(path),
+                                 **({"line": mark.line + 1} if mark is not None else {})) from None
+    servers = raw.get("servers") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or not isinstance(servers, dict | None):
+        raise ConfigurationError(f"servers file {path}: expected a mapping with a 'servers:' mapping of server "
+                                 "names", file=str(path))
+    return servers or {}
+
+
 @lru_cache(maxsize=8)
 def load_servers(path: Path) -> dict[str, Server]:
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError as exc:
-        raise ConfigurationError(f"servers file {path} does not exist") from exc
+    raw = _parse(Path(path))
     base = Path(path).resolve().parent
     servers: dict[str, Server] = {}
-    for name, spec in (raw.get("servers") or {}).items():
+    for name, spec in raw.items():
         if not isinstance(spec, dict):
             raise ConfigurationError(f"server {name}: expected a mapping", server=name)
         spec = anchored(expand(spec, f"servers.{name}", Path(path)), base)
@@ -232,3 +249,9 @@ def check_sandbox_policy(path: Path, environment: str) -> dict[str, str]:
                 elif unaudited is not None:
                     reasons[f"{server.name}/{role}"] = f"sandboxed, not audited: {unaudited}"
     return reasons
+
+
+def sandboxed_identities(path: Path) -> list[str]:
+    """``server/role`` of every stdio identity in the servers file that runs in a sandbox."""
+    return [f"{s.name}/{role}" for s in load_servers(Path(path)).values()
+            for role, e in (("write", s.write), ("read", s.read)) if e.transport == "stdio" and e.sandbox.enabled]

@@ -9,7 +9,7 @@ import psycopg
 from celery import Celery, signals
 
 from ledger.redact import POLICY, current_redactor, for_message
-from proofline.errors import ProoflineError
+from proofline.errors import ConfigurationError, ProoflineError
 from proofline.settings import get_settings, reveal
 from proofline.telemetry.logs import install as install_log_format
 from proofline.telemetry.metrics import sweep_finished
@@ -22,7 +22,8 @@ from worker.execute import RetryLater, execute
 from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
-from worker.servers import check_sandbox_policy
+from worker.sandbox_probe import bwrap_problem
+from worker.servers import check_sandbox_policy, sandboxed_identities
 from worker.summary import with_outcome
 from worker.task_base import GuardedTask
 from worker.telemetry import install as install_telemetry
@@ -77,11 +78,18 @@ def _close(**_: Any) -> None:
 
 @signals.worker_init.connect
 def _check_sandboxes(**_: Any) -> None:
-    """Refuse to start (production) with an unsandboxed stdio server that gives no reason; log the
-    reasons of those that give one."""
+    """Refuse to start (production) with an unsandboxed stdio server that gives no reason, or
+    (anywhere) with a sandboxed one when bwrap cannot start a sandbox here; log the reasons of the
+    unsandboxed servers that give one."""
     settings = get_settings()
     try:
         reasons = check_sandbox_policy(settings.servers_file, settings.environment)
+        # The same probe as `proofline worker` and doctor (proofline/setup_checks.py), for a worker
+        # started with `celery -A worker.tasks worker`: no sandbox, no start.
+        sandboxed = sandboxed_identities(settings.servers_file)
+        problem = bwrap_problem() if sandboxed else None
+        if problem:
+            raise ConfigurationError(f"{settings.servers_file}: {', '.join(sandboxed)} run sandboxed but {problem}")
     except ProoflineError as exc:
         # Celery logs and ignores exceptions from signal receivers; SystemExit stops the worker.
         log.critical("refusing to start: %s", exc, extra={"event": "sandbox_policy_refused"})

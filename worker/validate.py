@@ -138,7 +138,7 @@ def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, rev
     if envelope.environment != settings.environment:
         # A staging approval is no authority in production (and the reverse).
         raise EnvironmentMismatch(f"envelope approved for environment {envelope.environment[:100]!r}; this "
-                                  f"worker runs {settings.environment!r}")
+                                  f"worker runs {str(settings.environment)!r}")
     if envelope.approval.expires_at <= now:
         raise ApprovalExpired(f"approval {envelope.approval.id} expired at {envelope.approval.expires_at.isoformat()}")
     if envelope.deadline <= now:

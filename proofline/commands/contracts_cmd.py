@@ -21,7 +21,9 @@ def contracts() -> None:
               help="contracts directory (default: PROOFLINE_CONTRACTS_DIR)")
 def contracts_check(directory: Path | None) -> None:
     """Load every contract file on its own, with the condition limits; exit 1 naming each refused
-    file, the field and why. A broken file refuses only its own action type."""
+    file, the field and why, each tool a contract uses (write tool, precondition and verification
+    reads) that the pinned server does not list (unknown_tool), and each recovery naming an action
+    type with no contract (unknown_action_type). A broken file refuses only its own action type."""
     from proofline.contracts import scan_contracts
     from proofline.errors import ConfigurationError
 
@@ -40,14 +42,19 @@ def contracts_check(directory: Path | None) -> None:
     pins = settings().pins_file or directory / "pins.json"
     unpinnable = problems(read_pins(pins), loaded.contracts, pins)
     pin_problems = [{"action_type": a, "code": code, "detail": detail} for a, (code, detail) in sorted(unpinnable.items())]
+    # A recovery names another action type: the recovery runs that contract, with its tools.
+    pin_problems += [{"action_type": a, "code": "unknown_action_type",
+                      "detail": f"{where} {derived!r} has no contract in {directory}"}
+                     for a, c in sorted(loaded.contracts.items()) for where, derived in c.recovery_action_types()
+                     if derived not in loaded.contracts]
     emit({"directory": directory, "ok": ok, "refused": refused, "pins": pin_problems}, lambda: "\n".join(
         f"ok       {c['action_type']:<20} v{c['version']} tool {c['tool']:<20} {c['digest'][:12]}" for c in ok))
     if not MODE.json:
         for r in refused:  # the problems, one line per refused file, on stderr
             click.echo(f"refused  {r['file']} ({r['action_type']}): {r['reason']}", err=True)
-        for q in pin_problems:  # unknown_tool fails the check; a missing pin is a warning
+        for q in pin_problems:  # an unknown tool or recovery fails the check; a missing pin is a warning
             click.echo(f"{q['code']}  {q['action_type']}: {q['detail']}", err=True)
-    if refused or any(q["code"] == "unknown_tool" for q in pin_problems):
+    if refused or any(q["code"] in ("unknown_tool", "unknown_action_type") for q in pin_problems):
         sys.exit(CHECK_FAILED)
 
 

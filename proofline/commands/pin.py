@@ -1,7 +1,8 @@
 """``proofline contracts pin``: record the reviewed tool contract hashes the controller publishes with.
 
-It connects to each server the contracts name once, hashes the tools they use and writes the
-pinned contract registry (``proofline/pins.py``). ``--check`` compares the registry with the live
+It connects to each server the contracts name once, hashes the tools they use (the write tool, the
+precondition read and the verification reads), keeps their input schemas and writes the pinned
+contract registry (``proofline/pins.py``). ``--check`` compares the registry with the live
 servers and writes nothing: a changed tool is a new review, not a silent re-pin.
 """
 
@@ -21,11 +22,12 @@ from proofline.settings import get_settings
 @click.option("--by", "who", default="operator", show_default=True, help="who reviewed what is pinned")
 @click.option("--check", is_flag=True, help="compare the pins with the live servers; write nothing")
 def pin(only: tuple[str, ...], who: str, check: bool) -> None:
-    """Connect to each server once and pin the contract hash of every tool a contract names; exit 1
-    naming each contract whose tool the server does not have (unknown_tool)."""
+    """Connect to each server once and pin the contract hash and input schema of every tool a
+    contract uses (its write tool and its reads); exit 1 naming each contract using a tool the server
+    does not have (unknown_tool)."""
     from proofline.contracts import scan_contracts
-    from proofline.controller import describe_server
-    from proofline.errors import ProoflineError
+    from proofline.controller import describe_tools
+    from proofline.errors import ConfigurationError, ProoflineError
     from proofline.pins import pin_server, pins_path, read_pins, write_pins
 
     settings = get_settings()
@@ -42,8 +44,8 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
         pins = dict(read_pins(path))
         failed = False
         for server, named in sorted(by_server.items()):
-            version, hashes = describe_server(settings, server)
-            fresh, unknown = pin_server(named, version, hashes, who)
+            version, hashes, schemas = describe_tools(settings, server)
+            fresh, unknown = pin_server(named, version, hashes, who, schemas)
             for contract in named:
                 if contract.action_type in unknown:
                     failed = True
@@ -54,6 +56,8 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
                 pins[server] = fresh
                 tools = ", ".join(f"{tool} {digest[:12]}" for tool, digest in sorted(fresh.tools.items()))
                 click.echo(f"pinned  {server} {version}: {tools}")
+    except ConfigurationError:
+        raise  # a servers file or pins file that does not load: configuration_error, exit 3
     except ProoflineError as exc:
         raise click.ClickException(str(exc)) from None
     if not check:
@@ -76,6 +80,10 @@ def _compare(server: str, pinned, live) -> bool:
         if pinned.tools.get(tool) != digest:
             click.echo(f"changed  {server}/{tool}: pinned {str(pinned.tools.get(tool))[:12]} live {digest[:12]}",
                        err=True)
+            changed = True
+        elif tool in live.schemas and tool not in pinned.schemas:
+            # Pinned before input schemas were: publish cannot check arguments until it is pinned again.
+            click.echo(f"unpinned_schema  {server}/{tool}: run `proofline contracts pin` again", err=True)
             changed = True
     if not changed:
         click.echo(f"ok  {server} {live.version}: {len(live.tools)} tools as pinned")

@@ -26,11 +26,10 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     """Build, sign and publish one envelope onto the actions queue. The controller's signature
     requests the action; approvals come from approvers (``--approval``) or the authority policy."""
     from kombu.exceptions import OperationalError
-    from pydantic import ValidationError
 
     from proofline.controller import prepare
     from proofline.controller import publish as do_publish
-    from proofline.errors import BrokerUnavailable, MalformedEnvelope
+    from proofline.errors import BrokerUnavailable
     from proofline.keys import check_process_keys
     from proofline.telemetry import tracing
     from worker.tasks import app
@@ -44,14 +43,11 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
             raise click.BadParameter(f"{path}: not a readable JSON approval ({exc})", param_hint="--approval") from None
     s = settings()
     check_process_keys(s, "controller")  # before anything is recorded
-    try:
-        envelope = prepare(s, action_type=action_type, arguments=arguments, target=target, tenant=tenant,
-                           run_id=run_id, action_id=action_id, requester=requester, workload_identity=workload_identity,
-                           approvals=tuple(approvals))
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise MalformedEnvelope(f"the envelope is not valid: {where}: {first['msg']}") from None
+    # Arguments against the pinned input schema (arguments_invalid), then the envelope's own fields
+    # (envelope_malformed): both refused here, before anything is signed or recorded.
+    envelope = prepare(s, action_type=action_type, arguments=arguments, target=target, tenant=tenant,
+                       run_id=run_id, action_id=action_id, requester=requester, workload_identity=workload_identity,
+                       approvals=tuple(approvals))
     # The action's trace starts here when OTEL_TRACES_EXPORTER names an exporter (nothing otherwise):
     # the controller's span, its statements, and the context the message carries to the worker.
     tracing.setup("proofline-controller", s.environment, s.release)

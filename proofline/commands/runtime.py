@@ -48,14 +48,18 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
            metrics_host: str) -> None:
     """Run a supervised Celery worker (prefork) for a role; extra options go to Celery.
 
-    Its keys are checked before it starts (a production process refuses development keys, an
-    execute worker that can read a private key, and the combined role). The worker is restarted if
-    it dies (for example when the broker crashes under it)."""
+    Before it consumes it runs ``proofline doctor``'s checks of its setup (servers file, sandbox,
+    contracts, pins, keys, database and migrations) and refuses to start on the first that fails:
+    one line, exit 3 (a production process refuses development keys, an execute worker that can
+    read a private key, and the combined role). The worker is restarted if it dies (for example
+    when the broker crashes under it)."""
     from proofline.keys import check_process_keys
+    from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
 
     _foreground("worker")
-    for warning in check_process_keys(settings(), role):
+    warnings = refuse_bad_setup(settings(), role)
+    for warning in [*warnings, *check_process_keys(settings(), role)]:
         click.echo(f"proofline worker: warning: {warning}", err=True)
     if metrics_port is not None:
         from proofline.telemetry.serve import prepare_multiprocess_dir, serve_worker_metrics

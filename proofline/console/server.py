@@ -12,6 +12,7 @@ import uvicorn
 from proofline.console.access import Sessions, load_users
 from proofline.console.app import create_app
 from proofline.console.approvers import approver_keys
+from proofline.errors import ConfigurationError
 from proofline.listen import listening_socket
 
 
@@ -38,6 +39,15 @@ def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
     approvers = approver_keys(users, settings())
     sessions = Sessions(users)
     sock = listening_socket(host, port)
+    """Serve until interrupted. The users file is read once, before the socket opens."""
+    sessions = Sessions(load_users(users_file))
+    try:
+        sock = listening_socket(host, port)
+    except OSError as exc:
+        # A port another process holds, or an address this host does not have: the setting is wrong.
+        raise ConfigurationError(f"the console cannot listen on {host}:{port}: {exc.strerror or exc}; choose "
+                                 "another with --port or PROOFLINE_CONSOLE_PORT (--host, PROOFLINE_CONSOLE_HOST)",
+                                 host=host, port=port) from None
     bound = sock.getsockname()[1]
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")

@@ -53,6 +53,24 @@ def test_bad_json_in_target_is_a_usage_error_and_records_nothing(stack: Stack) -
     assert_error(proofline(stack, *args), 2, "usage", "--target", "JSON object")
 
 
+def test_arguments_that_miss_the_pinned_schema_are_refused_before_anything_is_recorded(stack: Stack) -> None:
+    """The packaged pins hold create_ticket's input schema: an action without its required owner was
+    once called twice and escalated; now publish refuses it with the schema's path."""
+    action_id = f"cli-args-{uuid.uuid4().hex[:8]}"
+    args = _ticket_args(action_id)
+    args[args.index("--args") + 1] = json.dumps({"tenant": "acme", "title": "no owner"})
+    assert_error(proofline(stack, *args), 8, "arguments_invalid", "'create_ticket'", "$: 'owner' is a required property")
+    args[args.index("--args") + 1] = json.dumps({"tenant": "acme", "title": 7, "owner": "ops"})
+    assert_error(proofline(stack, *args), 8, "arguments_invalid", "$.title: 7 is not of type 'string'")
+    assert stack.action(action_id) is None
+
+
+def test_a_malformed_action_id_is_an_envelope_error(stack: Stack) -> None:
+    args = _ticket_args("has a space")
+    assert_error(proofline(stack, *args), 8, "envelope_malformed", "action_id")
+    assert stack.action("has a space") is None
+
+
 def test_an_unknown_action_type_is_named(stack: Stack) -> None:
     action_id = f"cli-unknown-{uuid.uuid4().hex[:8]}"
     args = _ticket_args(action_id)

@@ -5,6 +5,7 @@ pin the live server no longer matches."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import yaml
 
 from ledger.states import ActionStatus, Outcome
 from proofline import Client
-from proofline.errors import UnknownTool, WaitTimedOut
+from proofline.errors import ArgumentsInvalid, MalformedEnvelope, UnknownTool, WaitTimedOut
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
@@ -193,6 +194,61 @@ def test_unknown_tool_is_named_at_pin_check_and_publish(stack: Stack, pins: Path
                       arguments={"tenant": "acme", "title": "t", "owner": "ops"})
     assert raised.value.code == "unknown_tool" and "create_tiket" in raised.value.detail
     assert stack.action(action_id) is None  # refused before anything was recorded or sent
+
+
+def test_the_pin_holds_every_tool_the_contracts_use_with_its_input_schema(pins: Path) -> None:
+    pinned = json.loads(pins.read_text())["servers"]["sor"]
+    # Write tools, precondition reads (get_account, find_ticket_by_key ...) and verification reads.
+    assert {"create_ticket", "find_ticket_by_key", "get_account", "find_refund_by_key", "get_operation"} <= set(
+        pinned["tools"])
+    assert set(pinned["input_schemas"]) == set(pinned["tools"])
+    assert "owner" in pinned["input_schemas"]["create_ticket"]["required"]
+
+
+def test_the_sdk_checks_arguments_against_the_pinned_schema(stack: Stack, client: Client) -> None:
+    action_id = f"sdk-args-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ArgumentsInvalid) as raised:
+        client.publish("ticket.create", tenant="acme", action_id=action_id, target={"type": "ticket_queue", "id": "x"},
+                       arguments={"tenant": "acme", "title": "no owner"})
+    assert raised.value.code == "arguments_invalid" and "$: 'owner' is a required property" in raised.value.detail
+    assert stack.action(action_id) is None  # refused before it was signed, recorded or sent
+
+
+def test_a_bad_action_id_is_a_proofline_error_not_pydantic_s(stack: Stack, client: Client) -> None:
+    with pytest.raises(MalformedEnvelope) as raised:
+        ticket(client, action_id="two words")
+    assert raised.value.code == "envelope_malformed" and raised.value.context["field"] == "action_id"
+    assert stack.action("two words") is None
+
+
+def test_a_misspelled_read_tool_or_recovery_fails_pin_and_check(stack: Stack, pins: Path, tmp_path: Path) -> None:
+    """What the worker would resolve at run time, resolved before: every tool a contract uses, and
+    the contract its recovery derives. The worker used to retry a misspelled read until the deadline."""
+    contracts = tmp_path / "contracts"
+    contracts.mkdir()
+    for source in (ROOT / "contracts").glob("*.yaml"):
+        (contracts / source.name).write_text(source.read_text())
+    typo = yaml.safe_load((contracts / "ticket.create.yaml").read_text())
+    typo["precondition_read"]["tool"] = "find_ticket_by_kee"
+    (contracts / "ticket.create.yaml").write_text(yaml.safe_dump(typo))
+    refund_contract = yaml.safe_load((contracts / "refund.issue.yaml").read_text())
+    refund_contract["recovery"]["compensation"]["action_type"] = "refund.revers"
+    (contracts / "refund.issue.yaml").write_text(yaml.safe_dump(refund_contract))
+    expected = "unknown_tool  ticket.create: server 'sor' has no tool 'find_ticket_by_kee' (precondition_read.tool)"
+
+    local_pins = tmp_path / "pins.json"
+    local_pins.write_text(pins.read_text())
+    checked = pin(stack, local_pins, "pin", "--check", PROOFLINE_CONTRACTS_DIR=str(contracts))
+    assert checked.returncode == 1 and expected in checked.stderr, checked.stderr
+    # Offline: the pins list every tool the server had; the misspelling is not among them.
+    offline = pin(stack, local_pins, "check", PROOFLINE_CONTRACTS_DIR=str(contracts))
+    assert offline.returncode == 1 and expected in offline.stderr, offline.stderr
+    assert ("unknown_action_type  refund.issue: recovery.compensation.action_type 'refund.revers' has no contract"
+            in offline.stderr)
+    pinned = pin(stack, tmp_path / "fresh.json", "pin", PROOFLINE_CONTRACTS_DIR=str(contracts))
+    assert pinned.returncode == 1 and expected in pinned.stderr
+    # The correctly spelled contracts are not blamed.
+    assert "service.restart" not in offline.stderr + pinned.stderr
 
 
 def test_the_ledger_notifies_when_an_action_settles(stack: Stack, client: Client) -> None:

@@ -27,7 +27,7 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-CHECKS = ["database", "migrations", "broker", "reconciler", "keys", "contracts", "servers"]
+CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "contracts", "pins", "servers"]
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:
@@ -96,7 +96,8 @@ def test_doctor_names_a_missing_database(stack, tmp_path: Path) -> None:
     plain = subprocess.run([sys.executable, "-m", "proofline", "doctor"], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=90)
     assert plain.returncode == 1 and "Traceback" not in plain.stdout + plain.stderr
-    assert plain.stdout.splitlines()[0].startswith("FAIL  database") and "fix:" in plain.stdout.splitlines()[0]
+    database = [line for line in plain.stdout.splitlines() if line.split()[1:2] == ["database"]]
+    assert database[0].startswith("FAIL  database") and "fix:" in database[0]
 
 
 def test_doctor_names_migrations_behind(stack, tmp_path: Path) -> None:

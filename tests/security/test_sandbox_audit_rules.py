@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from worker.sandbox import AUDIT_MARKER, SandboxSpec, launch
+from worker.sandbox import AUDIT_MARKER, SandboxSpec, bwrap_binary, launch
 from worker.sandbox_audit import Auditor, classify, parse, strace_args
 
 ROOTS_KW = {"read_only": ("/usr", "/venv", "/srv/tool"), "writable": ("/srv/var",),
@@ -129,7 +129,7 @@ def test_the_launcher_puts_strace_outside_everything() -> None:
     assert argv[: 1 + len(strace_args("/private/trace"))] == ["strace", *strace_args("/private/trace")]
     rest = argv[argv.index("--") + 1:]
     assert rest[0] == "/bin/sh" and "ulimit -v" in rest[2]  # the limits apply to bwrap and below only
-    assert rest[rest.index("bwrap") + 1] == "--json-status-fd"
+    assert rest[rest.index(bwrap_binary()) + 1] == "--json-status-fd"
     inner = rest[len(rest) - rest[::-1].index("--"):]
     assert inner[:2] == ["/bin/sh", "-c"] and AUDIT_MARKER in inner[2] and inner[-3:] == ["/venv/bin/python", "-m",
                                                                                         "tool"]

@@ -9,20 +9,47 @@ import pytest
 
 from proofline.contracts import contract_for
 from proofline.errors import ConfigurationError, ContractNotPinned, ToolContractChanged, UnknownTool
-from proofline.pins import pin_server, pinned_tool, problems, read_pins, write_pins
+from proofline.pins import pin_server, pinned_schema, pinned_tool, problems, read_pins, write_pins
 from proofline.settings import ROOT
 from worker.validate import revalidate_live
 
 CONTRACTS = ROOT / "contracts"
 
 
+SCHEMA = {"type": "object", "required": ["title"], "properties": {"title": {"type": "string"}}}
+
+
 def test_pins_round_trip_and_serve_the_contracts_tool(tmp_path: Path) -> None:
     contract = contract_for(CONTRACTS, "ticket.create")
-    pin, unknown = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "get_ticket": "b" * 64}, "rev")
-    assert unknown == {} and pin.tools == {"create_ticket": "a" * 64}  # only what a contract names
+    live = {"create_ticket": "a" * 64, "find_ticket_by_key": "f" * 64, "get_ticket": "b" * 64}
+    pin, unknown = pin_server([contract], "1.0.0", live, "rev", {"create_ticket": SCHEMA, "get_ticket": {}})
+    # Every tool the contract uses (its write tool and its precondition read), and nothing else.
+    assert unknown == {} and pin.tools == {"create_ticket": "a" * 64, "find_ticket_by_key": "f" * 64}
+    assert pin.schemas == {"create_ticket": SCHEMA}
     path = tmp_path / "pins.json"
     write_pins(path, {"sor": pin})
     assert pinned_tool(read_pins(path), contract, path) == ("1.0.0", "a" * 64)
+    assert pinned_schema(read_pins(path), contract, path) == SCHEMA
+
+
+def test_a_misspelled_read_tool_is_an_unknown_tool_naming_its_field(tmp_path: Path) -> None:
+    contract = contract_for(CONTRACTS, "ticket.create")
+    read = contract.precondition_read.model_copy(update={"tool": "find_tiket_by_key"})
+    contract = contract.model_copy(update={"precondition_read": read})
+    pin, unknown = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "find_ticket_by_key": "f" * 64}, "rev")
+    assert "'find_tiket_by_key' (precondition_read.tool)" in unknown["ticket.create"]
+    path = tmp_path / "pins.json"
+    assert problems({"sor": pin}, {"ticket.create": contract}, path)["ticket.create"][0] == "unknown_tool"
+
+
+def test_a_pin_without_schemas_is_not_publishable(tmp_path: Path) -> None:
+    """A pins file written before input schemas were pinned: the arguments cannot be checked."""
+    contract = contract_for(CONTRACTS, "ticket.create")
+    pin, _ = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "find_ticket_by_key": "f" * 64}, "rev")
+    path = tmp_path / "pins.json"
+    write_pins(path, {"sor": pin})
+    with pytest.raises(ContractNotPinned, match="input schema of tool 'create_ticket'"):
+        pinned_schema(read_pins(path), contract, path)
 
 
 def test_a_missing_tool_and_a_missing_pin_have_their_own_codes(tmp_path: Path) -> None:

