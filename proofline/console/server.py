@@ -38,9 +38,6 @@ def serve(host: str, port: int, users_file: Path, port_file: Path | None = None,
     users = load_users(users_file)
     approvers = approver_keys(users, settings())
     sessions = Sessions(users)
-    sock = listening_socket(host, port)
-    """Serve until interrupted. The users file is read once, before the socket opens."""
-    sessions = Sessions(load_users(users_file))
     try:
         sock = listening_socket(host, port)
     except OSError as exc:

@@ -174,7 +174,7 @@ def test_contracts_check_refuses_a_misspelled_prepare_tool(tmp_path: Path) -> No
 
     refused = check(contracts)
     assert refused.returncode == 1, refused.stderr
-    assert "unknown_tool  ticket.close: server 'sor' has no tool 'preview_close_tiket' (its prepare tool)" \
+    assert "unknown_tool  ticket.close: server 'sor' has no tool 'preview_close_tiket' (prepare.tool)" \
         in refused.stderr
     assert "refund.issue" not in refused.stderr  # the other contracts are fine
     shipped = check(ROOT / "contracts")

@@ -228,7 +228,8 @@ def test_a_real_compensation_is_signed_by_recovery_and_linked_to_its_parent(spli
     assert compensation.envelope["parent_message_hash"] == message_hash(parent.signed_message)
     validated = next(e for e in split.timeline(compensation.action_id) if e["event"] == "validated")["evidence"]
     assert validated["parent_link"] == {"parent": parent.action_id, "kind": "compensation",
-                                        "parent_message_hash": message_hash(parent.signed_message)}
+                                        "parent_message_hash": message_hash(parent.signed_message),
+                                        "parent_action_type": parent.action_type}
     assert sor.find_ticket_by_key(split.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
 
 

@@ -116,7 +116,8 @@ def _link(keys, **overrides: Any) -> tuple[Envelope, ActionRow]:
 def test_a_correct_parent_link_passes(keys) -> None:
     env, parent = _link(keys)
     assert check_parent_link(env, parent, keys[2], lookup) == {
-        "parent": "act-1", "kind": "compensation", "parent_message_hash": env.parent_message_hash}
+        "parent": "act-1", "kind": "compensation", "parent_message_hash": env.parent_message_hash,
+        "parent_action_type": "ticket.create"}
 
 
 @pytest.mark.parametrize(

@@ -146,12 +146,13 @@ def test_pinning_records_the_prepare_tool_and_names_a_missing_one(tmp_path: Path
     close = contract_for(CONTRACTS, "ticket.close")
     live = {"close_ticket": "a" * 64, "preview_close_ticket": "b" * 64, "get_ticket": "c" * 64}
     pin, unknown = pin_server([close], "1.0.0", live, "rev")
-    assert unknown == {} and pin.tools == {"close_ticket": "a" * 64, "preview_close_ticket": "b" * 64}
+    assert unknown == {} and pin.tools == {"close_ticket": "a" * 64, "preview_close_ticket": "b" * 64,
+                                           "get_ticket": "c" * 64}
     assert problems({"sor": pin}, {"ticket.close": close}, tmp_path / "pins.json") == {}
 
     typo = close.model_copy(update={"prepare": close.prepare.model_copy(update={"tool": "preview_close_tiket"})})
     pin, unknown = pin_server([typo], "1.0.0", live, "rev")
-    assert "no tool 'preview_close_tiket' (its prepare tool)" in unknown["ticket.close"]
+    assert "no tool 'preview_close_tiket' (prepare.tool)" in unknown["ticket.close"]
     code, detail = problems({"sor": pin}, {"ticket.close": typo}, tmp_path / "pins.json")["ticket.close"]
     assert code == "unknown_tool" and "preview_close_tiket" in detail
     # Listed by the server but never pinned (an old pins file): a missing pin, not an unknown tool.
