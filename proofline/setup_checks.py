@@ -164,6 +164,26 @@ def check_keys(settings: Settings, role: str) -> str:
     return f"a {role} process's keys in {where} load" + (f" ({'; '.join(warnings)})" if warnings else "")
 
 
+def check_authority(settings: Settings) -> str:
+    """The signed authority policy loads and an active approver key signed it; in production one is
+    required (without it every action would be refused as ``authority_policy_invalid``)."""
+    from proofline.authority import load_policy
+    from proofline.keys import load_keyring
+
+    fix = ("write the policy YAML, sign it with an approver key (`proofline authority sign POLICY --key KEY --out "
+           "FILE`) and set PROOFLINE_AUTHORITY_FILE=FILE")
+    try:
+        loaded = load_policy(settings.authority_file, load_keyring(settings.keyring_file, settings.environment),
+                             settings.environment)
+    except ProoflineError as exc:
+        raise Failed(str(exc.detail)[:300], fix) from None
+    if loaded is None:
+        return "no authority policy: the controller's approval is the authority (mode unmanaged, development only)"
+    modes = ", ".join(f"{name} {rule.mode.value}" for name, rule in sorted(loaded.policy.action_types.items()))
+    return (f"policy version {loaded.policy.version} ({loaded.hash[:12]}) signed by {loaded.signed_by}: default "
+            f"{loaded.policy.default_mode.value}" + (f"; {modes}" if modes else ""))
+
+
 def check_contracts(settings: Settings, warnings: list[str] | None = None) -> str:
     """The contracts folder exists and its contracts load. With ``warnings`` (a worker), a refused
     file is a warning, not a failure: a broken contract refuses only its own action type (each of
@@ -254,6 +274,7 @@ def worker_checks(settings: Settings, role: str, warnings: list[str]) -> list[tu
     keys and rules first, then its files, then the database. Not the broker (Celery waits for it
     and reconnects) nor the reconciler's heartbeat (a worker may be the first process to start)."""
     return [("keys", lambda: check_keys(settings, role)), ("environment", lambda: check_environment(settings)),
+            ("authority", lambda: check_authority(settings)),
             ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings, warnings)),
             ("pins", lambda: check_pins(settings, publishing=False)),
             ("database", lambda: check_database(settings, own=True)),

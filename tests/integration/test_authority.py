@@ -246,12 +246,13 @@ def test_no_approval_is_refused(auth: Authority) -> None:
     refused_with(auth, close_env(auth.stack), "approval_missing")
 
 
-def test_an_approval_signed_by_a_controller_key_is_refused(auth: Authority) -> None:
+@pytest.mark.parametrize("role", ["controller", "worker", "recovery"])
+def test_an_approval_signed_by_a_key_that_may_not_approve_is_refused(auth: Authority, role: str) -> None:
     auth.policy()
     env = close_env(auth.stack)
-    controller = load_signing_key(auth.settings.signing_key_file, KeyRole.controller)
+    key = load_signing_key(auth.settings.keys_dir / f"{role}.key", KeyRole(role))
     doc = statement_for(env, approver="alice@example.com").model_dump(mode="json")
-    forged = {"approval": doc, "key_id": controller.key_id, "signature": encode_signature(controller.sign(canonical_bytes(doc)))}
+    forged = {"approval": doc, "key_id": key.key_id, "signature": encode_signature(key.sign(canonical_bytes(doc)))}
     refused_with(auth, with_approvals(auth.stack, env, forged), "approval_wrong_role")
 
 

@@ -27,7 +27,8 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "contracts", "pins", "servers"]
+CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "authority", "contracts", "pins",
+          "servers"]
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:

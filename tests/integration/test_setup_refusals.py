@@ -94,6 +94,23 @@ def test_a_broken_servers_file_is_refused_naming_its_line(stack: Stack, waiting:
     assert str(broken) in servers[0] and "line 5, column 8" in servers[0]
 
 
+def test_an_authority_policy_no_approver_signed_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
+    from proofline.authority import AuthorityPolicy
+    from proofline.canonical import canonical_bytes
+    from proofline.keys import KeyRole, load_signing_key
+    from proofline.signing import encode_signature
+
+    # Signed with the controller's key: a document no approver signed is no policy at all.
+    controller = load_signing_key(stack.settings.signing_key_file, KeyRole.controller)
+    document = AuthorityPolicy(version=1).model_dump(mode="json")
+    forged = tmp_path / "authority.json"
+    forged.write_text(json.dumps({"policy": document, "key_id": controller.key_id,
+                                  "signature": encode_signature(controller.sign(canonical_bytes(document)))}))
+    refused(worker(stack, PROOFLINE_AUTHORITY_FILE=str(forged)), "authority:", "a controller key",
+            "proofline authority sign")
+    untouched(stack, waiting)
+
+
 def test_a_servers_file_that_is_not_a_mapping_is_refused(stack: Stack, waiting: Waiting, tmp_path: Path) -> None:
     listed = tmp_path / "servers.yaml"
     listed.write_text("- sor\n- other\n")
