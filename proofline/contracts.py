@@ -331,18 +331,48 @@ def contract_for(directory: Path, action_type: str) -> Contract:
         raise UnknownActionType(f"no contract for action type {action_type!r}") from None
 
 
+#: How deeply a value read out of a tool result may nest. Deeper than this, every later step (CEL,
+#: redaction, canonical JSON, the ledger's JSONB) would fail or recurse without bound: such a result
+#: is unreadable here, at the boundary, where the call's evidence is still written.
+MAX_NESTING = 64
+
+
+def nesting_within(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether ``value`` nests at most ``limit`` levels of objects and arrays (iterative: a hostile
+    value cannot exhaust the stack here)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
+
+
 def extract(result: Any, how: Extraction) -> dict[str, Any]:
     """Read a JSON object out of an MCP ``CallToolResult`` as the contract declares."""
+    data = _extract(result, how)
+    if not nesting_within(data):
+        raise ExtractionFailed(f"the result nests deeper than {MAX_NESTING} levels")
+    return data
+
+
+def _extract(result: Any, how: Extraction) -> dict[str, Any]:
     if how.mode == "structured":
         data = getattr(result, "structured_content", None)
         if isinstance(data, dict):
             return data
         # Servers on older SDKs often send the same JSON as text only: accept it, it is the same value.
-        return extract(result, Extraction(mode="json_text"))
+        return _extract(result, Extraction(mode="json_text"))
     text = "".join(getattr(block, "text", "") for block in getattr(result, "content", []) or [])
     if how.mode == "json_text":
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise ExtractionFailed(f"result text nests deeper than the JSON parser goes: {text[:100]!r}") from None
         except ValueError as exc:
             raise ExtractionFailed(f"result text is not JSON: {text[:200]!r}") from exc
         if not isinstance(data, dict):

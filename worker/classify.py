@@ -74,7 +74,7 @@ def _tool_error_class(result: Any, class_field: str) -> str | None:
     text = "".join(getattr(b, "text", "") for b in getattr(result, "content", []) or [])
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser: no class to read
         return None
     if isinstance(parsed, dict) and isinstance(parsed.get(class_field), str):
         return parsed[class_field]

@@ -28,6 +28,7 @@ MODES = frozenset(
         "operation_ttl",
         "list_changed",
         "contract_variant",
+        "deep_nesting",
     }
 )
 #: Tool name of the switch that takes every read tool down.

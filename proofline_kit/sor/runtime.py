@@ -92,6 +92,18 @@ def text(body: str) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=body)])
 
 
+def nested(result: CallToolResult, depth: int) -> CallToolResult:
+    """The same answer with a ``detail`` value nested ``depth`` levels deep (the ``deep_nesting``
+    fault), in its structured content when it has one, else as JSON text."""
+    detail: Any = 1
+    for _ in range(depth):
+        detail = {"a": detail}
+    if isinstance(result.structured_content, dict):
+        data = {**result.structured_content, "detail": detail}
+        return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))], structured_content=data)
+    return text(json.dumps({"detail": detail}))
+
+
 def padded(result: CallToolResult, size: int) -> CallToolResult:
     """The same answer made ``size`` bytes larger (the ``huge_result`` fault: a server that returns far
     more than anyone asked for). Structured content gains a ``padding`` field; text gains trailing
@@ -197,6 +209,9 @@ class Runner:
             return error_result("failed_after_side_effect", f"injected failure after commit in {tool}")
         if mode == "huge_result":
             return padded(render(result), int(fault.delay_seconds * 1024 * 1024))
+        if mode == "deep_nesting":
+            # Committed, then answered with a value nested ``delay_seconds`` levels deep (default 100).
+            return nested(render(result), int(fault.delay_seconds) or 100)
         return render(result)
 
     async def _ignoring_cancel(

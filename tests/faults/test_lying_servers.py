@@ -65,3 +65,23 @@ def test_failure_after_commit_is_settled_by_the_read_and_not_retried(stack: Stac
     assert recorded["outcome"] in (Outcome.unknown_outcome.value, Outcome.failed_after_side_effect.value)
     assert evidence_of(stack, env.action_id, "verification_finished")[-1]["finding"] == "expected"
     assert stack.effects(env.idempotency_key) == 1
+
+
+def test_a_result_nested_too_deeply_is_recorded_as_unreadable_and_settled_by_the_read(stack: Stack) -> None:
+    """The ticket is created, and the answer carries a value nested 100 levels deep (past the limit
+    every later step relies on): the call's evidence is still recorded (``tool_called``, unknown
+    outcome, ``extraction_failed``), once, and the verification read settles what happened. (JSON
+    text nested past the parser's own stack is refused the same way: tests/unit/test_contracts.py.)"""
+    from tests.helpers import ticket_env
+
+    env = ticket_env(stack)
+    sor.set_fault(stack.sor_db, "create_ticket", "deep_nesting", remaining=1)
+    try:
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id, timeout=60)
+    finally:
+        sor.clear_faults(stack.sor_db, "create_ticket")
+    [called] = evidence_of(stack, env.action_id, "tool_called")
+    assert (called["outcome"], called["reason_code"]) == (Outcome.unknown_outcome.value, "extraction_failed"), called
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert stack.effects(env.idempotency_key) == 1 and stack.witness.count(key=env.idempotency_key) == 1

@@ -297,3 +297,19 @@ def test_unevaluable_read_is_never_success():
     with pytest.raises(ConditionError):
         holds(CREATE.expected[1], variables)
     assert judge(CREATE, variables, settled=True) is VerificationFinding.not_reached
+
+
+def test_a_result_nested_too_deeply_is_refused_by_extraction_without_recursing() -> None:
+    from mcp.types import CallToolResult, TextContent
+
+    from proofline.contracts import MAX_NESTING, Extraction, extract, nesting_within
+
+    deep_text = CallToolResult(content=[TextContent(type="text", text='{"a":' * 200_000 + "1" + "}" * 200_000)])
+    with pytest.raises(ExtractionFailed, match="nests deeper"):
+        extract(deep_text, Extraction(mode="json_text"))
+    nested: dict = {"leaf": 1}
+    for _ in range(MAX_NESTING + 5):
+        nested = {"a": [nested]}
+    with pytest.raises(ExtractionFailed, match=f"deeper than {MAX_NESTING}"):
+        extract(CallToolResult(content=[], structured_content=nested), Extraction())
+    assert nesting_within({"a": [{"b": 1}]}, limit=3) and not nesting_within({"a": [{"b": [1]}]}, limit=3)
