@@ -48,7 +48,15 @@ _IDENTIFIER_QUALIFIERS = frozenset({
 _CARD = re.compile(r"(?<![\w\-./:])[2-6](?:[ -]?\d){12,18}(?![\w\-/:])(?!\.\w)")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9\-._~+/]+=*")
 _PEM = re.compile(r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END \1PRIVATE KEY-----|\Z)", re.S)
+# A URL or DSN that carries a password: ``scheme://user:password@host`` keeps the user, not the password.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s/:@]*):([^\s@/]+)@")
+# A secret named in free text: ``password=…``, ``token: …``, ``the api key is …``.
+_NAMED_SECRET = re.compile(
+    r"(?i)\b((?:password|passwd|passphrase|pwd|secret|client[ _-]?secret|token|access[ _-]?token|"
+    r"refresh[ _-]?token|api[ _-]?key|access[ _-]?key|private[ _-]?key)s?)(\s*[:=]\s*|\s+is\s+|\s+was\s+)"
+    r"([\"']?)([^\s\"',;)}\]]+)")
 # Cheap first looks, so most strings skip the full patterns.
+_MAYBE_NAMED = re.compile(r"(?i)pass|pwd|secret|token|key")
 _MAYBE_CREDENTIAL = re.compile(r"(?i)bearer|basic")
 _MAYBE_CARD = re.compile(r"\d{4}")
 #: Shorter argument values are not hunted for inside other text (a 3-letter value would erase words).
@@ -106,7 +114,8 @@ def _card(match: re.Match[str]) -> str:
 
 
 def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """Replace known secret values, card numbers, bearer credentials and PEM private keys in text."""
+    """Replace known secret values, card numbers, bearer credentials, PEM private keys, the password
+    of a URL or DSN, and a value free text names as a secret (``password=…``, ``the token is …``)."""
     for secret in secrets:
         if secret in text:
             text = text.replace(secret, MARK)
@@ -116,6 +125,10 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
         text = _PEM.sub(MARK, text)
     if _MAYBE_CREDENTIAL.search(text):
         text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", text)
+    if "://" in text and "@" in text:
+        text = _USERINFO.sub(lambda m: f"{m.group(1)}:{MARK}@", text)
+    if _MAYBE_NAMED.search(text):
+        text = _NAMED_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}{MARK}", text)
     if _MAYBE_CARD.search(text):
         text = _CARD.sub(_card, text)
     return text

@@ -213,3 +213,22 @@ def test_a_message_nested_past_the_recursion_limit_still_gets_a_redactor() -> No
         deep = [deep]
     red = for_message({"envelope": {"arguments": {"password": "hunter22", "deep": deep}}})
     assert isinstance(red, Redactor) and red.text("card 4111111111111111") == f"card {MARK}"
+
+
+@pytest.mark.parametrize(("text", "kept", "gone"), [
+    ("note: the password is hunter2 for now", "note: the password is", "hunter2"),
+    ("PASSWORD: hunter2", "PASSWORD:", "hunter2"),
+    ("retry with token=abcdef123456; then stop", "then stop", "abcdef123456"),
+    ('{"comment": "api_key: XYZ123456"}', "api_key:", "XYZ123456"),
+    ("dsn postgresql://app:s3cr3t-pw@db:5432/orders", "postgresql://app:", "s3cr3t-pw"),
+    ("broker redis://:pw-123456@cache:6379/0", "@cache:6379/0", "pw-123456"),
+])
+def test_secrets_in_free_text_and_urls_are_scrubbed(text: str, kept: str, gone: str) -> None:
+    scrubbed = scrub_text(text)
+    assert gone not in scrubbed and kept in scrubbed and MARK in scrubbed
+
+
+@pytest.mark.parametrize("text", ["the monkey has 5 keys", "see https://example.com/path@v2", "mail ops@example.com",
+                                  "a token of thanks", "https://api.example.com/v1/items"])
+def test_text_without_a_named_secret_is_left_alone(text: str) -> None:
+    assert scrub_text(text) == text
