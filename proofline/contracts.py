@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -314,10 +314,32 @@ def scan_contracts(directory: Path) -> ContractSet:
     return ContractSet(contracts, broken)
 
 
-@lru_cache(maxsize=8)
+#: How often a process looks at a contracts folder again for added, removed or changed files.
+RELOAD_SECONDS = 1.0
+_loaded: dict[str, tuple[float, tuple[tuple[str, int, int], ...] | None, ContractSet]] = {}
+
+
+def _signature(directory: Path) -> tuple[tuple[str, int, int], ...] | None:
+    try:
+        return tuple(sorted((p.name, st.st_mtime_ns, st.st_size) for p in directory.glob("*.yaml")
+                            for st in (p.stat(),)))
+    except OSError:
+        return None
+
+
 def load_contracts(directory: Path) -> ContractSet:
-    """The contracts of ``directory``, loaded once per process."""
-    return scan_contracts(directory)
+    """The contracts of ``directory``: loaded once, and again when a file is added, removed or
+    changed (the folder is looked at no more than once every :data:`RELOAD_SECONDS`), so a running
+    worker takes a new or edited contract without a restart. What each action ran under is in its
+    ``validated`` event (the contract's version and digest)."""
+    key, now = str(directory), time.monotonic()
+    hit = _loaded.get(key)
+    if hit is not None and now - hit[0] < RELOAD_SECONDS:
+        return hit[2]
+    signature = _signature(Path(directory))
+    loaded = hit[2] if hit is not None and hit[1] == signature else scan_contracts(directory)
+    _loaded[key] = (now, signature, loaded)
+    return loaded
 
 
 def contract_for(directory: Path, action_type: str) -> Contract:
