@@ -29,6 +29,7 @@ MODES = frozenset(
         "list_changed",
         "contract_variant",
         "deep_nesting",
+        "apply_twice",
     }
 )
 #: Tool name of the switch that takes every read tool down.

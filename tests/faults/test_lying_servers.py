@@ -85,3 +85,19 @@ def test_a_result_nested_too_deeply_is_recorded_as_unreadable_and_settled_by_the
     assert (called["outcome"], called["reason_code"]) == (Outcome.unknown_outcome.value, "extraction_failed"), called
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert stack.effects(env.idempotency_key) == 1 and stack.witness.count(key=env.idempotency_key) == 1
+
+
+def test_a_refund_applied_twice_is_found_prohibited_and_handed_to_recovery(stack: Stack) -> None:
+    """The server pays the refund twice and answers as if once: verification's read by key finds two
+    refunds, a prohibited change (never verified), and recovery takes it from there."""
+    account = new_account(stack)
+    env = refund_env(stack, account)
+    row = refund_under_fault(stack, env, "apply_twice", remaining=1)
+    [finished] = evidence_of(stack, env.action_id, "verification_finished")
+    assert finished["finding"] == "prohibited", finished
+    assert row.finding == "prohibited" and row.outcome != Outcome.completed_verified
+    decided = evidence_of(stack, env.action_id, "recovery_decided")
+    assert decided and decided[0]["reason"] == "verification_failed", decided
+    assert (decided[0]["facts"]["finding"], decided[0]["facts"]["outcome"]) == ("prohibited", "failed_after_side_effect")
+    assert len(sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]) == 2
+    assert stack.witness.count(key=env.idempotency_key) == 1  # one call, two effects: the server's doing
