@@ -6,7 +6,7 @@ a page with ``render(NAME)`` at build time:
 - ``cli``: every ``proofline`` command's ``--help``, from the Click group itself;
 - ``settings``: every field of ``proofline.settings.Settings`` (environment variable, default, the
   ``#:`` comment above it), and the ``PROOFLINE_*`` variables runtime code reads outside it;
-- ``reason-codes``: every error class of ``proofline/errors.py`` with its stable code;
+- ``reason-codes``: every error class of ``proofline.errors`` (the package) with its stable code;
 - ``alerts``: every rule of ``ops/prometheus/alerts.yml``, linked to its runbook.
 
 The JSON Schemas of the contract file and of the servers file are generated from the pydantic models
@@ -141,7 +141,8 @@ def render_reason_codes() -> str:
     from proofline import errors
 
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(c, errors.ProoflineError) and c.__module__ == errors.__name__]
+               if issubclass(c, errors.ProoflineError)
+               and (c.__module__ == errors.__name__ or c.__module__.startswith(errors.__name__ + "."))]
     classes.sort(key=lambda c: c.code)
     lines = ["| code | error class (kind of) | retried | what it means |", "|---|---|---|---|"]
     for cls in classes:

@@ -9,7 +9,7 @@ idempotency record is ``failed`` (or was never claimed), so the worker's own cla
 lets exactly one new call through. Everything the worker checks on any delivery (signature,
 revocations, kill switches, the deadline, the call budget) it checks again.
 
-Refusals carry a reason code (``proofline/errors.py``, the ``RetryRefused`` family); the retry
+Refusals carry a reason code (``proofline/errors/``, the ``RetryRefused`` family); the retry
 itself is a ``manual_retry`` event on the action's chain, naming who and why, in the transaction
 that moves the action from ``escalated`` to ``published``. The database allows that move to the
 operator role only, and only from ``failed_before_side_effect`` (migration 0009).

@@ -1,5 +1,9 @@
 """Every error Proofline raises, each with a stable reason code.
 
+One namespace, ``proofline.errors``; the module is split by audience to stay readable: the
+runtime's refusals here, the authority's in ``errors/authority.py``, the operator's and the SDK's
+in ``errors/operator.py``. Import every error from ``proofline.errors``.
+
 The code is what lands in the ledger and what a controller branches on; the message is for
 people. Retryable and terminal errors are distinct classes. All of them pickle cleanly because
 Celery serialises exceptions across processes.
@@ -160,69 +164,6 @@ class KillSwitchEngaged(RevalidationFailed):
     """A kill switch covers this action."""
 
     code = "kill_switch_engaged"
-
-
-# --- authority: signed approvals and the authority policy (proofline/approvals.py, authority.py) ---
-
-
-class ApprovalMissing(RevalidationFailed):
-    """The action's authority mode needs a signed approval and it carries none."""
-
-    code = "approval_missing"
-
-
-class ApprovalSignatureInvalid(RevalidationFailed):
-    """An approval is malformed, or signed by an unknown or revoked key, or its signature is wrong."""
-
-    code = "approval_signature_invalid"
-
-
-class ApprovalWrongRole(RevalidationFailed):
-    """An approval is signed by a key that may not approve (a controller, worker or recovery key)."""
-
-    code = "approval_wrong_role"
-
-
-class ApprovalMismatch(RevalidationFailed):
-    """An approval approves another intent (arguments, target, plan, tool, tenant or approver)."""
-
-    code = "approval_mismatch"
-
-
-class ApprovalRevoked(RevalidationFailed):
-    """An approval was revoked before the action was sent."""
-
-    code = "approval_revoked"
-
-
-class ApprovalScopeExceeded(RevalidationFailed):
-    """An approval's scope does not cover what the action does (a point of no return, an amount)."""
-
-    code = "approval_scope_exceeded"
-
-
-class ApproversInsufficient(RevalidationFailed):
-    """Fewer distinct approvers signed than the authority policy requires."""
-
-    code = "approvers_insufficient"
-
-
-class AuthorityModeRefused(RevalidationFailed):
-    """The action type's authority mode does not allow this action (a write in ``read`` mode)."""
-
-    code = "authority_mode_refused"
-
-
-class PlanChanged(RevalidationFailed):
-    """The plan prepared right before the commit is not the plan that was approved."""
-
-    code = "plan_changed"
-
-
-class AuthorityPolicyInvalid(RevalidationFailed):
-    """The authority policy file is missing where required, unsigned, or not signed by an approver."""
-
-    code = "authority_policy_invalid"
 
 
 # --- preconditions ----------------------------------------------------------------------------
@@ -558,136 +499,6 @@ class TenantQuotaExceeded(ProoflineError):
     code = "tenant_quota_wait"
 
 
-# --- operator commands (the CLI) --------------------------------------------------------------
-
-
-class NotFound(ProoflineError):
-    """No action, run or record has this id."""
-
-    code = "not_found"
-
-
-class PromotionRefused(ProoflineError):
-    """An action type may not move up a rung: the ledger's evidence does not meet the policy's thresholds."""
-
-    code = "promotion_refused"
-
-
-class ProposalRefused(ProoflineError):
-    """An approval or denial of a proposal was refused (not proposed, not an approver, approved twice)."""
-
-    code = "proposal_refused"
-
-
-class DatabaseUnavailable(ProoflineError):
-    """The ledger database could not be reached (or refused the connection)."""
-
-    code = "database_unavailable"
-    retryable = True
-
-
-class SchemaMissing(ConfigurationError):
-    """The ledger database has no Proofline schema yet (run ``proofline migrate``)."""
-
-    code = "schema_missing"
-
-
-class BrokerUnavailable(ProoflineError):
-    """The broker could not be reached; what was recorded in the ledger stays recorded."""
-
-    code = "broker_unavailable"
-    retryable = True
-
-
-class KillSwitchInvalid(ProoflineError):
-    """A kill switch's scope and value would block nothing (no value, an unknown name, a
-    ``tool_tenant`` value without ``@tenant``): it is refused instead of being shown as engaged."""
-
-    code = "kill_switch_invalid"
-
-
-class FollowTimedOut(ProoflineError):
-    """The action did not reach a settled state within the time given to follow it."""
-
-    code = "follow_timed_out"
-
-
-class RetryRefused(ProoflineError):
-    """An operator retry is refused: only an escalated action whose effect is proven absent, still
-    wanted, inside its deadline and its call budget, is sent again (same envelope, same key)."""
-
-    code = "retry_refused"
-
-
-class RetryNotEscalated(RetryRefused):
-    """The action is not escalated: the runtime (or an operator) still owns or already settled it."""
-
-    code = "retry_not_escalated"
-
-
-class EffectNotProvenAbsent(RetryRefused):
-    """Nothing proves the action's effect absent: sending it again could apply it twice."""
-
-    code = "effect_not_proven_absent"
-
-
-class RetryNotWanted(RetryRefused):
-    """A cancellation was requested, or the action's run failed: it must not run again."""
-
-    code = "retry_not_wanted"
-
-
-class RetryExpired(RetryRefused):
-    """The action's deadline or approval has passed (or leaves no time for one more call)."""
-
-    code = "retry_expired"
-
-
-class RetryBudgetExhausted(RetryRefused):
-    """Every tool call the approval allows has been made."""
-
-    code = "retry_budget_exhausted"
-
-
-# --- the controller SDK and its pinned tool contracts ----------------------------------------------
-
-
-class ContractNotPinned(ConfigurationError):
-    """No reviewed tool contract hash is pinned for this action type (``proofline contracts pin``)."""
-
-    code = "contract_not_pinned"
-
-
-class WaitTimedOut(ProoflineError):
-    """The action had not reached a settled state when the wait ran out (it keeps running)."""
-
-    code = "wait_timed_out"
-    retryable = True
-
-
-class ServersVariableUnset(ConfigurationError):
-    """The servers file names an environment variable (``${NAME}``) that is not set."""
-
-    code = "servers_variable_unset"
-
-
-# --- the operator console ---------------------------------------------------------------------------
-
-
-class ConsoleForbidden(ProoflineError):
-    """The console refused a write: no session, or a viewer's session (only an operator acts)."""
-
-    code = "console_forbidden"
-
-
-class CsrfRefused(ConsoleForbidden):
-    """A console write did not carry its session's CSRF token: it may come from another site."""
-
-    code = "csrf_refused"
-
-
-class ConsoleInputInvalid(ProoflineError):
-    """A console form or filter was sent without what it needs (a reason, a resolution, a scope) or
-    with a value it cannot use (a time that is not one, evidence that is not a JSON object)."""
-
-    code = "console_input_invalid"
+# The other parts of the one namespace (they subclass the classes above).
+from proofline.errors.authority import *  # noqa: E402,F403
+from proofline.errors.operator import *  # noqa: E402,F403

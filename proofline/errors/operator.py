@@ -1,0 +1,137 @@
+"""What operators, the CLI, the SDK and the console are refused. Part of ``proofline.errors``."""
+
+from __future__ import annotations
+
+from proofline.errors import ConfigurationError, ProoflineError
+
+
+class NotFound(ProoflineError):
+    """No action, run or record has this id."""
+
+    code = "not_found"
+
+
+class PromotionRefused(ProoflineError):
+    """An action type may not move up a rung: the ledger's evidence does not meet the policy's thresholds."""
+
+    code = "promotion_refused"
+
+
+class ProposalRefused(ProoflineError):
+    """An approval or denial of a proposal was refused (not proposed, not an approver, approved twice)."""
+
+    code = "proposal_refused"
+
+
+class DatabaseUnavailable(ProoflineError):
+    """The ledger database could not be reached (or refused the connection)."""
+
+    code = "database_unavailable"
+    retryable = True
+
+
+class SchemaMissing(ConfigurationError):
+    """The ledger database has no Proofline schema yet (run ``proofline migrate``)."""
+
+    code = "schema_missing"
+
+
+class BrokerUnavailable(ProoflineError):
+    """The broker could not be reached; what was recorded in the ledger stays recorded."""
+
+    code = "broker_unavailable"
+    retryable = True
+
+
+class KillSwitchInvalid(ProoflineError):
+    """A kill switch's scope and value would block nothing (no value, an unknown name, a
+    ``tool_tenant`` value without ``@tenant``): it is refused instead of being shown as engaged."""
+
+    code = "kill_switch_invalid"
+
+
+class FollowTimedOut(ProoflineError):
+    """The action did not reach a settled state within the time given to follow it."""
+
+    code = "follow_timed_out"
+
+
+class RetryRefused(ProoflineError):
+    """An operator retry is refused: only an escalated action whose effect is proven absent, still
+    wanted, inside its deadline and its call budget, is sent again (same envelope, same key)."""
+
+    code = "retry_refused"
+
+
+class RetryNotEscalated(RetryRefused):
+    """The action is not escalated: the runtime (or an operator) still owns or already settled it."""
+
+    code = "retry_not_escalated"
+
+
+class EffectNotProvenAbsent(RetryRefused):
+    """Nothing proves the action's effect absent: sending it again could apply it twice."""
+
+    code = "effect_not_proven_absent"
+
+
+class RetryNotWanted(RetryRefused):
+    """A cancellation was requested, or the action's run failed: it must not run again."""
+
+    code = "retry_not_wanted"
+
+
+class RetryExpired(RetryRefused):
+    """The action's deadline or approval has passed (or leaves no time for one more call)."""
+
+    code = "retry_expired"
+
+
+class RetryBudgetExhausted(RetryRefused):
+    """Every tool call the approval allows has been made."""
+
+    code = "retry_budget_exhausted"
+
+
+# --- the controller SDK and its pinned tool contracts ----------------------------------------------
+
+
+class ContractNotPinned(ConfigurationError):
+    """No reviewed tool contract hash is pinned for this action type (``proofline contracts pin``)."""
+
+    code = "contract_not_pinned"
+
+
+class WaitTimedOut(ProoflineError):
+    """The action had not reached a settled state when the wait ran out (it keeps running)."""
+
+    code = "wait_timed_out"
+    retryable = True
+
+
+class ServersVariableUnset(ConfigurationError):
+    """The servers file names an environment variable (``${NAME}``) that is not set."""
+
+    code = "servers_variable_unset"
+
+
+# --- the operator console ---------------------------------------------------------------------------
+
+
+class ConsoleForbidden(ProoflineError):
+    """The console refused a write: no session, or a viewer's session (only an operator acts)."""
+
+    code = "console_forbidden"
+
+
+class CsrfRefused(ConsoleForbidden):
+    """A console write did not carry its session's CSRF token: it may come from another site."""
+
+    code = "csrf_refused"
+
+
+class ConsoleInputInvalid(ProoflineError):
+    """A console form or filter was sent without what it needs (a reason, a resolution, a scope) or
+    with a value it cannot use (a time that is not one, evidence that is not a JSON object)."""
+
+    code = "console_input_invalid"
