@@ -25,10 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from proofline import scaffold_files as texts
-from proofline.authority import AuthorityPolicy, sign_policy
+from proofline.authority import read_policy_yaml, sign_policy
 from proofline.errors import InitFolderNotEmpty, NotADeploymentFolder
 from proofline.keys import FILES, KEYRING_FILE, SEAL_FILE, KeyRole, add_approver, generate, load_signing_key
 from proofline.settings import PACKAGED_CONTRACTS_DIR
@@ -162,7 +160,7 @@ def _keys(layout: Layout, approver: str) -> None:
 def _authority(layout: Layout) -> None:
     """The policy YAML (what a person edits) and its signed JSON (what every process verifies)."""
     _write(layout.authority_yaml, texts.authority_policy(), PUBLIC_FILE)
-    policy = AuthorityPolicy.model_validate(yaml.safe_load(layout.authority_yaml.read_text()))
+    policy = read_policy_yaml(layout.authority_yaml)
     signed = sign_policy(policy, load_signing_key(layout.key_file("approver"), KeyRole.approver))
     _write(layout.authority_json, json.dumps(signed, indent=2) + "\n", PUBLIC_FILE)
 
