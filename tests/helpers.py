@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -95,3 +98,16 @@ def sor_processes(stack: Stack, role: str | None = None) -> list[psutil.Process]
             except psutil.NoSuchProcess:
                 continue
     return found
+
+
+def settled_by_cli(proofline: str, action_id: str, env: dict[str, str], cwd: Path | None = None) -> dict[str, Any]:
+    """``proofline status ACTION --json`` once the action is closed, escalated or cancelled (as a
+    user would poll it, through the installed command)."""
+    def settled() -> dict[str, Any] | None:
+        shown = subprocess.run([proofline, "status", action_id, "--json"], env=env, cwd=cwd, capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        report = json.loads(shown.stdout)
+        return report if report["status"] in ("closed", "escalated", "cancelled") else None
+
+    return wait_for(settled, 120, interval=0.5, what=f"action {action_id} to settle")

@@ -36,6 +36,7 @@ from tests.conftest import (
     stop_process,
     wait_for,
 )
+from tests.helpers import settled_by_cli
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -108,7 +109,7 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
                           "--run-id", f"run-{action_id}", "--action-id", action_id], env, empty)
         assert published.returncode == 0, published.stdout + published.stderr
 
-        got = _settled(proofline, action_id, env, empty)
+        got = settled_by_cli(proofline, action_id, env, empty)
         log = (tmp_path / "worker.log").read_text(errors="replace")
         assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), log[-3000:]
         assert worker.poll() is None, log[-3000:]
@@ -203,7 +204,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
                         client_env, empty, timeout=120)
         assert approved.returncode == 0, approved.stdout + approved.stderr
 
-        got = _settled(proofline, action_id, client_env, empty)
+        got = settled_by_cli(proofline, action_id, client_env, empty)
         verified_seconds = time.monotonic() - began
         assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), (folder / "var" / "logs" /
                                                                                     "worker.log").read_text()[-3000:]
@@ -223,17 +224,6 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
     finally:
         if dev.poll() is None:
             stop_process(dev)
-
-def _settled(proofline: str, action_id: str, env: dict[str, str], cwd: Path) -> dict:
-    """``proofline status --json`` of the action once it is closed, escalated or cancelled."""
-    def settled() -> dict | None:
-        shown = _run([proofline, "status", action_id, "--json"], env, cwd, timeout=60)
-        assert shown.returncode == 0, shown.stderr
-        report = json.loads(shown.stdout)
-        return report if report["status"] in ("closed", "escalated", "cancelled") else None
-
-    return wait_for(settled, 120, interval=0.5, what=f"action {action_id} to settle")
-
 
 def _console_page(port: int, user: str, token: str, path: str) -> str:
     """Log in to the console as a browser would (its login form's CSRF token and cookie), then GET ``path``."""
