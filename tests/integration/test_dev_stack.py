@@ -1,0 +1,78 @@
+"""``proofline dev`` from the checkout: SIGTERM stops the whole stack, and a process of the stack
+that cannot start stops the rest (``dev_stack_failed``), in both cases leaving no process behind,
+embedded Postgres included. (The installed wheel, an action through it and SIGINT:
+tests/integration/test_installed_wheel.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from proofline.scaffold import init
+from proofline_kit.processes import start_process, stop_process, unused_port, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _dev(folder: Path, log: Path, metrics_port: int):
+    return start_process([sys.executable, "-m", "proofline", "dev", "--dir", str(folder), "--console-port",
+                          str(unused_port()), "--metrics-port", str(metrics_port)],
+                         {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}, log, cwd=folder)
+
+
+def _gone(tree: list[psutil.Process], postmaster: Path) -> list[tuple[int, list[str]]]:
+    """The processes of ``tree`` still alive, and Postgres if it still runs."""
+    left = [(p.pid, p.cmdline()) for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    if postmaster.exists():
+        left.append((int(postmaster.read_text().split()[0]), ["postgres (postmaster.pid left)"]))
+    return left
+
+
+def test_sigterm_stops_every_process_of_the_stack(tmp_path: Path) -> None:
+    folder = init(tmp_path / "deploy").root
+    log = tmp_path / "dev.log"
+    dev = _dev(folder, log, unused_port())
+    try:
+        wait_for(lambda: "the stack is up" in log.read_text() or (dev.poll() is not None and pytest.fail(log.read_text())),
+                 180, interval=0.3, what="proofline dev to come up")
+        tree = psutil.Process(dev.pid).children(recursive=True)
+        assert len(tree) >= 4, [p.cmdline() for p in tree]
+        postmaster = folder / "var" / "pg" / "postmaster.pid"
+        assert psutil.pid_exists(int(postmaster.read_text().split()[0]))
+        dev.send_signal(signal.SIGTERM)
+        assert dev.wait(120) == 0, log.read_text()[-3000:]
+        assert "every process it started has exited" in log.read_text()
+        assert _gone(tree, postmaster) == []
+    finally:
+        stop_process(dev)
+
+
+def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(tmp_path: Path) -> None:
+    folder = init(tmp_path / "deploy").root
+    log = tmp_path / "dev.log"
+    with socket.socket() as taken:  # the metrics port is taken: the exporter cannot listen
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        dev = _dev(folder, log, taken.getsockname()[1])
+        try:
+            tree: list[psutil.Process] = []
+
+            def exited() -> bool:
+                if dev.poll() is None:
+                    tree.extend(p for p in psutil.Process(dev.pid).children(recursive=True) if p not in tree)
+                return dev.poll() is not None
+
+            wait_for(exited, 180, interval=0.2, what="proofline dev to give up")
+        finally:
+            stop_process(dev)
+    shown = log.read_text()
+    assert dev.returncode == 3, shown[-3000:]
+    assert "dev_stack_failed" in shown and "the exporter process exited" in shown, shown[-3000:]
+    assert "the stack is up" not in shown
+    assert _gone(tree, folder / "var" / "pg" / "postmaster.pid") == []
