@@ -699,3 +699,10 @@ class DevStackFailed(ConfigurationError):
     """A process of the ``proofline dev`` stack exited or did not come up: the whole stack was stopped."""
 
     code = "dev_stack_failed"
+
+
+class DevAlreadyRunning(ConfigurationError):
+    """``proofline dev`` already runs the stack of this folder (in another terminal): a second one
+    would share its Postgres and stop it on the way out. Nothing was started."""
+
+    code = "dev_already_running"

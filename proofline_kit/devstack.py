@@ -8,10 +8,12 @@ metrics exporter, each in its own process group with its log in ``var/logs``. It
 
 Ctrl-C (SIGINT) or SIGTERM stops every process it started, then Postgres; a process of the stack
 that exits on its own stops the rest too (``dev_stack_failed``), so nothing is left half running.
+One ``proofline dev`` per folder (``var/dev.lock``; a second is refused, ``dev_already_running``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -20,14 +22,15 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.request import ProxyHandler, build_opener
 
 from ledger.migrate import upgrade
 from proofline.commands.runtime import role_queues
-from proofline.errors import DevStackFailed
+from proofline.errors import DevAlreadyRunning, DevStackFailed
 from proofline.scaffold import Layout
 from proofline.settings import Settings
 from proofline_kit.embedded import as_role, servers_for_this_machine, start_postgres
-from proofline_kit.processes import port_answers, start_process, stop_process, wait_for, wait_port_file
+from proofline_kit.processes import start_process, stop_process, wait_for, wait_port_file
 from proofline_kit.sor import store as sor
 
 #: The database ``proofline dev`` keeps in the folder's embedded Postgres (kept between runs).
@@ -93,6 +96,7 @@ def run_dev(directory: Path, *, console_port: int = 8470, metrics_port: int = 94
     layout.require()
     logs = layout.var / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    lock = _lock(layout)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def stop(signum: int, frame: object) -> None:
@@ -118,7 +122,7 @@ def run_dev(directory: Path, *, console_port: int = 8470, metrics_port: int = 94
             children = _start(layout, env, console_port, metrics_port, stack)
             try:
                 port = wait_port_file(layout.var / "console.port", children["console"], START_SECONDS)
-                wait_for(lambda: port_answers(metrics_port) or _died(children), START_SECONDS, 0.2, "the exporter")
+                wait_for(lambda: _serves_metrics(metrics_port) or _died(children), START_SECONDS, 0.2, "the exporter")
             except (RuntimeError, AssertionError) as exc:
                 _check(children, layout)  # names the process that exited, with its log
                 raise DevStackFailed(f"the stack did not come up: {exc}") from None
@@ -133,6 +137,20 @@ def run_dev(directory: Path, *, console_port: int = 8470, metrics_port: int = 94
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.close(lock)  # releases the folder's lock
+
+
+def _lock(layout: Layout) -> int:
+    """Hold ``var/dev.lock`` while the stack runs: one ``proofline dev`` per folder. The kernel
+    drops the lock when the process ends, however it ends."""
+    fd = os.open(layout.var / "dev.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DevAlreadyRunning(f"proofline dev already runs the stack of {layout.root}; stop it first (Ctrl-C "
+                                "in its terminal)", folder=str(layout.root)) from None
+    return fd
 
 
 def _console_user(layout: Layout) -> str:
@@ -162,6 +180,17 @@ def _start(layout: Layout, env: dict[str, str], console_port: int, metrics_port:
         # Closed in reverse: the exporter and console first, the worker last, then Postgres.
         stack.callback(stop_process, children[name], 20.0)
     return children
+
+
+def _serves_metrics(port: int) -> bool:
+    """Our exporter answers on ``port`` (not merely something listening there: another program
+    holding the port would make the exporter fail, and the stack must not be reported up)."""
+    try:
+        # Straight to loopback, whatever proxy the environment names.
+        with build_opener(ProxyHandler({})).open(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            return answer.status == 200 and b"proofline_ledger_up" in answer.read()
+    except (OSError, ValueError):
+        return False
 
 
 def _died(children: dict[str, subprocess.Popen]) -> bool:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +115,17 @@ def settled_by_cli(proofline: str, action_id: str, env: dict[str, str], cwd: Pat
         return report if report["status"] in ("closed", "escalated", "cancelled") else None
 
     return wait_for(settled, 120, interval=0.5, what=f"action {action_id} to settle")
+
+
+@contextmanager
+def embedded_postgres_dir() -> Iterator[Path]:
+    """A scratch folder for a test that runs ``proofline dev`` (its embedded Postgres in it), made
+    outside pytest's temporary tree. Run as root, the embedded-postgres library starts the server as
+    its own system user and opens every folder above the data to traversal (o+rx); a pytest session
+    starting meanwhile (another checkout's) closes ``/tmp/pytest-of-root`` to 0700 again, and the
+    server would then fail to start ("could not access directory ... Permission denied")."""
+    path = Path(tempfile.mkdtemp(prefix="proofline-dev-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,5 +1,6 @@
 """``proofline dev`` from the checkout: SIGTERM stops the whole stack, and a process of the stack
-that cannot start stops the rest (``dev_stack_failed``), in both cases leaving no process behind,
+that cannot start stops the rest (``dev_stack_failed``), a second ``proofline dev`` on the same
+folder is refused (``dev_already_running``); none of them leaves a process behind,
 embedded Postgres included. (The installed wheel, an action through it and SIGINT:
 tests/integration/test_installed_wheel.py.)"""
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -16,14 +19,25 @@ import pytest
 
 from proofline.scaffold import init
 from proofline_kit.processes import start_process, stop_process, unused_port, wait_for
+from tests.helpers import embedded_postgres_dir
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    with embedded_postgres_dir() as path:
+        yield path
 
 
 def _dev(folder: Path, log: Path, metrics_port: int):
     return start_process([sys.executable, "-m", "proofline", "dev", "--dir", str(folder), "--console-port",
                           str(unused_port()), "--metrics-port", str(metrics_port)],
-                         {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}, log, cwd=folder)
+                         _env(), log, cwd=folder)
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
 
 
 def _gone(tree: list[psutil.Process], postmaster: Path) -> list[tuple[int, list[str]]]:
@@ -34,9 +48,9 @@ def _gone(tree: list[psutil.Process], postmaster: Path) -> list[tuple[int, list[
     return left
 
 
-def test_sigterm_stops_every_process_of_the_stack(tmp_path: Path) -> None:
-    folder = init(tmp_path / "deploy").root
-    log = tmp_path / "dev.log"
+def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
+    folder = init(scratch / "deploy").root
+    log = scratch / "dev.log"
     dev = _dev(folder, log, unused_port())
     try:
         wait_for(lambda: "the stack is up" in log.read_text() or (dev.poll() is not None and pytest.fail(log.read_text())),
@@ -45,6 +59,12 @@ def test_sigterm_stops_every_process_of_the_stack(tmp_path: Path) -> None:
         assert len(tree) >= 4, [p.cmdline() for p in tree]
         postmaster = folder / "var" / "pg" / "postmaster.pid"
         assert psutil.pid_exists(int(postmaster.read_text().split()[0]))
+        # A second dev on the same folder is refused before it starts anything (it would share
+        # this Postgres and stop it on its way out); the first one runs on.
+        second = subprocess.run([sys.executable, "-m", "proofline", "dev", "--dir", str(folder)], env=_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 3 and "dev_already_running" in second.stderr, second.stdout + second.stderr
+        assert dev.poll() is None and all(p.is_running() for p in tree)
         dev.send_signal(signal.SIGTERM)
         assert dev.wait(120) == 0, log.read_text()[-3000:]
         assert "every process it started has exited" in log.read_text()
@@ -53,9 +73,9 @@ def test_sigterm_stops_every_process_of_the_stack(tmp_path: Path) -> None:
         stop_process(dev)
 
 
-def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(tmp_path: Path) -> None:
-    folder = init(tmp_path / "deploy").root
-    log = tmp_path / "dev.log"
+def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(scratch: Path) -> None:
+    folder = init(scratch / "deploy").root
+    log = scratch / "dev.log"
     with socket.socket() as taken:  # the metrics port is taken: the exporter cannot listen
         taken.bind(("127.0.0.1", 0))
         taken.listen()

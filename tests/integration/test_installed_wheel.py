@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlencode
 from urllib.request import HTTPCookieProcessor, build_opener
@@ -36,7 +37,7 @@ from tests.conftest import (
     stop_process,
     wait_for,
 )
-from tests.helpers import settled_by_cli
+from tests.helpers import embedded_postgres_dir, settled_by_cli
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -155,8 +156,14 @@ with Client() as client:
 """
 
 
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    with embedded_postgres_dir() as path:
+        yield path
+
+
 def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_clean(
-        installed: Path, tmp_path: Path) -> None:
+        installed: Path, scratch: Path) -> None:
     """From an empty folder: ``proofline init``, ``proofline dev`` in the background (no service of
     ours: its embedded Postgres is database and broker), an action through the SDK that the
     scaffolded policy proposes, approved with the scaffolded approver key and verified; then SIGINT
@@ -165,7 +172,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
 
     from proofline_kit.processes import unused_port
 
-    empty = tmp_path / "empty"
+    empty = scratch / "empty"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_", "PYTHON", "VIRTUAL_ENV"))}
     env["PATH"] = f"{installed / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
@@ -175,7 +182,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
     assert "proofline dev --dir" in made.stdout
     folder = empty / "deploy"
     console_port, metrics_port = unused_port(), unused_port()
-    log = tmp_path / "dev.log"
+    log = scratch / "dev.log"
     started = time.monotonic()
     dev = start_process([proofline, "dev", "--dir", str(folder), "--console-port", str(console_port),
                          "--metrics-port", str(metrics_port)], env, log, cwd=empty)
