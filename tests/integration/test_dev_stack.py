@@ -40,12 +40,17 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
 
 
-def _gone(tree: list[psutil.Process], postmaster: Path) -> list[tuple[int, list[str]]]:
-    """The processes of ``tree`` still alive, and Postgres if it still runs."""
-    left = [(p.pid, p.cmdline()) for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    if postmaster.exists():
-        left.append((int(postmaster.read_text().split()[0]), ["postgres (postmaster.pid left)"]))
-    return left
+def _postgres(folder: Path) -> psutil.Process | None:
+    """The embedded Postgres of ``folder`` while it runs (its ``postmaster.pid``)."""
+    try:
+        return psutil.Process(int((folder / "var" / "pg" / "postmaster.pid").read_text().split()[0]))
+    except (OSError, ValueError, IndexError, psutil.NoSuchProcess):
+        return None
+
+
+def _left(processes: list[psutil.Process]) -> list[tuple[int, str]]:
+    """Those of ``processes`` still alive (Postgres' postmaster is not dev's child: it is given here)."""
+    return [(p.pid, p.name()) for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
@@ -57,8 +62,8 @@ def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
                  180, interval=0.3, what="proofline dev to come up")
         tree = psutil.Process(dev.pid).children(recursive=True)
         assert len(tree) >= 4, [p.cmdline() for p in tree]
-        postmaster = folder / "var" / "pg" / "postmaster.pid"
-        assert psutil.pid_exists(int(postmaster.read_text().split()[0]))
+        postgres = _postgres(folder)
+        assert postgres is not None and postgres.is_running()
         # A second dev on the same folder is refused before it starts anything (it would share
         # this Postgres and stop it on its way out); the first one runs on.
         second = subprocess.run([sys.executable, "-m", "proofline", "dev", "--dir", str(folder)], env=_env(),
@@ -68,7 +73,7 @@ def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
         dev.send_signal(signal.SIGTERM)
         assert dev.wait(120) == 0, log.read_text()[-3000:]
         assert "every process it started has exited" in log.read_text()
-        assert _gone(tree, postmaster) == []
+        assert _left([*tree, postgres]) == []
     finally:
         stop_process(dev)
 
@@ -82,10 +87,13 @@ def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(scrat
         dev = _dev(folder, log, taken.getsockname()[1])
         try:
             tree: list[psutil.Process] = []
+            postgres: list[psutil.Process] = []
 
             def exited() -> bool:
                 if dev.poll() is None:
                     tree.extend(p for p in psutil.Process(dev.pid).children(recursive=True) if p not in tree)
+                    server = _postgres(folder)
+                    postgres.extend([server] if server is not None and server not in postgres else [])
                 return dev.poll() is not None
 
             wait_for(exited, 180, interval=0.2, what="proofline dev to give up")
@@ -95,4 +103,5 @@ def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(scrat
     assert dev.returncode == 3, shown[-3000:]
     assert "dev_stack_failed" in shown and "the exporter process exited" in shown, shown[-3000:]
     assert "the stack is up" not in shown
-    assert _gone(tree, folder / "var" / "pg" / "postmaster.pid") == []
+    assert postgres, "Postgres was never seen running: the stack failed before the exporter could"
+    assert _left([*tree, *postgres]) == []

@@ -203,7 +203,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
         client_env = {**env, **stack}
         began = time.monotonic()
         published = _run([str(installed / "bin" / "python"), "-c", PUBLISH], client_env, empty, timeout=180)
-        assert published.returncode == 0, published.stdout + published.stderr
+        assert published.returncode == 0, published.stdout + published.stderr + _dev_logs(folder)
         proposal = json.loads(published.stdout.strip().splitlines()[-1])
         assert proposal["status"] == "proposed", proposal
         action_id = proposal["action_id"]
@@ -213,8 +213,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
 
         got = settled_by_cli(proofline, action_id, client_env, empty)
         verified_seconds = time.monotonic() - began
-        assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), (folder / "var" / "logs" /
-                                                                                    "worker.log").read_text()[-3000:]
+        assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), _dev_logs(folder)
         token = re.search(r"user developer, token (\S+)", banner)
         assert token, banner
         page = _console_page(console_port, "developer", token.group(1), f"/actions/{action_id}")
@@ -223,7 +222,7 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
         assert "proofline_ledger_up 1.0" in metrics
 
         dev.send_signal(signal.SIGINT)
-        assert dev.wait(120) == 0, log.read_text()[-3000:]
+        assert dev.wait(120) == 0, log.read_text()[-3000:] + _dev_logs(folder)
         left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert left == [], [(p.pid, p.cmdline()) for p in left]
         assert not psutil.pid_exists(postgres) or psutil.Process(postgres).status() == psutil.STATUS_ZOMBIE
@@ -231,6 +230,12 @@ def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_cle
     finally:
         if dev.poll() is None:
             stop_process(dev)
+
+def _dev_logs(folder: Path) -> str:
+    """The end of each log ``proofline dev`` keeps (var/logs), for a failure's message."""
+    return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-2500:]}"
+                   for log in sorted((folder / "var" / "logs").glob("*.log")))
+
 
 def _console_page(port: int, user: str, token: str, path: str) -> str:
     """Log in to the console as a browser would (its login form's CSRF token and cookie), then GET ``path``."""
