@@ -14,6 +14,7 @@ from proofline.commands import (
     authority_cmd,
     console_cmd,
     contracts_cmd,
+    init_cmd,
     ledger_cmds,
     operate,
     publish,
@@ -53,7 +54,8 @@ def main() -> None:
         init_sentry(get_settings())
 
 
-for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd, authority_cmd):
+for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd, authority_cmd,
+                init_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

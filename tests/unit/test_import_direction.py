@@ -33,7 +33,8 @@ INSTRUMENTATION = {"proofline.telemetry", "proofline.telemetry.context", "proofl
 #: Where worker and recovery tasks are wired together: the one worker module that may import recovery.
 CELERY_APP = "worker.tasks"
 #: The CLI's entry points into the kit, imported only when their command runs.
-KIT_ENTRY_POINTS = {("proofline.commands.runtime", "proofline_kit.demo"), ("proofline.commands.runtime", "ops.soak")}
+KIT_ENTRY_POINTS = {("proofline.commands.runtime", "proofline_kit.demo"), ("proofline.commands.runtime", "ops.soak"),
+                    ("proofline.commands.init_cmd", "proofline_kit.devstack")}
 #: ``from proofline import Client`` loads the SDK on first use (PEP 562 ``__getattr__``), not at import.
 LAZY_EXPORTS = {("proofline", "proofline.client")}
 LAYERS = {"domain": 0, "ledger": 1, "worker": 2, "recovery": 3, "app": 4}
