@@ -7,7 +7,8 @@ The folder holds everything a deployment reads, with the permissions each part n
 - ``servers.yaml`` and ``contracts/`` (one commented contract, ``pins.json`` of its server's tools);
 - ``authority.yaml`` (the template's action type in ``propose``) and ``authority.json`` (it,
   signed with the approver key);
-- ``.env`` (shared settings), ``recovery.env`` and ``controller.env`` (what only those processes hold);
+- ``.env`` (shared settings), ``worker.env``, ``recovery.env`` and ``controller.env`` (what only those
+  processes hold);
 - ``systemd/`` (worker, recovery, beat, console, exporter) and ``compose.yaml`` (the same five);
 - ``var/`` (0700): the state the processes write (``proofline dev`` keeps its Postgres here too).
 
@@ -126,6 +127,7 @@ def init(directory: Path, *, approver: str | None = None, force: bool = False) -
     shutil.copyfile(PACKAGED_CONTRACTS_DIR / "pins.json", layout.contracts / "pins.json")
     _authority(layout)
     _write(layout.env_file, texts.env_file(layout), PRIVATE_FILE)
+    _write(layout.root / "worker.env", texts.worker_env(layout), PRIVATE_FILE)
     _write(layout.root / "recovery.env", texts.recovery_env(layout), PRIVATE_FILE)
     _write(layout.root / "controller.env", texts.controller_env(layout), PRIVATE_FILE)
     _folder(layout.root / "systemd", PUBLIC_DIR)

@@ -170,6 +170,7 @@ PROOFLINE_CONSOLE_PORT=8470
 SOR_DB={r / 'var' / 'sor.sqlite3'}
 
 # Held by one process each, never here:
+#   PROOFLINE_WORKER_KEY_FILE                               -> worker.env (execute worker: signs its evidence)
 #   PROOFLINE_RECOVERY_KEY_FILE, PROOFLINE_LEDGER_KEY_FILE  -> recovery.env (recovery worker)
 #   PROOFLINE_SIGNING_KEY_FILE                              -> controller.env (your agent, proofline publish)
 #   the approver key ({layout.key_file('approver')})  -> stays with its approver
@@ -187,6 +188,14 @@ PROOFLINE_LEDGER_KEY_FILE={layout.key_file('ledger')}
 """
 
 
+def worker_env(layout: Layout) -> str:
+    return f"""\
+# The execute worker's own setting, read after .env: its worker key, which signs the evidence of
+# every verdict (recovery acts only on signed evidence) and nothing else. No other process reads this.
+PROOFLINE_WORKER_KEY_FILE={layout.key_file('worker')}
+"""
+
+
 def controller_env(layout: Layout) -> str:
     return f"""\
 # The controller's own setting, read after .env by whatever publishes actions (your agent using
@@ -197,7 +206,7 @@ PROOFLINE_SIGNING_KEY_FILE={layout.key_file('controller')}
 
 #: Each unit's description, command line (after the ``proofline`` command) and extra env files.
 UNIT_SPECS = {
-    "worker": ("execute worker: runs actions, holds no signing key", "worker --role execute", ()),
+    "worker": ("execute worker: runs actions, signs only its evidence", "worker --role execute", ("worker.env",)),
     "recovery": ("recovery worker: recovery decisions, the reconciler, ledger checkpoints",
                  "worker --role recovery --queues recovery,reconcile,checkpoint --concurrency 1", ("recovery.env",)),
     "beat": ("beat: the reconciler's and the checkpoints' timer", "beat --schedule {var}/beat-schedule", ()),
@@ -244,8 +253,9 @@ def compose_file(layout: Layout) -> str:
     services = []
     for unit in UNIT_SPECS:
         _, command, extra = UNIT_SPECS[unit]
-        mounts = [*shared, *((layout.key_file("recovery").parent, layout.key_file("ledger").parent)
-                              if unit == "recovery" else ())]
+        own = {"recovery": (layout.key_file("recovery").parent, layout.key_file("ledger").parent),
+               "worker": (layout.key_file("worker").parent,)}.get(unit, ())
+        mounts = [*shared, *own]
         volumes = "".join(f"      - {p}:{p}{':rw' if p == layout.var else ':ro'}\n" for p in mounts)
         env_files = "".join(f"      - {layout.root / name}\n" for name in (".env", *extra))
         argv = ", ".join(f'"{part}"' for part in ["proofline", *command.format(var=layout.var).split()])

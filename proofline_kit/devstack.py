@@ -72,6 +72,7 @@ def stack_env(layout: Layout, admin: str, runtime: str, broker: str, servers_fil
         # One worker process runs execution and recovery here, so it holds the recovery and ledger keys.
         "PROOFLINE_RECOVERY_KEY_FILE": str(layout.key_file("recovery")),
         "PROOFLINE_LEDGER_KEY_FILE": str(layout.key_file("ledger")),
+        "PROOFLINE_WORKER_KEY_FILE": str(layout.key_file("worker")),
     })
     return values
 

@@ -28,7 +28,7 @@ from proofline.settings import Settings
 from proofline_kit.devstack import read_env_file
 from worker.servers import check_sandbox_policy, load_servers
 
-ROLES = ("controller", "recovery", "ledger", "seal", "approver")
+ROLES = ("controller", "recovery", "ledger", "seal", "worker", "approver")
 
 
 def mode(path: Path) -> int:
@@ -85,14 +85,16 @@ def test_the_contract_template_loads_is_pinned_and_names_a_server_of_the_servers
 def test_the_env_files_name_real_settings_and_keep_private_keys_to_their_process(folder: Layout) -> None:
     fields = {f"PROOFLINE_{name.upper()}" for name in Settings.model_fields}
     shared = read_env_file(folder.env_file)
-    for name in (".env", "recovery.env", "controller.env"):
+    for name in (".env", "worker.env", "recovery.env", "controller.env"):
         names = {k for k in read_env_file(folder.root / name) if k.startswith("PROOFLINE_")}
         assert names and names <= fields, (name, names - fields)
-    assert not {"PROOFLINE_SIGNING_KEY_FILE", "PROOFLINE_RECOVERY_KEY_FILE", "PROOFLINE_LEDGER_KEY_FILE"} & set(shared)
+    assert not {"PROOFLINE_SIGNING_KEY_FILE", "PROOFLINE_RECOVERY_KEY_FILE", "PROOFLINE_LEDGER_KEY_FILE",
+                "PROOFLINE_WORKER_KEY_FILE"} & set(shared)
     assert read_env_file(folder.root / "controller.env")["PROOFLINE_SIGNING_KEY_FILE"] == str(folder.key_file("controller"))
-    # An execute worker given the shared .env starts in production: it holds no signing key.
-    settings = Settings(**{k.removeprefix("PROOFLINE_").lower(): v for k, v in shared.items()
-                           if k.startswith("PROOFLINE_")})
+    # An execute worker given the shared .env and worker.env starts in production: it holds its worker
+    # key (which signs evidence only) and no key that signs envelopes or checkpoints.
+    settings = Settings(**{k.removeprefix("PROOFLINE_").lower(): v for k, v in
+                           {**shared, **read_env_file(folder.root / "worker.env")}.items() if k.startswith("PROOFLINE_")})
     assert settings.environment == "production"
     assert check_process_keys(settings, "execute") == []
     recovery = Settings(**{k.removeprefix("PROOFLINE_").lower(): v for k, v in
@@ -113,10 +115,11 @@ def test_systemd_units_and_compose_run_the_same_five_processes_on_the_same_env(f
         assert f"EnvironmentFile={folder.env_file}" in text
         assert str(folder.env_file) in service["env_file"]
         mounted = {v.split(":")[0] for v in service["volumes"]}
-        # Only the recovery process is given the recovery and ledger keys; no one the controller's.
+        # Only the recovery process is given the recovery and ledger keys, only the execute worker its
+        # worker key; no one the controller's.
         holds = {r for r in ROLES if str(folder.key_file(r).parent) in mounted}
-        assert holds == ({"seal", "recovery", "ledger"} if unit == "recovery" else {"seal"}), unit
-        assert ("recovery.env" in text) == (unit == "recovery")
+        assert holds == {"recovery": {"seal", "recovery", "ledger"}, "worker": {"seal", "worker"}}.get(unit, {"seal"}), unit
+        assert ("recovery.env" in text) == (unit == "recovery") and ("worker.env" in text) == (unit == "worker")
 
 
 def test_a_non_empty_folder_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
