@@ -16,6 +16,7 @@ from ledger import store
 from ledger.redact import current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
+from proofline.contracts import Contract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import TransitionRefused
 from proofline.telemetry import context as telemetry_context
@@ -23,6 +24,7 @@ from proofline.telemetry import metrics, tracing
 from recovery.operation_record import read_operation_record
 from worker import faultpoints, sandbox_events
 from worker.dispatch import Dispatch
+from worker.evidence import decide as decide_evidence
 from worker.runtime import Runtime
 from worker.verification import finding_evidence, judge, observe
 
@@ -41,7 +43,21 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
                                  "effect_absent"),
     VerificationFinding.unavailable: (ActionStatus.escalated, Outcome.completed_unverified, None,
                                       "verification_unavailable"),
+    VerificationFinding.evidence_conflict: (ActionStatus.escalated, Outcome.completed_unverified, None,
+                                            "evidence_conflict"),
 }
+#: Why an escalation from verification happened, as its ``escalated`` event says.
+ESCALATION_EVIDENCE = {VerificationFinding.unavailable: "verification read path unavailable",
+                       VerificationFinding.evidence_conflict: "independent evidence sources disagree"}
+
+
+def disposition(contract: Contract, finding: VerificationFinding):
+    """The verdict's row change for ``finding``; a conflict goes to recovery (containment) when the
+    contract's recovery policy says ``contain``, to an operator otherwise."""
+    status, outcome, record_status, reason = DISPOSITION[finding]
+    if finding == VerificationFinding.evidence_conflict and contract.recovery.evidence_conflict == "contain":
+        status = ActionStatus.recovery
+    return status, outcome, record_status, reason
 
 
 def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
@@ -99,9 +115,13 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
     began = time.monotonic()
     obs = observe(rt, envelope, contract, base)
+    primary_seconds = time.monotonic() - began
+    verdict, readings = decide_evidence(rt, contract, obs, envelope.server.name, primary_seconds, base,
+                                        contract.verification.max_duration_seconds - primary_seconds)
+    obs.finding = verdict.finding
     read_seconds = time.monotonic() - began
     stages.note(**{"proofline.verification_finding": obs.finding.value})
-    status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    status, outcome, record_status, reason = disposition(contract, obs.finding)
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
     if blocked and obs.finding == VerificationFinding.absent:
         # A retry found its preconditions broken and nothing of ours downstream: it never starts.
@@ -109,11 +129,13 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     if action.cancel_requested_at is not None:
         status, outcome, record_status, reason = _cancel_disposition(
             envelope, obs.finding, (status, outcome, record_status, reason))
-    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+    if obs.finding in ESCALATION_EVIDENCE and action.outcome == Outcome.unknown_outcome:
         outcome = None  # an unknown outcome stays unknown: we never learned more
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
         outcome = Outcome.partially_completed
     evidence = finding_evidence(envelope, contract, obs, action.outcome)
+    if contract.verification.sources:
+        evidence["evidence"] = verdict.summary
     if operation_record is not None:
         evidence["operation_record"] = operation_record
     recovered = None
@@ -140,7 +162,9 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                 # decides the disposition as if it had been there from the start.
                 status, outcome, record_status, reason = _cancel_disposition(
                     envelope, obs.finding, (status, outcome, record_status, reason))
-            events = [("verification_finished", evidence)]
+            # Each read is its own evidence record, before the verdict it led to.
+            events = [("evidence_read", r) for r in readings if contract.verification.sources]
+            events.append(("verification_finished", evidence))
             if record_expired is not None:
                 events.insert(0, ("operation_record_expired", record_expired))
             if record_status is not None:
@@ -149,7 +173,8 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                               "after_digest": sha256_hex(obs.after) if obs.after is not None else None},
                                              red)
             if status == ActionStatus.escalated:
-                events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
+                events.append(("escalated", {"reason_code": reason, "evidence": ESCALATION_EVIDENCE.get(
+                    obs.finding, "verification read path unavailable")}))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)
                            else "handed_to_recovery" if status == ActionStatus.recovery else "escalated_state",
                             {"status": status.value, "outcome": (outcome or action.outcome).value if (outcome or action.outcome) else None,
