@@ -96,27 +96,40 @@ def named_tools(contract: Contract) -> list[str]:
     return [contract.tool, *([contract.prepare.tool] if contract.prepare is not None else [])]
 
 
+def source_tools(contract: Contract, server: str) -> list[str]:
+    """The evidence sources' read tools ``contract`` calls on ``server``."""
+    return sorted({s.tool for s in contract.verification.sources if contract.source_server(s) == server})
+
+
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
-               by: str) -> tuple[ServerPin, dict[str, str]]:
+               by: str, server: str | None = None) -> tuple[ServerPin, dict[str, str]]:
     """The pin for one server from what it listed now, and the contracts it cannot serve.
 
-    Returns the pin (the named tools that exist: write and prepare tools) and
-    ``{action_type: detail}`` for each contract naming a tool the server does not have."""
+    ``contracts`` are those that call ``server`` (by default each contract's own): as their write
+    server, or as the server of an evidence source. Returns the pin (the named tools that exist:
+    write and prepare tools) and ``{action_type: detail}`` for each contract naming a tool the
+    server does not have, evidence sources' read tools included."""
     unknown = {}
     for c in contracts:
-        missing = [tool for tool in named_tools(c) if tool not in live_hashes]
+        own = server is None or server == c.server
+        missing = [tool for tool in named_tools(c) if tool not in live_hashes] if own else []
+        missing += [tool for tool in source_tools(c, server or c.server) if tool not in live_hashes]
         if missing:
-            unknown[c.action_type] = unknown_tool_detail(c, live_hashes, missing[0])
-    tools = {tool: live_hashes[tool] for c in contracts for tool in named_tools(c) if tool in live_hashes}
+            unknown[c.action_type] = unknown_tool_detail(c, live_hashes, missing[0], server)
+    tools = {tool: live_hashes[tool] for c in contracts if server is None or server == c.server
+             for tool in named_tools(c) if tool in live_hashes}
     return ServerPin(version=live_version, tools=tools, available=tuple(sorted(live_hashes)),
                      pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by), unknown
 
 
-def unknown_tool_detail(contract: Contract, available: Any, tool: str | None = None) -> str:
+def unknown_tool_detail(contract: Contract, available: Any, tool: str | None = None, server: str | None = None) -> str:
     tool = tool or contract.tool
+    server = server or contract.server
     names = ", ".join(sorted(available)) or "none"
-    role = " (its prepare tool)" if tool != contract.tool else ""
-    return f"server {contract.server!r} has no tool {tool!r}{role} (it lists: {names})"
+    prepare = contract.prepare.tool if contract.prepare is not None and server == contract.server else None
+    role = ("" if tool == contract.tool and server == contract.server else " (its prepare tool)" if tool == prepare
+            else " (an evidence source's read tool)")
+    return f"server {server!r} has no tool {tool!r}{role} (it lists: {names})"
 
 
 def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str | None, str]:
@@ -153,4 +166,22 @@ def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: P
         elif prepare is not None and prepare not in pin.tools:
             found[action_type] = ("contract_not_pinned", f"prepare tool {prepare!r} of server {contract.server!r} "
                                                          f"is not pinned in {path}: run `proofline contracts pin`")
+        if action_type not in found:
+            problem = source_problem(pins, contract, path)
+            if problem is not None:
+                found[action_type] = problem
     return found
+
+
+def source_problem(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str, str] | None:
+    """The first evidence source whose server was never pinned (``contract_not_pinned``) or does not
+    list its read tool (``unknown_tool``), if any."""
+    for source in contract.verification.sources:
+        server = contract.source_server(source)
+        pin = pins.get(server)
+        if pin is None:
+            return ("contract_not_pinned", f"server {server!r} of evidence source {source.name!r} is not pinned in "
+                                           f"{path}: run `proofline contracts pin`")
+        if source.tool not in pin.available:
+            return ("unknown_tool", unknown_tool_detail(contract, pin.available, source.tool, server))
+    return None
