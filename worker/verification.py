@@ -124,9 +124,11 @@ def poll(rt: Runtime, server: Server, contract: Contract, read: ReadPath, v: Ver
         if max_reads is not None and obs.reads + obs.failed_reads >= max_reads:
             obs.finding = finding or VerificationFinding.unavailable
             return obs
-        if time.monotonic() + v.poll_interval_seconds > bound:
+        if time.monotonic() + v.poll_interval_seconds > bound and (settled or not obs.reads):
             # The bound passed: a read path that never answered is "unavailable"; one that answered
-            # but never showed the expected state is "not reached".
+            # but never showed the expected state is "not reached". A path that answered only
+            # before its consistency delay had passed (a slow first read: a server starting) is
+            # read once more after it, so that its lag is never taken for the verdict.
             obs.finding = VerificationFinding.not_reached if obs.reads else VerificationFinding.unavailable
             return obs
         time.sleep(v.poll_interval_seconds)
