@@ -159,3 +159,12 @@ def test_a_conflict_is_never_compensated_or_retried():
     assert (decision.kind, decision.reason) == (RecoveryKind.manual_intervention, "evidence_conflict")
     contained = decide(facts(), policy.model_copy(update={"evidence_conflict": "contain"}))
     assert (contained.kind, contained.contain) == (RecoveryKind.containment, True)
+
+
+def test_a_conflict_after_a_reported_success_counts_as_a_postcondition_regression():
+    from proofline.telemetry.events import COUNTERS
+
+    [regressions] = [c for c in COUNTERS if c.name == "postcondition_regressions"]
+    after_success = {"prior_outcome": "completed_unverified", "finding": "evidence_conflict"}
+    assert regressions.matches("verification_finished", after_success)
+    assert not regressions.matches("verification_finished", {**after_success, "finding": "expected"})
