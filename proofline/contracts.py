@@ -139,10 +139,19 @@ class Verification(_Model):
     #: independent-evidence.md``); ``evidence`` says how they and the authoritative read agree.
     sources: tuple[EvidenceSource, ...] = ()
     evidence: EvidencePolicy = EvidencePolicy()
+    #: How to settle an unknown outcome while this read path is down: a search of another system
+    #: (an audit log, by idempotency key or operation id) whose ``expected`` conditions say the
+    #: effect happened. It can only ever say "it happened"; its silence proves nothing.
+    reconcile: EvidenceSource | None = None
+
+    @property
+    def all_sources(self) -> tuple[EvidenceSource, ...]:
+        """The evidence sources and the reconciliation search: every extra read the verification may make."""
+        return (*self.sources, *([self.reconcile] if self.reconcile else []))
 
     @model_validator(mode="after")
     def _policy_fits_sources(self) -> Verification:
-        names = [s.name for s in self.sources]
+        names = [s.name for s in self.all_sources]
         if len(set(names)) != len(names) or "primary" in names:
             raise ValueError("evidence source names must be unique and not 'primary'")
         policy, reads = self.evidence, 1 + len(self.sources)
@@ -278,8 +287,8 @@ class Contract(_Model):
         for name in ("expected", "tolerated", "prohibited"):
             found += [(f"verification.{name}.{i}", e) for i, e in enumerate(getattr(v, name))]
         found += [("verification.absent", v.absent)] if v.absent else []
-        for i, src in enumerate(v.sources):
-            where = f"verification.sources.{i} ({src.name})"
+        for i, src in enumerate(v.all_sources):
+            where = f"verification.sources.{i} ({src.name})" if i < len(v.sources) else "verification.reconcile"
             found += [(f"{where}.arguments.{k}", e) for k, e in src.arguments.items()]
             found += [(f"{where}.{name}.{j}", e) for name in ("expected", "prohibited")
                       for j, e in enumerate(getattr(src, name))]
@@ -316,7 +325,7 @@ class Contract(_Model):
     def read_tools(self) -> dict[str, set[str]]:
         """Every read tool the verification calls, by server: the authoritative read and each source."""
         found: dict[str, set[str]] = {self.server: {self.verification_read.tool}}
-        for src in self.verification.sources:
+        for src in self.verification.all_sources:
             found.setdefault(self.source_server(src), set()).add(src.tool)
         return found
 

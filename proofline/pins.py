@@ -98,7 +98,8 @@ def named_tools(contract: Contract) -> list[str]:
 
 def source_tools(contract: Contract, server: str) -> list[str]:
     """The evidence sources' read tools ``contract`` calls on ``server``."""
-    return sorted({s.tool for s in contract.verification.sources if contract.source_server(s) == server})
+    return sorted({s.tool for s in contract.verification.all_sources
+                   if contract.source_server(s) == server})
 
 
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
@@ -176,7 +177,7 @@ def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: P
 def source_problem(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str, str] | None:
     """The first evidence source whose server was never pinned (``contract_not_pinned``) or does not
     list its read tool (``unknown_tool``), if any."""
-    for source in contract.verification.sources:
+    for source in contract.verification.all_sources:
         server = contract.source_server(source)
         pin = pins.get(server)
         if pin is None:

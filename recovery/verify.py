@@ -25,6 +25,7 @@ from recovery.operation_record import read_operation_record
 from worker import faultpoints, sandbox_events
 from worker.dispatch import Dispatch
 from worker.evidence import decide as decide_evidence
+from worker.evidence import reconcile_unknown
 from worker.runtime import Runtime
 from worker.verification import finding_evidence, judge, observe
 
@@ -119,6 +120,12 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     verdict, readings = decide_evidence(rt, contract, obs, envelope.server.name, primary_seconds, base,
                                         contract.verification.max_duration_seconds - primary_seconds)
     obs.finding = verdict.finding
+    reconciled = None
+    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+        # The system of record cannot say; another system's search may at least say it happened.
+        reconciled = reconcile_unknown(rt, contract, base, contract.verification.max_duration_seconds)
+    if reconciled is not None:
+        readings.append(reconciled.record())
     read_seconds = time.monotonic() - began
     stages.note(**{"proofline.verification_finding": obs.finding.value})
     status, outcome, record_status, reason = disposition(contract, obs.finding)
@@ -131,11 +138,17 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
             envelope, obs.finding, (status, outcome, record_status, reason))
     if obs.finding in ESCALATION_EVIDENCE and action.outcome == Outcome.unknown_outcome:
         outcome = None  # an unknown outcome stays unknown: we never learned more
+    if reconciled is not None and reconciled.obs.finding == VerificationFinding.expected:
+        # The search saw the effect: it happened (not verified), and no retry may call again.
+        outcome, record_status = Outcome.completed_unverified, IdempotencyStatus.completed
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
         outcome = Outcome.partially_completed
     evidence = finding_evidence(envelope, contract, obs, action.outcome)
     if contract.verification.sources:
         evidence["evidence"] = verdict.summary
+    if reconciled is not None:
+        evidence["reconciled"] = {"source": reconciled.source,
+                                  "happened": reconciled.obs.finding == VerificationFinding.expected}
     if operation_record is not None:
         evidence["operation_record"] = operation_record
     recovered = None
@@ -163,7 +176,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                 status, outcome, record_status, reason = _cancel_disposition(
                     envelope, obs.finding, (status, outcome, record_status, reason))
             # Each read is its own evidence record, before the verdict it led to.
-            events = [("evidence_read", r) for r in readings if contract.verification.sources]
+            events = [("evidence_read", r) for r in readings if contract.verification.all_sources]
             events.append(("verification_finished", evidence))
             if record_expired is not None:
                 events.insert(0, ("operation_record_expired", record_expired))

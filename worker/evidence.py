@@ -100,13 +100,14 @@ def source_verification(v: Verification, source: EvidenceSource, seconds_left: f
                         expected=source.expected, prohibited=source.prohibited, absent=source.absent)
 
 
-def read_sources(rt: Runtime, contract: Contract, base: dict[str, Any], seconds_left: float) -> list[Reading]:
-    """Read every source of the contract once each polls to a decisive finding or its bound, one
-    after another (each through its own server's read identity)."""
+def read_sources(rt: Runtime, contract: Contract, sources: tuple[EvidenceSource, ...], base: dict[str, Any],
+                 seconds_left: float) -> list[Reading]:
+    """Read each of ``sources`` until it gives a decisive finding or reaches its bound, one after
+    another, each through its own server's read identity."""
     v = contract.verification
     readings = []
     deadline = time.monotonic() + seconds_left
-    for source in v.sources:
+    for source in sources:
         name = contract.source_server(source)
         began = time.monotonic()
         try:
@@ -120,6 +121,14 @@ def read_sources(rt: Runtime, contract: Contract, base: dict[str, Any], seconds_
     return readings
 
 
+def reconcile_unknown(rt: Runtime, contract: Contract, base: dict[str, Any], seconds_left: float) -> Reading | None:
+    """For an unknown outcome whose authoritative read path is down: the contract's reconciliation
+    search (``verification.reconcile``), if it has one. Its ``expected`` finding means the effect
+    happened; any other finding leaves the outcome unknown."""
+    search = contract.verification.reconcile
+    return None if search is None else read_sources(rt, contract, (search,), base, seconds_left)[0]
+
+
 def decide(rt: Runtime, contract: Contract, primary: Observation, primary_server: str, primary_seconds: float,
            base: dict[str, Any], seconds_left: float) -> tuple[Verdict, list[dict[str, Any]]]:
     """Read the sources when the primary finding calls for them and combine: the verdict and one
@@ -127,6 +136,6 @@ def decide(rt: Runtime, contract: Contract, primary: Observation, primary_server
     first = Reading(PRIMARY, primary_server, contract.verification_read.tool, primary, primary_seconds)
     if not contract.verification.sources or primary.finding not in CONSULTED:
         return combine(contract.verification.evidence, primary.finding, {}), [first.record()]
-    readings = read_sources(rt, contract, base, seconds_left)
+    readings = read_sources(rt, contract, contract.verification.sources, base, seconds_left)
     verdict = combine(contract.verification.evidence, primary.finding, {r.source: r.obs.finding for r in readings})
     return verdict, [first.record(), *(r.record() for r in readings)]

@@ -64,7 +64,7 @@ def unknown_servers(contracts: dict) -> dict[str, tuple[str, str]]:
     defined = load_servers(path)
     found = {}
     for action_type, contract in contracts.items():
-        missing = sorted({contract.source_server(s) for s in contract.verification.sources} - set(defined))
+        missing = sorted({contract.source_server(s) for s in contract.verification.all_sources} - set(defined))
         if missing:
             found[action_type] = (UnknownServer.code, f"evidence source server {missing[0]!r} is not in the "
                                                       f"servers file {path}")

@@ -130,7 +130,8 @@ def test_a_system_of_record_lying_consistently_is_caught_by_the_audit_log(stack:
 def own_contracts(directory: Path) -> Path:
     """The project's contracts with other evidence policies:
 
-    - refund.issue: a quorum of 2 of 3 (the record, the audit log, the account balance);
+    - refund.issue: a quorum of 2 of 3 (the record, the audit log, the account balance), and the
+      audit search to reconcile an unknown outcome while the record cannot be read;
     - ticket.create: a quorum of 2 of 3 (the record and two audit tools);
     - service.restart: the monitoring view must confirm, plus a billing source on a server the
       servers file does not have, with a required confidence of 0.9."""
@@ -146,6 +147,11 @@ def own_contracts(directory: Path) -> Path:
     balance = {"name": "balance", "tool": "get_account", "arguments": {"account": "target.id"},
                "expected": ["after.account.balance_cents == before.account.balance_cents - args.amount_cents"]}
     edit("refund.issue", [{"name": "audit", **AUDIT}, balance], {"rule": "quorum", "quorum": 2})
+    refund = directory / "refund.issue.yaml"
+    spec = yaml.safe_load(refund.read_text())
+    spec["verification"]["reconcile"] = {**AUDIT, "name": "audit_search", "tool": "search_audit",
+                                         "prohibited": ["after.count > 1"]}
+    refund.write_text(yaml.safe_dump(spec, sort_keys=False))
     search = {**AUDIT, "name": "audit_search", "tool": "search_audit"}
     edit("ticket.create", [{"name": "audit", **AUDIT}, search], {"rule": "quorum", "quorum": 2})
     spec = yaml.safe_load((directory / "service.restart.yaml").read_text())
@@ -215,3 +221,32 @@ def test_confidence_too_low_is_not_verified(policies: Stack) -> None:
     [finished] = evidence_of(policies, env.action_id, "verification_finished")
     assert finished["evidence"]["confidence"] == pytest.approx(2 / 3, abs=1e-3)
     assert finished["evidence"]["required_confidence"] == 0.9
+
+
+def test_an_unknown_outcome_is_reconciled_by_the_audit_search_while_the_record_cannot_be_read(
+        policies: Stack) -> None:
+    """The refund is applied but its answer is lost (unknown outcome), and the system of record's
+    read path is down: the authoritative read cannot say. The audit search saw the refund: the
+    outcome is settled as happened (completed_unverified, still for an operator) and the
+    idempotency record completed, so nothing may call again."""
+    env = refund_env(policies, new_account(policies), timeout_seconds=1.0)
+    sor.set_read_outage(policies.sor_db, True, role="reader")
+    sor.set_fault(policies.sor_db, "issue_refund", "drop_response", remaining=1, delay_seconds=5)
+    try:
+        policies.publish(env)
+        row = policies.wait_settled(env.action_id, timeout=90)
+    finally:
+        sor.set_read_outage(policies.sor_db, False, role="reader")
+        sor.clear_faults(policies.sor_db, "issue_refund")
+    assert [c["outcome"] for c in evidence_of(policies, env.action_id, "tool_called")] == ["unknown_outcome"]
+    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.escalated, Outcome.completed_unverified,
+                                                          "verification_unavailable")
+    found = readings(policies, env.action_id)
+    assert found["primary"]["finding"] == "unavailable"
+    assert (found["audit_search"]["finding"], found["audit_search"]["server"]) == ("expected", "audit")
+    [finished] = evidence_of(policies, env.action_id, "verification_finished")
+    assert finished["reconciled"] == {"source": "audit_search", "happened": True}
+    with policies.conn.cursor() as cur:
+        cur.execute("SELECT status::text AS status FROM idempotency_records WHERE key = %s", (env.idempotency_key,))
+        assert cur.fetchone()["status"] == "completed"
+    assert policies.effects(env.idempotency_key) == 1

@@ -77,6 +77,15 @@ def test_read_tools_names_each_server_of_the_verification(tmp_path):
                                      "audit": {"find_audit_entries"}}
 
 
+def test_a_reconciliation_search_is_one_more_named_read_on_its_server():
+    v = Verification.model_validate({"expected": ["after.found"], "sources": [source("audit")],
+                                     "reconcile": source("search", server="audit", tool="search_audit")})
+    assert [s.name for s in v.all_sources] == ["audit", "search"]
+    with pytest.raises(ValidationError, match="unique"):
+        Verification.model_validate({"expected": ["after.found"], "sources": [source("audit")],
+                                     "reconcile": source("audit")})
+
+
 def test_a_source_polls_with_its_own_delay_and_at_least_once_past_it():
     v = verification([source("audit", consistency_delay_seconds=2.0, absent="!after.found")])
     own = source_verification(v, v.sources[0], seconds_left=0.0)
