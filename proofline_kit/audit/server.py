@@ -90,14 +90,19 @@ def build_server(db_path: str) -> MCPServer:
     return server
 
 
-def feed(sor_db: str, db_path: str, delay_seconds: float, poll_seconds: float = 0.05) -> None:
+def feed(sor_db: str, db_path: str, delay_seconds: float, poll_seconds: float = 0.1) -> None:
     """Copy effects into the audit store until the process is stopped."""
     conn = store.init_db(db_path)
+    source = None
     while True:
         try:
-            store.ingest(conn, sor_db, delay_seconds)
-        except Exception as exc:  # noqa: BLE001 - the system of record may not exist yet: try again
+            source = source or store.open_source(sor_db)
+            store.ingest(conn, source, delay_seconds)
+        except Exception as exc:  # noqa: BLE001 - the system of record may not exist yet: open it again
             print(f"audit feed: {exc!r}", flush=True)
+            if source is not None:
+                source.close()
+            source = None
         time.sleep(poll_seconds)
 
 

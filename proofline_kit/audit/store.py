@@ -48,14 +48,22 @@ def init_db(path: str | os.PathLike[str] | None = None) -> sqlite3.Connection:
     return conn
 
 
-def ingest(conn: sqlite3.Connection, sor_db: str | os.PathLike[str], delay_seconds: float) -> int:
-    """Copy every effect of the system of record older than ``delay_seconds`` that the audit log
-    does not hold yet; returns how many were copied."""
+def open_source(sor_db: str | os.PathLike[str]) -> sqlite3.Connection:
+    """A read-only connection to the system of record's file, kept by the feed between copies. (Never
+    the immutable fallback of a read-only mount: a connection kept open must see new commits.)"""
+    conn = sqlite3.connect(f"{Path(sor_db).resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                           timeout=sqlite_files.BUSY_TIMEOUT_MS / 1000)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def ingest(conn: sqlite3.Connection, sor: sqlite3.Connection, delay_seconds: float) -> int:
+    """Copy every effect of the system of record (read through ``sor``) older than ``delay_seconds``
+    that the audit log does not hold yet; returns how many were copied."""
     last = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM entries").fetchone()[0]
     cutoff = time.time() - delay_seconds
-    with sqlite_files.reading(sor_db) as sor:
-        rows = sor.execute("SELECT seq, tool, idempotency_key, resource, detail, at FROM effects"
-                           " WHERE seq > ? AND at <= ? ORDER BY seq", (last, cutoff)).fetchall()
+    rows = sor.execute("SELECT seq, tool, idempotency_key, resource, detail, at FROM effects"
+                       " WHERE seq > ? AND at <= ? ORDER BY seq", (last, cutoff)).fetchall()
     if not rows:
         return 0
     stamp = time.time()
