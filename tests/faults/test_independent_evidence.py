@@ -22,10 +22,12 @@ import pytest
 import yaml
 
 from ledger.states import ActionStatus, Outcome
+from proofline.commands import exit_codes
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack
 from tests.helpers import evidence_of, new_account, refund_env, restart_env, ticket_env
+from tests.integration.cli_run import proofline
 
 AUDIT = {"server": "audit", "tool": "find_audit_entries", "arguments": {"idempotency_key": "envelope.idempotency_key"},
          "consistency_delay_seconds": 2, "expected": ["after.count == 1"], "absent": "after.count == 0"}
@@ -122,6 +124,22 @@ def test_a_system_of_record_lying_consistently_is_caught_by_the_audit_log(stack:
     assert stack.witness.count(tool="issue_refund", since=start) == 1
     assert compensations(stack, env.action_id) == 0
     assert "recovery_decided" not in stack.events(env.action_id)
+
+
+def test_contracts_check_knows_the_servers_and_tools_of_the_sources(stack: Stack, tmp_path: Path) -> None:
+    """Offline: a source on a server the servers file lacks, and a source tool its pinned server
+    does not list, each fail ``proofline contracts check`` with its own code."""
+    folder = tmp_path / "contracts"
+    shutil.copytree(ROOT / "contracts", folder)
+    assert proofline(stack, "contracts", "check", "--dir", str(folder)).returncode == 0
+    refund, restart = folder / "refund.issue.yaml", folder / "service.restart.yaml"
+    refund.write_text(refund.read_text().replace("server: audit", "server: billing"))
+    restart.write_text(restart.read_text().replace("tool: service_restarts", "tool: service_restartz"))
+    out = proofline(stack, "contracts", "check", "--dir", str(folder))
+    assert out.returncode == exit_codes.CHECK_FAILED
+    problems = {line.split()[1].rstrip(":"): line.split()[0] for line in out.stderr.splitlines()}
+    assert problems == {"refund.issue": "unknown_server", "service.restart": "unknown_tool"}, out.stderr
+    assert "service_restartz" in out.stderr and "'billing'" in out.stderr
 
 
 # --- policies of the test's own, on a stack of their own --------------------------------------------
