@@ -7,6 +7,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Boolean,
+    CheckConstraint,
     Column,
     DateTime,
     Enum,
@@ -23,7 +24,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome, RecoveryKind
+from ledger.states import (
+    ActionStatus,
+    IdempotencyStatus,
+    KillSwitchScope,
+    Outcome,
+    RecoveryKind,
+    VerificationFinding,
+)
 
 metadata = MetaData()
 
@@ -39,6 +47,8 @@ scope_type = _enum(KillSwitchScope, "kill_switch_scope")
 recovery_kind_type = _enum(RecoveryKind, "recovery_kind")
 
 NOW = text("clock_timestamp()")
+#: The verification findings an action row may hold, as an SQL list.
+FINDINGS = ", ".join(f"'{f.value}'" for f in VerificationFinding)
 
 ledger_events = Table(
     "ledger_events",
@@ -100,6 +110,8 @@ actions = Table(
     # The signed message's canonical bytes, AES-256-GCM sealed with the action id as associated
     # data (ledger/seal.py): what the reconciler and recovery send again, byte for byte.
     Column("sealed_message", LargeBinary, nullable=True),
+    # Mirrors ledger.states.VerificationFinding (migration 0016).
+    CheckConstraint(f"finding IS NULL OR finding IN ({FINDINGS})", name="actions_finding_known"),
 )
 Index("actions_status_idx", actions.c.status)
 Index("actions_run_idx", actions.c.run_id, actions.c.step)

@@ -1,6 +1,7 @@
 """Every status set Proofline stores, as ``str`` enums mirrored by Postgres ENUM types.
 
-``tests/unit/test_states.py`` asserts that the Python and the migrated Postgres sets are equal.
+``tests/integration/test_ledger.py`` asserts that the Python and the migrated Postgres sets are
+equal (``VerificationFinding`` is mirrored by the ``actions_finding_known`` CHECK).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class VerificationFinding(str, Enum):
     absent = "absent"
     #: The read path itself was unavailable until the bound.
     unavailable = "unavailable"
+    #: Independent sources answered and disagree about the effect (every reading is kept).
+    evidence_conflict = "evidence_conflict"
 
 
 class KillSwitchScope(str, Enum):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ledger.states import ActionStatus
-from ops.bench import runtime_defaults
+from ops.bench import runtime_defaults, window_arguments
 from proofline.approvals import sign_approval, statement_for
 from proofline.authority import AuthorityPolicy, sign_policy
 from proofline.controller import publish_many
@@ -110,14 +110,7 @@ def run_round(stack: Stack, args: argparse.Namespace, side: str, env: dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--actions", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--transport", choices=("http", "stdio"), default="http")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = window_arguments(__doc__.splitlines()[0], "http").parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="proofline-authority-bench-"))
     stack = build_stack(args.transport, tmp, extra_env={**runtime_defaults(), "PROOFLINE_FAULT_POINTS_ENABLED": "false"})
     try:

@@ -206,6 +206,18 @@ def with_port(url: str, port: int) -> str:
 # --- CPU accounting ---------------------------------------------------------------------------------
 
 
+def window_arguments(description: str, transport: str) -> argparse.ArgumentParser:
+    """The options of a bench that compares two sides in alternating windows of one run."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--actions", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--transport", choices=("http", "stdio"), default=transport)
+    parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
 def runtime_defaults() -> dict[str, str]:
     """The runtime's own defaults for the settings the test stack shortens (those that exist)."""
     fields = Settings.model_fields

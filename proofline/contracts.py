@@ -92,6 +92,36 @@ class OperationRecordRead(ReadPath):
     gone: str
 
 
+class EvidenceSource(ReadPath):
+    """One more read of the effect, on any configured server (the contract's own by default), made
+    through that server's read identity and judged by its own conditions over its own ``after``."""
+
+    #: Names this source in the policy (``confirm``) and in the ledger's evidence records.
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    #: A server of the servers file; unset: the contract's server.
+    server: str | None = None
+    expected: tuple[str, ...] = Field(min_length=1)
+    prohibited: tuple[str, ...] = ()
+    #: True when this source shows the effect did not happen (decisive once its delay has passed).
+    absent: str | None = None
+    #: How long this source may lag behind the write (an audit log fed asynchronously); unset: the
+    #: verification's ``consistency_delay_seconds``.
+    consistency_delay_seconds: float | None = Field(default=None, ge=0)
+
+
+class EvidencePolicy(_Model):
+    """How the authoritative read and the extra sources make one verdict.
+
+    ``all``: every source confirms. ``quorum``: at least ``quorum`` of the 1 + len(sources) reads
+    confirm. ``primary``: the authoritative read and every source named in ``confirm``.
+    ``required_confidence``: the fraction of all reads that must confirm, on top of the rule."""
+
+    rule: Literal["all", "quorum", "primary"] = "all"
+    quorum: int | None = Field(default=None, ge=1)
+    confirm: tuple[str, ...] = ()
+    required_confidence: float = Field(default=0.0, ge=0, le=1)
+
+
 class Verification(_Model):
     max_duration_seconds: float = Field(default=30.0, gt=0, le=3600)
     poll_interval_seconds: float = Field(default=0.5, gt=0, le=600)
@@ -105,6 +135,36 @@ class Verification(_Model):
     prohibited: tuple[str, ...] = ()
     #: True when ``after`` shows the effect did not happen at all (used to settle unknown outcomes).
     absent: str | None = None
+    #: Independent evidence: more reads of the effect, on this or other servers (``docs/concepts/
+    #: independent-evidence.md``); ``evidence`` says how they and the authoritative read agree.
+    sources: tuple[EvidenceSource, ...] = ()
+    evidence: EvidencePolicy = EvidencePolicy()
+    #: How to settle an unknown outcome while this read path is down: a search of another system
+    #: (an audit log, by idempotency key or operation id) whose ``expected`` conditions say the
+    #: effect happened. It can only ever say "it happened"; its silence proves nothing.
+    reconcile: EvidenceSource | None = None
+
+    @property
+    def all_sources(self) -> tuple[EvidenceSource, ...]:
+        """The evidence sources and the reconciliation search: every extra read the verification may make."""
+        return (*self.sources, *([self.reconcile] if self.reconcile else []))
+
+    @model_validator(mode="after")
+    def _policy_fits_sources(self) -> Verification:
+        names = [s.name for s in self.all_sources]
+        if len(set(names)) != len(names) or "primary" in names:
+            raise ValueError("evidence source names must be unique and not 'primary'")
+        policy, reads = self.evidence, 1 + len(self.sources)
+        if policy.rule == "quorum" and (policy.quorum is None or policy.quorum > reads):
+            raise ValueError(f"a quorum rule needs quorum between 1 and {reads} (the read and its sources)")
+        if policy.rule != "quorum" and policy.quorum is not None:
+            raise ValueError("quorum applies to the quorum rule only")
+        unknown = sorted(set(policy.confirm) - set(names))
+        if unknown:
+            raise ValueError(f"evidence.confirm names no source: {', '.join(unknown)}")
+        if policy.confirm and policy.rule != "primary":
+            raise ValueError("confirm applies to the primary rule only")
+        return self
 
 
 OutcomeName = Literal["failed_before_side_effect", "failed_after_side_effect", "unknown_outcome"]
@@ -147,6 +207,10 @@ class Recovery(_Model):
     partial_completion: Literal["contain_then_evaluate", "compensate", "manual"] = "contain_then_evaluate"
     verification_failure: Literal["manual_or_compensate", "compensate", "native_rollback", "forward_recovery",
                                   "manual", "contain"] = "manual_or_compensate"
+    #: Independent sources disagree: ``escalate`` hands the action to an operator with every
+    #: reading; ``contain`` also sets a kill switch on the tool for the tenant. Never compensated
+    #: automatically: which reading is true is not known.
+    evidence_conflict: Literal["escalate", "contain"] = "escalate"
     compensation: DerivedAction | None = None
     rollback: DerivedAction | None = None
     forward: DerivedAction | None = None
@@ -240,6 +304,12 @@ class Contract(_Model):
         for name in ("expected", "tolerated", "prohibited"):
             found += [(f"verification.{name}.{i}", e) for i, e in enumerate(getattr(v, name))]
         found += [("verification.absent", v.absent)] if v.absent else []
+        for i, src in enumerate(v.all_sources):
+            where = f"verification.sources.{i} ({src.name})" if i < len(v.sources) else "verification.reconcile"
+            found += [(f"{where}.arguments.{k}", e) for k, e in src.arguments.items()]
+            found += [(f"{where}.{name}.{j}", e) for name in ("expected", "prohibited")
+                      for j, e in enumerate(getattr(src, name))]
+            found += [(f"{where}.absent", src.absent)] if src.absent else []
         for field, read in (("precondition_read", self.precondition_read), ("verification.read", v.read),
                             ("verification.operation_record", v.operation_record), ("prepare", self.prepare)):
             found += [(f"{field}.arguments.{k}", e) for k, e in (read.arguments.items() if read else ())]
@@ -264,6 +334,17 @@ class Contract(_Model):
     @property
     def verification_read(self) -> ReadPath:
         return self.verification.read or self.precondition_read
+
+    def source_server(self, source: EvidenceSource) -> str:
+        """The server an evidence source reads from."""
+        return source.server or self.server
+
+    def read_tools(self) -> dict[str, set[str]]:
+        """Every read tool the verification calls, by server: the authoritative read and each source."""
+        found: dict[str, set[str]] = {self.server: {self.verification_read.tool}}
+        for src in self.verification.all_sources:
+            found.setdefault(self.source_server(src), set()).add(src.tool)
+        return found
 
 
 def load_contract(path: Path) -> Contract:

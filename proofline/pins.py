@@ -97,15 +97,35 @@ def write_pins(path: Path, pins: dict[str, ServerPin]) -> None:
     os.replace(tmp, path)
 
 
+def source_tools(contract: Contract, server: str) -> list[str]:
+    """The evidence sources' read tools ``contract`` calls on ``server``."""
+    return sorted({s.tool for s in contract.verification.all_sources
+                   if contract.source_server(s) == server})
+
+
+def calls_on(contract: Contract, server: str | None) -> list[tuple[str, str]]:
+    """(field, tool) of every tool ``contract`` calls on ``server`` (its own by default): the write
+    tool, the reads and the prepare tool on its own server (:meth:`Contract.tools_used`), and the
+    read tools of its evidence sources on whichever server they name."""
+    own = list(contract.tools_used()) if server is None or server == contract.server else []
+    sources = [("verification.sources.tool", tool) for tool in source_tools(contract, server or contract.server)]
+    return own + [pair for pair in sources if pair not in own]
+
+
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
-               by: str, live_schemas: dict[str, dict[str, Any]] | None = None) -> tuple[ServerPin, dict[str, str]]:
+               by: str, live_schemas: dict[str, dict[str, Any]] | None = None,
+               server: str | None = None) -> tuple[ServerPin, dict[str, str]]:
     """The pin for one server from what it listed now, and the contracts it cannot serve.
 
-    Every tool a contract uses (:meth:`Contract.tools_used`: the write tool and the reads) is
-    pinned, with its input schema. Returns the pin and ``{action_type: detail}`` for each contract
-    naming a tool the server does not have."""
-    unknown = {c.action_type: unknown_tool_detail(c, live_hashes) for c in contracts if missing_tools(c, live_hashes)}
-    used = {tool for c in contracts for _, tool in c.tools_used() if tool in live_hashes}
+    ``contracts`` are those that call ``server`` (by default each contract's own): every tool they
+    call there (:func:`calls_on`) is pinned, with its input schema. Returns the pin and
+    ``{action_type: detail}`` for each contract naming a tool the server does not have."""
+    unknown = {}
+    for c in contracts:
+        missing = [(where, tool) for where, tool in calls_on(c, server) if tool not in live_hashes]
+        if missing:
+            unknown[c.action_type] = unknown_tool_detail(c, live_hashes, missing, server)
+    used = {tool for c in contracts for _, tool in calls_on(c, server) if tool in live_hashes}
     schemas = {tool: (live_schemas or {})[tool] for tool in used if tool in (live_schemas or {})}
     return ServerPin(version=live_version, tools={tool: live_hashes[tool] for tool in used},
                      available=tuple(sorted(live_hashes)), schemas=schemas,
@@ -113,15 +133,16 @@ def pin_server(contracts: list[Contract], live_version: str | None, live_hashes:
 
 
 def missing_tools(contract: Contract, available: Any) -> list[tuple[str, str]]:
-    """(field, tool) of each tool the contract uses that ``available`` does not hold."""
+    """(field, tool) of each tool the contract uses on its own server that ``available`` does not hold."""
     return [(where, tool) for where, tool in contract.tools_used() if tool not in available]
 
 
-def unknown_tool_detail(contract: Contract, available: Any) -> str:
+def unknown_tool_detail(contract: Contract, available: Any, missing: list[tuple[str, str]] | None = None,
+                        server: str | None = None) -> str:
     names = ", ".join(sorted(available)) or "none"
-    missing = missing_tools(contract, available) or [("tool", contract.tool)]
+    missing = missing or missing_tools(contract, available) or [("tool", contract.tool)]
     named = ", ".join(f"{tool!r} ({where})" for where, tool in missing)
-    return f"server {contract.server!r} has no tool {named} (it lists: {names})"
+    return f"server {server or contract.server!r} has no tool {named} (it lists: {names})"
 
 
 def pinned_tool(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str | None, str]:
@@ -166,4 +187,23 @@ def problems(pins: dict[str, ServerPin], contracts: dict[str, Contract], path: P
         if unpinned:
             found[action_type] = ("contract_not_pinned", f"tool {unpinned[0]!r} of server {contract.server!r} is not "
                                                          f"pinned in {path}: run `proofline contracts pin`")
+        if action_type not in found:
+            problem = source_problem(pins, contract, path)
+            if problem is not None:
+                found[action_type] = problem
     return found
+
+
+def source_problem(pins: dict[str, ServerPin], contract: Contract, path: Path) -> tuple[str, str] | None:
+    """The first evidence source whose server was never pinned (``contract_not_pinned``) or does not
+    list its read tool (``unknown_tool``), if any."""
+    for source in contract.verification.all_sources:
+        server = contract.source_server(source)
+        pin = pins.get(server)
+        if pin is None:
+            return ("contract_not_pinned", f"server {server!r} of evidence source {source.name!r} is not pinned in "
+                                           f"{path}: run `proofline contracts pin`")
+        if source.tool not in pin.available:
+            return ("unknown_tool", unknown_tool_detail(contract, pin.available,
+                                                        [("verification.sources.tool", source.tool)], server))
+    return None

@@ -30,6 +30,7 @@ from proofline.controller import describe_server, prepare, publish, send_message
 from proofline.keys import KeyRole, add_approver, load_signing_key
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
+from proofline_kit.audit import launch as audit_launch
 from proofline_kit.embedded import as_role, servers_for_this_machine, start_postgres
 from proofline_kit.processes import stop_process
 from proofline_kit.sor import store as sor
@@ -102,6 +103,12 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
         os.environ["SOR_DB"] = str(sor_db)
+        # The second system: the audit log the refund and restart contracts confirm through.
+        audit_db = WORKDIR / "audit.sqlite3"
+        for stale in (audit_db, audit_db.with_name(audit_db.name + "-wal"), audit_db.with_name(audit_db.name + "-shm")):
+            stale.unlink(missing_ok=True)  # a fresh audit log for the fresh system of record
+        audit_launch.prepare(audit_db)
+        os.environ["AUDIT_DB"] = str(audit_db)
         # Development keys, made fresh for each demo (a production process refuses them).
         keys_dir = WORKDIR / "keys"
         generate_keys(keys_dir, force=True, development=True)
@@ -115,6 +122,9 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
                     "SOR_RESTART_SECONDS": "1.0", "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir),
                     "PROOFLINE_ENVIRONMENT": settings.environment, "PROOFLINE_SERVERS_FILE": str(servers_file),
                     "PROOFLINE_STATE_DIR": str(settings.state_dir), "PROOFLINE_AUTHORITY_FILE": str(authority_file)})
+        env["AUDIT_DB"] = str(audit_db)
+        feed = audit_launch.start_feed(sor_db, audit_db, env, WORKDIR / "audit-feed.log", [])
+        stack.callback(stop_process, feed, 15.0)
         worker = _start_worker(env, WORKDIR / "worker.log")
         stack.callback(stop_process, worker, 15.0)
         app = Celery("proofline-demo-controller", broker=broker)

@@ -31,6 +31,7 @@ from proofline.controller import describe_server, prepare, publish, publish_run,
 from proofline.envelope import Envelope
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
+from proofline_kit.audit import launch as audit_launch
 from proofline_kit.processes import start_process, stop_process, wait_for, wait_port_file
 from proofline_kit.resources import (
     ADMIN_URL,
@@ -63,6 +64,8 @@ STACK_ENV = {
     "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
     "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
     "PROOFLINE_VERIFY_STALL_SECONDS": "30",
+    # The audit system lags the system of record by this much (the demo contracts allow for it).
+    "AUDIT_DELAY_MS": "200",
     # A credential in the worker's environment that no MCP server may inherit.
     "AWS_SECRET_ACCESS_KEY": CANARY_SECRET,
 }
@@ -100,6 +103,8 @@ class Stack:
     #: ``runtime`` (development: worker + recovery), ``operator`` is for operator paths.
     urls: dict[str, str] = field(default_factory=dict)
     _operator: psycopg.Connection | None = None
+    #: The audit system's own store, fed from the system of record's effects (proofline_kit/audit).
+    audit_db: Path | None = None
 
     @property
     def seal_key(self) -> seal.SealKey:
@@ -247,15 +252,20 @@ def disarm_fault_points(path: Path) -> None:
         handle.write(json.dumps(points))
 
 
-def _servers_yaml(transport: str, write_port: int | None, read_port: int | None, witness_log: Path) -> str:
+def _servers_yaml(transport: str, write_port: int | None, read_port: int | None, witness_log: Path,
+                  audit_port: int | None = None) -> str:
     if transport == "stdio":
         return witness_stdio_servers((ROOT / "servers.yaml").read_text(), witness_log)
     # "http-legacy": the initialize-handshake protocol with HTTP sessions, as 1.x-SDK servers speak.
     protocol = "legacy" if transport == "http-legacy" else "auto"
+    audit = f"http://127.0.0.1:{audit_port}/mcp"
     return (
         "servers:\n  sor:\n    transport: http\n"
         f"    url: http://127.0.0.1:{write_port}/mcp\n    protocol: {protocol}\n    expected_version: \"1.0.0\"\n"
         f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
+        # The audit server has no write tool: both identities reach the one read-only server.
+        f"  audit:\n    transport: http\n    url: {audit}\n    expected_version: \"1.0.0\"\n"
+        f"    read_identity:\n      url: {audit}\n"
     )
 
 
@@ -407,23 +417,28 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
         "PROOFLINE_FAULT_POINTS_ENABLED": "true",
         "PROOFLINE_FAULT_POINTS_FILE": str(tmp / "faultpoints.json"),
     })
+    audit_db = tmp / "var" / "audit.sqlite3"
+    env["AUDIT_DB"] = str(audit_db)
+    audit_launch.prepare(audit_db)
     witness_log = tmp / "witness" / "calls.jsonl"
     witness_log.parent.mkdir(parents=True, exist_ok=True)
-    write_port = read_port = None
+    write_port = read_port = audit_port = None
     writer: dict[str, Any] = {}
     proxy = None
     if transport.startswith("http"):
         # The witness relays sit next to the servers: whatever reaches them reached the server.
         writer, write_port, read_port = start_http_servers(tmp, env, sor_db, witness_log, processes)
+        audit_port = audit_launch.start_http_server(audit_db, env, tmp, processes)
     if transport == "http-proxy":
         from proofline_kit.faults import FaultProxy
 
         proxy = FaultProxy(target=("127.0.0.1", write_port)).start()
         write_port = proxy.port
     servers_file = tmp / "servers.yaml"
-    servers_file.write_text(_servers_yaml(transport, write_port, read_port, witness_log))
+    servers_file.write_text(_servers_yaml(transport, write_port, read_port, witness_log, audit_port))
     env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
     env.update(extra_env or {})
+    audit_launch.start_feed(sor_db, audit_db, env, tmp / "audit-feed.log", processes)
     # What publishers and workers must agree on: RabbitMQ refuses a queue redeclared with another
     # delivery limit, and the limit must stay above the guard's.
     agreed = {name: env[f"PROOFLINE_{name.upper()}"] for name in ("broker_delivery_limit", "max_unsettled_deliveries")
@@ -442,9 +457,10 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
     app.conf.update(broker_options.celery_options(settings, broker))
     conn = store.connect(urls["controller"])  # the controller side publishes as proofline_controller
     stack = Stack(transport, tmp, admin, runtime_url, broker, sor_db, servers_file, settings, app, conn, env,
-                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log))
+                  processes, proxy=proxy, writer=writer, urls=urls, witness=WitnessLog(witness_log), audit_db=audit_db)
     # The controller probes the live server with the same environment the workers get.
     os.environ["SOR_DB"] = str(sor_db)
+    os.environ["AUDIT_DB"] = str(audit_db)
     return stack
 
 

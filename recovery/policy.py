@@ -51,6 +51,11 @@ def decide(facts: Facts, policy: Recovery) -> Decision:
         if absent and _can_retry(facts):
             return Decision(RecoveryKind.retry, "compensation_made_no_change")
         return Decision(RecoveryKind.manual_intervention, "compensation_failed", contain=True)
+    if facts.finding == VerificationFinding.evidence_conflict:
+        # Which reading is true is not known: nothing is undone or retried on a guess.
+        if policy.evidence_conflict == "contain":
+            return Decision(RecoveryKind.containment, "evidence_conflict", contain=True)
+        return Decision(RecoveryKind.manual_intervention, "evidence_conflict")
     if absent:
         if facts.cancel_requested or facts.run_failed:
             # Nothing happened and nobody wants it any more: never re-drive it.

@@ -16,6 +16,7 @@ from ledger import evidence, store
 from ledger.redact import Redactor, current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
+from proofline.contracts import Contract
 from proofline.envelope import CancellationBehaviour, Envelope
 from proofline.errors import TransitionRefused
 from proofline.telemetry import context as telemetry_context
@@ -23,6 +24,8 @@ from proofline.telemetry import metrics, tracing
 from recovery.operation_record import read_operation_record
 from worker import faultpoints, sandbox_events
 from worker.dispatch import Dispatch
+from worker.evidence import decide as decide_evidence
+from worker.evidence import reconcile_unknown
 from worker.runtime import Runtime
 from worker.verification import Observation, finding_evidence, judge, observe
 
@@ -41,7 +44,21 @@ DISPOSITION: dict[VerificationFinding, tuple[ActionStatus, Outcome | None, Idemp
                                  "effect_absent"),
     VerificationFinding.unavailable: (ActionStatus.escalated, Outcome.completed_unverified, None,
                                       "verification_unavailable"),
+    VerificationFinding.evidence_conflict: (ActionStatus.escalated, Outcome.completed_unverified, None,
+                                            "evidence_conflict"),
 }
+#: Why an escalation from verification happened, as its ``escalated`` event says.
+ESCALATION_EVIDENCE = {VerificationFinding.unavailable: "verification read path unavailable",
+                       VerificationFinding.evidence_conflict: "independent evidence sources disagree"}
+
+
+def disposition(contract: Contract, finding: VerificationFinding):
+    """The verdict's row change for ``finding``; a conflict goes to recovery (containment) when the
+    contract's recovery policy says ``contain``, to an operator otherwise."""
+    status, outcome, record_status, reason = DISPOSITION[finding]
+    if finding == VerificationFinding.evidence_conflict and contract.recovery.evidence_conflict == "contain":
+        status = ActionStatus.recovery
+    return status, outcome, record_status, reason
 
 
 def _cancel_disposition(envelope: Envelope, finding: VerificationFinding, current):
@@ -113,9 +130,19 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
     began = time.monotonic()
     obs = observe(rt, envelope, contract, base)
+    primary_seconds = time.monotonic() - began
+    verdict, readings = decide_evidence(rt, contract, obs, envelope.server.name, primary_seconds, base,
+                                        contract.verification.max_duration_seconds - primary_seconds)
+    obs.finding = verdict.finding
+    reconciled = None
+    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+        # The system of record cannot say; another system's search may at least say it happened.
+        reconciled = reconcile_unknown(rt, contract, base, contract.verification.max_duration_seconds)
+    if reconciled is not None:
+        readings.append(reconciled.record())
     read_seconds = time.monotonic() - began
     stages.note(**{"proofline.verification_finding": obs.finding.value})
-    status, outcome, record_status, reason = DISPOSITION[obs.finding]
+    status, outcome, record_status, reason = disposition(contract, obs.finding)
     blocked = (action.recovery_data or {}).get("retry_blocked_by")
     if blocked and obs.finding == VerificationFinding.absent:
         # A retry found its preconditions broken and nothing of ours downstream: it never starts.
@@ -123,11 +150,19 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     if action.cancel_requested_at is not None:
         status, outcome, record_status, reason = _cancel_disposition(
             envelope, obs.finding, (status, outcome, record_status, reason))
-    if obs.finding == VerificationFinding.unavailable and action.outcome == Outcome.unknown_outcome:
+    if obs.finding in ESCALATION_EVIDENCE and action.outcome == Outcome.unknown_outcome:
         outcome = None  # an unknown outcome stays unknown: we never learned more
+    if reconciled is not None and reconciled.obs.finding == VerificationFinding.expected:
+        # The search saw the effect: it happened (not verified), and no retry may call again.
+        outcome, record_status = Outcome.completed_unverified, IdempotencyStatus.completed
     if obs.finding == VerificationFinding.not_reached and action.outcome == Outcome.accepted:
         outcome = Outcome.partially_completed
     evidence = finding_evidence(envelope, contract, obs, action.outcome)
+    if contract.verification.sources:
+        evidence["evidence"] = verdict.summary
+    if reconciled is not None:
+        evidence["reconciled"] = {"source": reconciled.source,
+                                  "happened": reconciled.obs.finding == VerificationFinding.expected}
     if operation_record is not None:
         evidence["operation_record"] = operation_record
     recovered = None
@@ -154,7 +189,9 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                 # decides the disposition as if it had been there from the start.
                 status, outcome, record_status, reason = _cancel_disposition(
                     envelope, obs.finding, (status, outcome, record_status, reason))
-            events = [("verification_finished", evidence)]
+            # Each read is its own evidence record, before the verdict it led to.
+            events = [("evidence_read", r) for r in readings if contract.verification.all_sources]
+            events.append(("verification_finished", evidence))
             if record_expired is not None:
                 events.insert(0, ("operation_record_expired", record_expired))
             if record_status is not None:
@@ -163,7 +200,8 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                               "after_digest": sha256_hex(obs.after) if obs.after is not None else None},
                                              red)
             if status == ActionStatus.escalated:
-                events.append(("escalated", {"reason_code": reason, "evidence": "verification read path unavailable"}))
+                events.append(("escalated", {"reason_code": reason, "evidence": ESCALATION_EVIDENCE.get(
+                    obs.finding, "verification read path unavailable")}))
             # The worker's signed statement of this verdict, then the final state (always the last event).
             events.append(verdict_evidence(rt, action, red, status, outcome or action.outcome, obs, reason, recovered))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)

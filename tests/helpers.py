@@ -46,6 +46,15 @@ def refund_env(stack: Stack, account: str, amount: int = 1200, **kw: Any) -> Env
                           target={"type": "account", "id": account, "expected_version": version}, **kw)
 
 
+def restart_env(stack: Stack, **kw: Any) -> Envelope:
+    """A restart of a service of its own (created for the test), at its current generation."""
+    name = f"svc-{uid()}"
+    sor.put_service(stack.sor_db, name, "acme")
+    gen = sor.get_service(stack.sor_db, name)["generation"]
+    return stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
+                          target={"type": "service", "id": name, "expected_version": gen}, **kw)
+
+
 def stale_close_env(stack: Stack, **kw: Any) -> Envelope:
     ticket = sor.put_ticket(stack.sor_db, "acme", "to close", "ops")
     version = sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"]

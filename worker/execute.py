@@ -320,7 +320,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
                        "proofline.error_category": None if report.error is None else verdict.reason_code})
         metrics.TOOL_CALL_SECONDS.labels(envelope.action_type, verdict.outcome.value).observe(report.elapsed_seconds)
         first = None
-        if decides_in_place(settings, verdict):
+        if decides_in_place(settings, verdict, contract):
             stages.enter("proofline.verification", **{"proofline.tool": contract.verification_read.tool})
             first = read_in_place(rt, envelope, contract, before, verdict, red, token)
             stages.note(**{"proofline.verification_finding": first.obs.finding.value})

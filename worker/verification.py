@@ -13,7 +13,7 @@ from typing import Any
 from ledger.redact import Redactor
 from ledger.states import Outcome, VerificationFinding
 from proofline.conditions import CompiledConditions, Variables, build_arguments, holds
-from proofline.contracts import Contract, Verification, extract
+from proofline.contracts import Contract, ReadPath, Verification, extract
 from proofline.envelope import Envelope
 from proofline.errors import ConditionError, McpUnavailable, ProoflineError, ResultTooLarge
 from proofline.telemetry import tracing
@@ -23,6 +23,7 @@ from worker.lease import Heartbeat
 from worker.record_call import FirstRead, verification_key
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
+from worker.servers import Server
 
 READS_KEPT = 5
 
@@ -78,8 +79,12 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
     if envelope.expected_postconditions:
         # The controller's extra post-conditions must hold too (checked against the limits at revalidation).
         v = v.model_copy(update={"expected": (*v.expected, *envelope.expected_postconditions)})
-    server = rt.server(envelope.server.name)
-    read = contract.verification_read
+    return poll(rt, rt.server(envelope.server.name), contract, contract.verification_read, v, base, max_reads)
+
+
+def poll(rt: Runtime, server: Server, contract: Contract, read: ReadPath, v: Verification, base: dict[str, Any],
+         max_reads: int | None = None) -> Observation:
+    """Poll one read path on ``server`` (through its read identity) judged by ``v``'s conditions."""
     started = time.monotonic()
     bound = started + v.max_duration_seconds
     obs = Observation(VerificationFinding.unavailable)
@@ -121,9 +126,11 @@ def observe(rt: Runtime, envelope: Envelope, contract: Contract, base: dict[str,
         if max_reads is not None and obs.reads + obs.failed_reads >= max_reads:
             obs.finding = finding or VerificationFinding.unavailable
             return obs
-        if time.monotonic() + v.poll_interval_seconds > bound:
+        if time.monotonic() + v.poll_interval_seconds > bound and (settled or not obs.reads):
             # The bound passed: a read path that never answered is "unavailable"; one that answered
-            # but never showed the expected state is "not reached".
+            # but never showed the expected state is "not reached". A path that answered only
+            # before its consistency delay had passed (a slow first read: a server starting) is
+            # read once more after it, so that its lag is never taken for the verdict.
             obs.finding = VerificationFinding.not_reached if obs.reads else VerificationFinding.unavailable
             return obs
         time.sleep(v.poll_interval_seconds)
@@ -143,13 +150,14 @@ def finding_evidence(envelope: Envelope, contract: Contract, obs: Observation,
     return evidence
 
 
-def decides_in_place(settings: Any, verdict: Any) -> bool:
+def decides_in_place(settings: Any, verdict: Any, contract: Contract | None = None) -> bool:
     """Whether the execute task may read for the verdict itself, right after the call: only a call
     the server reported complete, with values (a lost or empty answer is recovered by the
-    verification task), and no downstream operation to follow. Anything the first read does not
-    prove ``expected`` goes to the verification task as before."""
+    verification task), no downstream operation to follow, and no independent evidence sources to
+    wait for (those are read by the verification task). Anything the first read does not prove
+    ``expected`` goes to the verification task as before."""
     return (settings.inline_verification and verdict.outcome == Outcome.completed_unverified
-            and bool(verdict.values) and verdict.operation_id is None)
+            and bool(verdict.values) and verdict.operation_id is None and not (contract is not None and contract.verification.sources))
 
 
 def first_read(rt: Runtime, envelope: Envelope, contract: Contract, doc: dict[str, Any], before: dict[str, Any],

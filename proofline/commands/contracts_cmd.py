@@ -41,6 +41,7 @@ def contracts_check(directory: Path | None) -> None:
 
     pins = settings().pins_file or directory / "pins.json"
     unpinnable = problems(read_pins(pins), loaded.contracts, pins)
+    unpinnable.update(unknown_servers(loaded.contracts))
     pin_problems = [{"action_type": a, "code": code, "detail": detail} for a, (code, detail) in sorted(unpinnable.items())]
     # A recovery names another action type: the recovery runs that contract, with its tools.
     pin_problems += [{"action_type": a, "code": "unknown_action_type",
@@ -54,8 +55,27 @@ def contracts_check(directory: Path | None) -> None:
             click.echo(f"refused  {r['file']} ({r['action_type']}): {r['reason']}", err=True)
         for q in pin_problems:  # an unknown tool or recovery fails the check; a missing pin is a warning
             click.echo(f"{q['code']}  {q['action_type']}: {q['detail']}", err=True)
-    if refused or any(q["code"] in ("unknown_tool", "unknown_action_type") for q in pin_problems):
+    if refused or any(q["code"] in ("unknown_tool", "unknown_action_type", "unknown_server") for q in pin_problems):
         sys.exit(CHECK_FAILED)
+
+
+def unknown_servers(contracts: dict) -> dict[str, tuple[str, str]]:
+    """``{action_type: ("unknown_server", detail)}`` for each contract whose evidence source names a
+    server the servers file does not define (checked only when the servers file exists)."""
+    from proofline.errors import UnknownServer
+    from worker.servers import load_servers
+
+    path = Path(settings().servers_file)
+    if not path.is_file():
+        return {}
+    defined = load_servers(path)
+    found = {}
+    for action_type, contract in contracts.items():
+        missing = sorted({contract.source_server(s) for s in contract.verification.all_sources} - set(defined))
+        if missing:
+            found[action_type] = (UnknownServer.code, f"evidence source server {missing[0]!r} is not in the "
+                                                      f"servers file {path}")
+    return found
 
 
 COMMANDS = (contracts,)

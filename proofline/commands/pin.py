@@ -34,8 +34,10 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
     loaded = scan_contracts(Path(settings.contracts_dir))
     by_server: dict[str, list] = {}
     for contract in loaded.contracts.values():
-        if not only or contract.server in only:
-            by_server.setdefault(contract.server, []).append(contract)
+        # A contract is pinned on its own server and checked on each server its evidence sources read.
+        for server in sorted({contract.server, *contract.read_tools()}):
+            if not only or server in only:
+                by_server.setdefault(server, []).append(contract)
     if not by_server:
         raise click.ClickException(f"no contract in {settings.contracts_dir} names "
                                    f"{'server ' + ', '.join(only) if only else 'a server'}")
@@ -45,7 +47,7 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
         failed = False
         for server, named in sorted(by_server.items()):
             version, hashes, schemas = describe_tools(settings, server)
-            fresh, unknown = pin_server(named, version, hashes, who, schemas)
+            fresh, unknown = pin_server(named, version, hashes, who, schemas, server)
             for contract in named:
                 if contract.action_type in unknown:
                     failed = True

@@ -102,6 +102,12 @@ class ContractNotPinned(ConfigurationError):
     code = "contract_not_pinned"
 
 
+class UnknownServer(ConfigurationError):
+    """A contract names a server (an evidence source's) that the servers file does not define."""
+
+    code = "unknown_server"
+
+
 class WaitTimedOut(ProoflineError):
     """The action had not reached a settled state when the wait ran out (it keeps running)."""
 

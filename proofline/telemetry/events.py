@@ -154,9 +154,10 @@ COUNTERS: tuple[EventCounter, ...] = (
     EventCounter("verifications", "Verifications finished, by finding", ("verification_finished",),
                  (Path("finding", ("finding",)),)),
     EventCounter("postcondition_regressions", "Calls reported successful whose post-condition did not hold "
-                 "(prohibited, not reached or absent)", ("verification_finished",), (Path("finding", ("finding",)),),
+                 "(prohibited, not reached or absent) or whose independent sources disagreed",
+                 ("verification_finished",), (Path("finding", ("finding",)),),
                  when=(OneOf(("prior_outcome",), ("completed_unverified", "accepted")),
-                       OneOf(("finding",), ("prohibited", "not_reached", "absent")))),
+                       OneOf(("finding",), ("prohibited", "not_reached", "absent", "evidence_conflict")))),
     EventCounter("retries", "Deliveries retried with the same key, by the classified cause",
                  ("retry_scheduled",), (Path("cause", ("cause",)),)),
     EventCounter("recovery_decisions", "Recovery decisions, by kind and reason", ("recovery_decided",),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from contextvars import ContextVar
 from typing import Any
 
 from proofline_kit.sor.db import next_id, now, reading, writing
@@ -31,10 +32,18 @@ class Refused(Exception):
         self.message = f"{reason}: {message}"
 
 
+#: Set by the ``lie_consistently`` fault: the server writes its own record of a mutation (so its
+#: own reads agree with its answer) but the effect itself never happens, so no effects row is
+#: appended and nothing downstream of the effects log (the audit system) ever sees it.
+unapplied: ContextVar[bool] = ContextVar("unapplied", default=False)
+
+
 def record_effect(
     conn: sqlite3.Connection, tool: str, key: str | None, resource: str, detail: dict[str, Any]
 ) -> None:
     """Append the effects row for a mutation; call inside the mutation's transaction."""
+    if unapplied.get():
+        return
     conn.execute(
         "INSERT INTO effects (tool, idempotency_key, resource, detail, at) VALUES (?, ?, ?, ?, ?)",
         (tool, key, resource, json.dumps(detail, sort_keys=True), now()),

@@ -20,6 +20,7 @@ MODES = frozenset(
         "fail_before_commit",
         "fail_after_commit",
         "lie",
+        "lie_consistently",
         "progress_flood",
         "huge_result",
         "ignore_cancel",

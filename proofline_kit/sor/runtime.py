@@ -20,6 +20,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations, ToolListChangedNotification
 
 from proofline_kit.sor import store
+from proofline_kit.sor.core import unapplied
 from proofline_kit.sor.db import now
 from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_LAG, READ_OUTAGE, Fault
 
@@ -194,6 +195,13 @@ class Runner:
                 return error_result("failed_before_side_effect", f"injected failure before commit in {tool}")
             if mode == "lie":
                 return render(await in_thread(lie))
+            if mode == "lie_consistently":
+                # Its own record says done, and its own reads will agree: only the effect is missing.
+                token = unapplied.set(True)
+                try:
+                    return render(await apply(key))
+                finally:
+                    unapplied.reset(token)
             result = await apply(key)
             if mode == "apply_twice":
                 # A downstream that applies the request twice (a retry inside the server): a

@@ -41,11 +41,11 @@ from tests.helpers import (
     new_account,
     recovery_action,
     refund_env,
+    restart_env,
     run_of,
     run_settled,
     stale_close_env,
     ticket_env,
-    uid,
 )
 from worker.dispatch import CeleryDispatch
 from worker.faultpoints import arm, fired, release
@@ -64,14 +64,6 @@ def calls_of(stack: Stack, action_id: str) -> list[dict[str, Any]]:
     """The evidence of every ``tool_called`` event of an action, in order."""
     return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == "tool_called"]
 
-
-
-def restart_env(stack: Stack, **kw: Any):
-    name = f"svc-{uid()}"
-    sor.put_service(stack.sor_db, name, "acme")
-    gen = sor.get_service(stack.sor_db, name)["generation"]
-    return stack.envelope("service.restart", arguments={"service": name, "tenant": "acme", "expected_generation": gen},
-                          target={"type": "service", "id": name, "expected_version": gen}, **kw)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ledger.states import ActionStatus, Outcome
+from proofline.contracts import contract_for
 from proofline.ledger_check import check_chains
 from proofline_kit.sor import store as sor
 from tests.conftest import ON_EACH_BROKER, VERIFY_TASK, Stack, wait_for
@@ -40,7 +41,10 @@ def test_worker_killed_at_each_stage_leaves_exactly_one_effect(stack: Stack, poi
     events = stack.events(env.action_id)
     if point in ("before_send", "after_send"):
         assert "reconcile_required" in events  # the next holder reconciled before anything else
-    in_place = stack.env.get("PROOFLINE_INLINE_VERIFICATION") != "false"
+    # A contract with independent evidence sources (refund.issue: the audit log) is always decided
+    # by the verification task, inline verification or not.
+    sources = contract_for(stack.settings.contracts_dir, env.action_type).verification.sources
+    in_place = stack.env.get("PROOFLINE_INLINE_VERIFICATION") != "false" and not sources
     if point == "before_verify_commit":
         # Killed after reading: in place, nothing of the call was recorded and the next holder
         # reconciles; in the verification task, the result was and the task runs again.

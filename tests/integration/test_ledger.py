@@ -5,6 +5,7 @@ verification (library and CLI), redaction, guarded transitions and idempotency r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -22,7 +23,7 @@ from ledger import store
 from ledger.migrate import sqlalchemy_url
 from ledger.redact import MARK
 from ledger.schema import metadata
-from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
+from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome, VerificationFinding
 from proofline.envelope import build_envelope
 from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
@@ -117,6 +118,17 @@ def test_postgres_enum_equals_python_enum(admin, type_name, py_enum):
     assert labels, f"no enum type {type_name}"
     assert set(labels) == {m.value for m in py_enum}
     assert len(labels) == len(py_enum)
+
+
+def test_finding_check_equals_python_enum(admin):
+    """``actions.finding`` is text guarded by a CHECK: the CHECK's list is the enum's, no more, no less."""
+    with admin.cursor() as cur:
+        cur.execute("""SELECT pg_get_constraintdef(c.oid) AS def FROM pg_constraint c
+                       WHERE c.conname = 'actions_finding_known'""")
+        [row] = cur.fetchall()
+    labels = re.findall(r"'([a-z_]+)'::text", row["def"])
+    assert sorted(labels) == sorted(m.value for m in VerificationFinding)
+    assert "evidence_conflict" in labels
 
 
 def _schema_diff(admin_url: str, target: MetaData) -> list[Any]:

@@ -86,3 +86,25 @@ def test_the_worker_names_a_tool_the_live_server_does_not_have() -> None:
     envelope.tool.contract_hash = "c" * 64
     with pytest.raises(ToolContractChanged):
         revalidate_live(envelope, "1.0.0", None, {"create_ticket": "a" * 64})
+
+
+def test_evidence_sources_are_checked_on_their_own_servers(tmp_path: Path) -> None:
+    """A source on another server: that server is pinned for the contract too, and must list the
+    source's read tool; its write server's pin is unchanged by it."""
+    from proofline.contracts import EvidenceSource
+
+    base = contract_for(CONTRACTS, "ticket.create")
+    audit = EvidenceSource(name="audit", server="audit", tool="find_audit_entries",
+                           arguments={"idempotency_key": "envelope.idempotency_key"}, expected=("after.found",))
+    contract = base.model_copy(update={"verification": base.verification.model_copy(update={"sources": (audit,)})})
+    path = tmp_path / "pins.json"
+    sor, _ = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "get_ticket": "b" * 64}, "rev", "sor")
+    assert sor.tools == {"create_ticket": "a" * 64}
+    code, detail = problems({"sor": sor}, {"ticket.create": contract}, path)["ticket.create"]
+    assert code == "contract_not_pinned" and "'audit'" in detail
+    bare, unknown = pin_server([contract], "0.1.0", {"service_health": "c" * 64}, "rev", "audit")
+    assert bare.tools == {} and "evidence source" in unknown["ticket.create"]
+    code, detail = problems({"sor": sor, "audit": bare}, {"ticket.create": contract}, path)["ticket.create"]
+    assert code == "unknown_tool" and "find_audit_entries" in detail
+    full, unknown = pin_server([contract], "0.1.0", {"find_audit_entries": "d" * 64}, "rev", "audit")
+    assert unknown == {} and problems({"sor": sor, "audit": full}, {"ticket.create": contract}, path) == {}

@@ -234,6 +234,12 @@ CASES = [
          K.compensation, "verification_failed", False),
     case("undo/accepted-prohibited", facts(outcome=Outcome.accepted, finding=F.prohibited), COMPENSATE_POLICY,
          K.compensation, "verification_failed", False),
+    # --- independent sources disagree: never undone or retried on a guess ----------------------------
+    case("conflict/escalate-despite-compensation", facts(outcome=Outcome.completed_unverified,
+                                                         finding=F.evidence_conflict), REFUND_ISSUE,
+         K.manual_intervention, "evidence_conflict", False),
+    case("conflict/contain", facts(outcome=Outcome.completed_unverified, finding=F.evidence_conflict),
+         Recovery(evidence_conflict="contain", compensation=UNDO), K.containment, "evidence_conflict", True),
     # --- nothing to recover ----------------------------------------------------------------------
     case("none/verified", facts(), EVERYTHING, K.manual_intervention, "no_rule_matched", False),
     case("none/tolerated", facts(outcome=Outcome.completed_unverified, finding=F.tolerated), REFUND_ISSUE,
