@@ -98,13 +98,14 @@ def test_evidence_sources_are_checked_on_their_own_servers(tmp_path: Path) -> No
                            arguments={"idempotency_key": "envelope.idempotency_key"}, expected=("after.found",))
     contract = base.model_copy(update={"verification": base.verification.model_copy(update={"sources": (audit,)})})
     path = tmp_path / "pins.json"
-    sor, _ = pin_server([contract], "1.0.0", {"create_ticket": "a" * 64, "get_ticket": "b" * 64}, "rev", "sor")
-    assert sor.tools == {"create_ticket": "a" * 64}
+    live = {"create_ticket": "a" * 64, "find_ticket_by_key": "b" * 64}
+    sor, _ = pin_server([contract], "1.0.0", live, "rev", server="sor")
+    assert sor.tools == live
     code, detail = problems({"sor": sor}, {"ticket.create": contract}, path)["ticket.create"]
     assert code == "contract_not_pinned" and "'audit'" in detail
-    bare, unknown = pin_server([contract], "0.1.0", {"service_health": "c" * 64}, "rev", "audit")
-    assert bare.tools == {} and "evidence source" in unknown["ticket.create"]
+    bare, unknown = pin_server([contract], "0.1.0", {"service_health": "c" * 64}, "rev", server="audit")
+    assert bare.tools == {} and "verification.sources.tool" in unknown["ticket.create"]
     code, detail = problems({"sor": sor, "audit": bare}, {"ticket.create": contract}, path)["ticket.create"]
     assert code == "unknown_tool" and "find_audit_entries" in detail
-    full, unknown = pin_server([contract], "0.1.0", {"find_audit_entries": "d" * 64}, "rev", "audit")
+    full, unknown = pin_server([contract], "0.1.0", {"find_audit_entries": "d" * 64}, "rev", server="audit")
     assert unknown == {} and problems({"sor": sor, "audit": full}, {"ticket.create": contract}, path) == {}
