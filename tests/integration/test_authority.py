@@ -351,13 +351,16 @@ def test_promotion_is_refused_without_evidence_and_granted_with_it(auth: Authori
 def test_an_unresolved_outcome_demotes_autonomy_to_proposals(auth: Authority) -> None:
     auth.policy(**{"ticket.open": {"mode": "autonomous", "bounds": {"max_actions_per_tenant": 10_000}}})
     env = open_env(auth.stack)
-    sor.set_read_outage(auth.stack.sor_db, True, role="reader")  # verification cannot settle it
+    # The answer is lost (an unknown outcome) and the read path is down: nothing can settle it.
+    sor.set_fault(auth.stack.sor_db, "create_ticket", "drop_response", remaining=1, delay_seconds=20)
+    sor.set_read_outage(auth.stack.sor_db, True, role="reader")
     try:
         auth.stack.publish(env)
-        row = auth.stack.wait_settled(env.action_id, timeout=60)
+        row = auth.stack.wait_settled(env.action_id, timeout=90)
     finally:
         sor.set_read_outage(auth.stack.sor_db, False, role="reader")
-    assert (row.status, row.outcome) == (ActionStatus.escalated, Outcome.completed_unverified)
+        sor.clear_faults(auth.stack.sor_db, "create_ticket")
+    assert (row.status, row.outcome) == (ActionStatus.escalated, Outcome.unknown_outcome), row
     # The reconciler's sweep (every second in the test stack) demotes the type under this policy.
     demoted = wait_for(lambda: [e["evidence"] for e in auth.stack.timeline("authority:ticket.open")
                                 if e["event"] == "authority_demoted"], 30, what="a demotion of ticket.open")
