@@ -312,7 +312,10 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             return TaskSummary(step, None, aid).as_dict()
 
         stages.enter("proofline.tool_call")
-        report = call_tool(rt, server, envelope, contract, token, facts["now"], t0)
+        plan_meta = next(({"proofline/plan_hash": ev["plan_hash"], **({"proofline/plan_id": ev["plan_id"]}
+                                                                   if ev.get("plan_id") else {})}
+                          for name, ev in events if name == "plan_confirmed"), None)
+        report = call_tool(rt, server, envelope, contract, token, facts["now"], t0, plan_meta)
         verdict = classify(report, contract, result_limit(settings, server, contract))
         for _ in report.progress:
             stages.event("progress")

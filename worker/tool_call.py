@@ -33,8 +33,11 @@ def _sent(exc: BaseException) -> bool:
     return _sent(cause) if cause is not None and cause is not exc else True
 
 
-def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float
-          ) -> CallReport:
+def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contract, token: int, db_now, t0: float,
+              plan_meta: dict[str, str] | None = None) -> CallReport:
+    """The write call. ``plan_meta`` names the approved plan (``proofline/plan_hash``, ``proofline/plan_id``)
+    in the request's ``_meta`` when the action was approved by plan, so the server can hold the
+    commit to the plan it prepared."""
     settings = rt.settings
     remaining = (envelope.deadline - db_now).total_seconds() - (time.monotonic() - t0)
     deadline_monotonic = time.monotonic() + remaining
@@ -50,7 +53,7 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
         faultpoints.hit("before_send")
         try:
-            trace_meta = tracing.carrier()  # read here: the call runs on the MCP session's thread
+            trace_meta = {**tracing.carrier(), **(plan_meta or {})}  # read here: the call runs on the session's thread
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
                 action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,

@@ -33,6 +33,8 @@ class Call:
     result: dict[str, Any] | None = None
     cancelled: bool = False
     progress: int = 0
+    #: The approved plan's hash the call carried (``proofline/plan_hash``), when it was approved by plan.
+    plan_hash: str | None = None
 
     @property
     def answered(self) -> bool:
@@ -88,7 +90,7 @@ class WitnessLog:
             ident = (record.get("conn"), json.dumps(record.get("id")))
             kind = record.get("kind")
             if kind == "call":
-                calls[ident] = Call(**{f: record.get(f) for f in CALL_FIELDS})
+                calls[ident] = Call(**{f: record.get(f) for f in CALL_FIELDS}, plan_hash=record.get("plan_hash"))
             elif ident in calls and kind == "result":
                 calls[ident] = replace(calls[ident], result=record)
             elif ident in calls and kind == "cancel":

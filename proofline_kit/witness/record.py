@@ -28,6 +28,7 @@ import rfc8785
 KEY_META = "proofline/idempotency_key"
 ACTION_META = "proofline/action_id"
 FENCING_META = "proofline/fencing_token"
+PLAN_META = "proofline/plan_hash"
 
 KINDS = ("call", "result", "cancel", "progress", "request")
 
@@ -100,7 +101,7 @@ class Observer:
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         call = {"id": rpc_id, "tool": params.get("name"), "arguments_sha256": arguments_sha256(params.get("arguments")),
                 "idempotency_key": meta.get(KEY_META), "action_id": meta.get(ACTION_META),
-                "fencing_token": meta.get(FENCING_META), "conn": self.base["conn"]}
+                "fencing_token": meta.get(FENCING_META), "plan_hash": meta.get(PLAN_META), "conn": self.base["conn"]}
         self.pending[rpc_id] = call
         self.open_calls.add(self.session, rpc_id, call)
         if "progressToken" in meta:

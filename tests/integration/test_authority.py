@@ -190,6 +190,9 @@ def test_a_proposal_waits_and_runs_the_approved_plan_once(auth: Authority) -> No
     approvals = evidence_of(auth.stack, env.action_id, "revalidated")[-1]["authority"]["approvals"]
     assert approvals["approvers"] == ["alice@example.com"]
     assert evidence_of(auth.stack, env.action_id, "plan_confirmed")[0]["plan_hash"] == proposed["plan_hash"]
+    # The commit carries the approved plan to the server.
+    [call] = auth.stack.witness.calls(key=env.idempotency_key)
+    assert call.plan_hash == proposed["plan_hash"]
 
 
 def test_a_plan_changed_after_approval_is_refused_with_no_effect(auth: Authority) -> None:
