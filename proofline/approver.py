@@ -22,7 +22,7 @@ from typing import Any
 
 from ledger import store
 from proofline.approvals import ApprovalScope, sign_approval, statement_for
-from proofline.authority import AuthorityMode, AuthorityPolicy, load_policy, sign_policy
+from proofline.authority import AuthorityMode, AuthorityPolicy, policy_in_force, sign_policy
 from proofline.canonical import sha256_hex
 from proofline.envelope import Envelope
 from proofline.keys import KeyRole, load_keyring, load_signing_key
@@ -115,13 +115,11 @@ class Approver:
 
     def _policy(self):
         s = self.settings
-        return load_policy(s.authority_file, load_keyring(s.keyring_file, s.environment), s.environment)
+        return policy_in_force(s)
 
     def _celery(self) -> Any:
         if self._app is None:
-            from celery import Celery
+            from proofline.client import celery_app
 
-            self._app = Celery("proofline-approver")
-            self._app.config_from_object("worker.celery_config")
-            self._app.conf.broker_url = reveal(self.settings.broker_url)
+            self._app = celery_app(self.settings, "proofline-approver")
         return self._app

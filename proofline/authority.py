@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from proofline.canonical import canonical_bytes, sha256_hex
 from proofline.conditions import compile_expression
 from proofline.errors import AuthorityPolicyInvalid, ConditionError
-from proofline.keys import PRODUCTION, Keyring, KeyRole, SigningKey
+from proofline.keys import PRODUCTION, Keyring, KeyRole, SigningKey, load_keyring
 from proofline.signing import _decode, encode_signature
 
 KIND = "proofline.authority/v1"
@@ -212,3 +212,11 @@ def load_policy(path: Path | None, keyring: Keyring, environment: str) -> Signed
     loaded = verify_policy(signed, keyring)
     _cache[str(path)] = (stamp, loaded)
     return loaded
+
+
+def policy_in_force(settings: Any) -> SignedPolicy | None:
+    """The signed policy a process with ``settings`` runs under (its keyring verifies it); ``None``
+    without one outside production."""
+    keyring = load_keyring(settings.keyring_file, settings.environment)
+    return load_policy(settings.authority_file, keyring, settings.environment)
+

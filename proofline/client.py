@@ -97,6 +97,16 @@ class ActionHandle:
         return self.client.wait(self.action_id, timeout)
 
 
+def celery_app(settings: Settings, name: str) -> Any:
+    """A Celery app that only sends: the workers' configuration, this deployment's broker."""
+    from celery import Celery
+
+    app = Celery(name)
+    app.config_from_object("worker.celery_config")
+    app.conf.broker_url = reveal(settings.broker_url)
+    return app
+
+
 class Client:
     """A controller: publishes signed envelopes through the ledger and waits on their outcomes."""
 
@@ -147,11 +157,7 @@ class Client:
         from worker.dispatch import CeleryDispatch
 
         if self._app is None:
-            from celery import Celery
-
-            self._app = Celery("proofline-controller")
-            self._app.config_from_object("worker.celery_config")
-            self._app.conf.broker_url = reveal(self.settings.broker_url)
+            self._app = celery_app(self.settings, "proofline-controller")
         return CeleryDispatch(self._app, self.settings.tenant_shards)
 
     # --- outcomes -----------------------------------------------------------------------------

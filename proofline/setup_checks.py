@@ -167,14 +167,12 @@ def check_keys(settings: Settings, role: str) -> str:
 def check_authority(settings: Settings) -> str:
     """The signed authority policy loads and an active approver key signed it; in production one is
     required (without it every action would be refused as ``authority_policy_invalid``)."""
-    from proofline.authority import load_policy
-    from proofline.keys import load_keyring
+    from proofline.authority import policy_in_force
 
     fix = ("write the policy YAML, sign it with an approver key (`proofline authority sign POLICY --key KEY --out "
            "FILE`) and set PROOFLINE_AUTHORITY_FILE=FILE")
     try:
-        loaded = load_policy(settings.authority_file, load_keyring(settings.keyring_file, settings.environment),
-                             settings.environment)
+        loaded = policy_in_force(settings)
     except ProoflineError as exc:
         raise Failed(str(exc.detail)[:300], fix) from None
     if loaded is None:

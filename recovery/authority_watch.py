@@ -22,9 +22,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ledger import store
-from proofline.authority import AuthorityMode, AuthorityPolicy, Promotion, SignedPolicy, load_policy
+from proofline.authority import AuthorityMode, AuthorityPolicy, Promotion, SignedPolicy, policy_in_force
 from proofline.errors import AuthorityPolicyInvalid, PromotionRefused
-from proofline.keys import load_keyring
 from proofline.settings import Settings
 from worker.authorize import effective_mode
 
@@ -169,8 +168,7 @@ def watch(conn: Any, settings: Settings, actor: str) -> list[dict[str, Any]]:
     if settings.authority_file is None:
         return []  # unmanaged (development): nothing to watch
     try:
-        loaded = load_policy(settings.authority_file, load_keyring(settings.keyring_file, settings.environment),
-                             settings.environment)
+        loaded = policy_in_force(settings)
     except AuthorityPolicyInvalid as exc:
         log.warning("authority policy unusable", extra={"event": "authority_policy_invalid", "reason": exc.detail})
         return []

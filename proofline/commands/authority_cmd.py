@@ -54,11 +54,10 @@ def authority_sign(policy_yaml: Path, key_file: Path, out: Path) -> None:
 @authority.command("show")
 def authority_show() -> None:
     """The policy the workers load, verified against the keyring."""
-    from proofline.authority import load_policy
-    from proofline.keys import load_keyring
+    from proofline.authority import policy_in_force
 
     s = settings()
-    loaded = load_policy(s.authority_file, load_keyring(s.keyring_file, s.environment), s.environment)
+    loaded = policy_in_force(s)
     if loaded is None:
         emit({"policy": None}, "no authority policy configured (development: the controller's approval is the authority)")
         return
@@ -79,12 +78,11 @@ def authority_status(action_type: str | None, window_days: float | None) -> None
     promotion to the next rung still lacks."""
     from datetime import UTC, datetime
 
-    from proofline.authority import Promotion, load_policy
-    from proofline.keys import load_keyring
+    from proofline.authority import Promotion, policy_in_force
     from recovery.authority_watch import evidence, shortfalls
 
     s = settings()
-    loaded = load_policy(s.authority_file, load_keyring(s.keyring_file, s.environment), s.environment)
+    loaded = policy_in_force(s)
     rule = loaded.policy.promotion if loaded else Promotion()
     window = timedelta(days=window_days if window_days is not None else rule.window_days)
     with connect("reader") as conn:
