@@ -27,6 +27,7 @@ from proofline.errors import (
     ProoflineError,
     UnknownActionType,
 )
+from proofline.server_requests import ServerRequestPolicy
 
 SENSITIVE_PATH = re.compile(r"(args|result|before|after)(\.[A-Za-z0-9_\-]+)+")
 
@@ -253,6 +254,9 @@ class Contract(_Model):
     amount_cents: str | None = None
     #: Largest tool result (bytes) this contract reads; the servers file and the settings bound it too.
     max_result_bytes: int | None = Field(default=None, gt=0)
+    #: Narrows the servers' answers to their requests mid-call (elicitation, sampling, roots) for
+    #: this action type: it may refuse what a server's policy answers, never answer what it refuses.
+    server_requests: ServerRequestPolicy | None = None
     #: Filled in by the loader: sha256 of the contract's canonical JSON.
     digest: str = ""
 

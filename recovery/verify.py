@@ -126,6 +126,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     base = {"envelope": doc, "args": doc["arguments"], "target": doc["target"],
             "before": action.recovery_data.get("before") or {}, "result": (action.result or {}).get("values") or {}}
     rt.mcp.action_id = action_id  # what the sandbox audit finds during these reads is this action's
+    rt.mcp.request_policy = contract.server_requests  # and how its servers' requests are answered
     # The downstream's own record of the operation first (evidence only), then the authoritative read.
     operation_record, record_expired = read_operation_record(rt, envelope, contract, base)
     began = time.monotonic()

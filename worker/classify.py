@@ -27,6 +27,7 @@ from proofline.contracts import Contract, extract
 from proofline.errors import AbsoluteDeadlineReached, ConditionError, ExtractionFailed, ResultTooLarge
 from worker.bounded_stdio import MESSAGE_TOO_LARGE
 from worker.results import measure
+from worker.server_requests import refused_by_runtime
 
 # JSON-RPC errors the server sends *before* running the tool: the request was refused outright.
 REFUSED_BEFORE_RUNNING = {-32700, -32600, -32601, -32602}
@@ -101,6 +102,10 @@ def classify(report: CallReport, contract: Contract, limit: int | None = None) -
             # However much progress the server reported, the deadline held; it may have acted.
             return Classification(Outcome.unknown_outcome, report.error.code,
                                   evidence={"error": summary, **report.error.as_evidence()})
+        if refused_by_runtime(report.error):
+            # The runtime refused what the server asked for mid-call; the server had the call and,
+            # whatever its InputRequiredResult claimed, only a read can say what it did.
+            return Classification(Outcome.unknown_outcome, "server_request_refused", evidence={"error": summary})
         if summary.get("code") in REFUSED_BEFORE_RUNNING:
             return Classification(Outcome.failed_before_side_effect, "protocol_refused", evidence={"error": summary})
         return Classification(Outcome.unknown_outcome, "response_lost", evidence={"error": summary})

@@ -173,6 +173,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     current_redactor.set(red)  # logs and Sentry events of this task are scrubbed with it too
     aid = envelope.action_id
     rt.mcp.action_id = aid  # calls from here on are this action's (worker/sandbox_events.py)
+    rt.mcp.request_policy = contract.server_requests  # its servers' requests answered under its contract
     telemetry_context.bind(aid, run_id=envelope.run_id, tenant=envelope.tenant, action_type=envelope.action_type,
                            irreversible=envelope.irreversible, stage="execute")
     stages.describe(**tracing.about(envelope))

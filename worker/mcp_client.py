@@ -35,9 +35,11 @@ from mcp.client.stdio import stdio_client
 
 from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable
+from proofline.server_requests import ServerRequestPolicy
 from worker import calls, sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_audit import Auditor
+from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
 from worker.tool_list import ToolListCache
@@ -45,6 +47,8 @@ from worker.tool_list import ToolListCache
 T = TypeVar("T")
 Role = Literal["write", "read"]
 CONNECT_TIMEOUT_SECONDS = 15.0
+#: Rounds of a 2026-07-28 ``InputRequiredResult`` the client answers before the call fails.
+INPUT_ROUNDS = 3
 #: How long to wait for bwrap's exit status after a sandboxed session's pipe closed.
 STATUS_WAIT_SECONDS = 1.0
 
@@ -189,12 +193,28 @@ def message_limit(server: Server) -> int:
     return 4 * limit + 64 * 1024
 
 
+class _GovernedClient(Client):
+    """``mcp.Client`` whose capability announcement names only what the runtime's policy answers
+    (worker/server_requests.py): it holds a callback for every server request so that each one is
+    recorded, and the SDK would otherwise announce all three."""
+
+    advertised: frozenset[str] = frozenset()
+
+    async def _build_session(self, exit_stack: Any) -> Any:
+        session = await super()._build_session(exit_stack)
+        limit_capabilities(session, self.advertised)
+        return session
+
+
 class _Session:
     """One open MCP client, owned by one task on the portal's event loop."""
 
     def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
-                 environment: str = "development", max_message_bytes: int | None = None) -> None:
+                 environment: str = "development", max_message_bytes: int | None = None,
+                 gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None) -> None:
         self.endpoint = endpoint
+        self.gate = gate
+        self._action_id = action_id
         self.base_dir = base_dir
         self.name, self.role, self.environment = name, role, environment
         self.max_message_bytes = max_message_bytes
@@ -231,8 +251,14 @@ class _Session:
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes, audit=self.auditor,
                                      watch=self._watch)
-            async with Client(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
-                              message_handler=self.tools.notify) as client:
+            governed = self.gate.callbacks(self._action_id) if self.gate is not None else {}
+            client = _GovernedClient(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
+                                     message_handler=self.tools.notify,
+                                     # A write is re-sent once per answered round of an InputRequiredResult:
+                                     # never more than a few times.
+                                     input_required_max_rounds=INPUT_ROUNDS, **governed)
+            client.advertised = self.gate.advertised if self.gate is not None else frozenset()
+            async with client:
                 self.client = client
                 self._ready.set()
                 await self._stop.wait()
@@ -347,6 +373,8 @@ class McpSessions:
         #: Audit findings not yet written to the ledger, and the action the calls are made for.
         self._audit: list[dict[str, Any]] = []
         self.action_id: str | None = None
+        #: The in-flight action's contract narrowing of its servers' request policies (or None).
+        self.request_policy: ServerRequestPolicy | None = None
 
     @contextmanager
     def acting_for(self, action_id: str) -> Iterator[None]:
@@ -357,7 +385,16 @@ class McpSessions:
         finally:
             self.action_id = previous
 
+    def _note_request(self, event: str, body: dict[str, Any], action_id: str | None) -> None:
+        with self._lock:
+            self._audit.append({"_event": event, **body, "in_flight": True, "action_id": action_id})
+
     def _collect(self, session: _Session, in_flight: bool) -> None:
+        if session.gate is not None:
+            limit = session.gate.policy().max_per_call
+            for action_id, count in session.gate.take_suppressed(limit).items():
+                self._note_request(SUPPRESSED_EVENT, {"server": session.name, "role": session.role,
+                                                      "suppressed": count, "recorded": limit}, action_id)
         if session.auditor is None:
             return
         for found in session.auditor.take():
@@ -382,7 +419,8 @@ class McpSessions:
                 session.violation()
                 session.cleanup()
             endpoint = server.write if role == "write" else server.read
-            session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server))
+            session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server),
+                               self._gate(server, role, endpoint), lambda: self.action_id)
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)
@@ -405,6 +443,14 @@ class McpSessions:
                     raise McpUnavailable(f"{server.name}/{role}: the sandbox audit did not start")
             self._sessions[key] = session
             return session
+
+    def _gate(self, server: Server, role: Role, endpoint: Endpoint) -> RequestGate:
+        configured = server.server_requests
+        spec = endpoint.sandbox
+        roots = declared_roots(spec.ro_paths + spec.read_only_data, spec.rw_paths, self.base_dir) \
+            if endpoint.transport == "stdio" and spec.enabled else []
+        return RequestGate(server.name, role, configured, lambda: configured.narrowed(self.request_policy),
+                           self._note_request, roots)
 
     def run(self, server: Server, role: Role, fn: Callable[[Client], Awaitable[T]],
             cancel_handle: CancelHandle | None = None) -> T:

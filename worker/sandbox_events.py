@@ -1,5 +1,7 @@
 """Sandbox audit findings into the ledger: a ``sandbox_violation`` event per finding, on the action
 whose call was in flight when the sandbox denied it (worker/sandbox_audit.py, worker/mcp_client.py).
+Requests the server sent the worker mid-call (``server_request``, worker/server_requests.py) travel
+the same way, each under its own event name.
 
 A finding made while no action's call was in flight (between calls) goes on the action that takes
 it, with ``in_flight: false``. Evidence is redacted like every event: by the policy and by the
@@ -39,12 +41,17 @@ def pending(rt: Runtime, action_id: str) -> Pending:
     return own, others
 
 
+def _events(items: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    # A server's request (worker/server_requests.py) names its own event; an audit finding is a violation.
+    return [(f.get("_event", EVENT), {k: v for k, v in f.items() if k != "_event"}) for f in items]
+
+
 def write_pending_txn(cur: Any, rt: Runtime, action_id: str, found: Pending) -> list[tuple[str, dict[str, Any]]]:
     """Append other actions' findings on their chains; return this action's as events to append."""
     own, others = found or ([], {})
     for other, items in others.items():
-        store.append_events_txn(cur, other, rt.settings.worker_id, [(EVENT, f) for f in items])
-    return [(EVENT, f) for f in own]
+        store.append_events_txn(cur, other, rt.settings.worker_id, _events(items))
+    return _events(own)
 
 
 def flush(rt: Runtime, action_id: str, redactor: Redactor | None = None) -> int:
@@ -79,6 +86,7 @@ def records_audit(fn: Callable[..., T]) -> Callable[..., T]:
             action_id = rt.mcp.action_id if "mcp" in vars(rt) else None
             if action_id is not None:
                 rt.mcp.action_id = None
+                rt.mcp.request_policy = None
                 try:
                     flush(rt, action_id)
                 except psycopg.Error as exc:  # counted and logged when found; never mask the task's own end

@@ -44,6 +44,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proofline.errors import ConfigurationError, ServersVariableUnset
+from proofline.server_requests import ServerRequestPolicy
 from worker.sandbox import SandboxSpec, reader_sandbox
 
 #: A stdio server gets this PATH and nothing else unless the servers file allows a variable.
@@ -117,6 +118,17 @@ class Server(BaseModel):
     #: How long the tool list may be reused for contract checks (seconds; 0: list on every action);
     #: unset: the setting ``tool_list_max_age_seconds``.
     tool_list_max_age_seconds: float | None = Field(default=None, ge=0)
+    #: How elicitation, sampling and roots requests from this server are answered (refused by default).
+    server_requests: ServerRequestPolicy = Field(default_factory=ServerRequestPolicy)
+
+    @model_validator(mode="after")
+    def _roots_need_a_sandbox(self) -> Server:
+        if self.server_requests.roots == "sandbox":
+            for role, endpoint in (("write", self.write), ("read", self.read)):
+                if endpoint.transport != "stdio" or not endpoint.sandbox.enabled:
+                    raise ValueError(f"server_requests.roots: sandbox needs a sandboxed stdio server "
+                                     f"(the {role} identity has no sandbox to declare paths from)")
+        return self
 
 
 #: Never inherited by a read identity: credentials are per identity.
@@ -211,6 +223,7 @@ def load_servers(path: Path) -> dict[str, Server]:
         max_result = spec.pop("max_result_bytes", None)
         # A server's own fields: the rest of the block is its write endpoint.
         tool_list_age = spec.pop("tool_list_max_age_seconds", None)
+        requests = spec.pop("server_requests", None)
         if read_override is None:
             raise ConfigurationError(f"server {name}: a read_identity for verification is required")
         try:
@@ -218,6 +231,7 @@ def load_servers(path: Path) -> dict[str, Server]:
                 name=name, write=Endpoint(**spec), read=Endpoint(**_merge(spec, read_override)),
                 expected_version=expected, max_result_bytes=max_result,
                 tool_list_max_age_seconds=tool_list_age,
+                **({"server_requests": requests} if requests is not None else {}),
             )
         except ValueError as exc:
             raise ConfigurationError(f"server {name}: {exc}", server=name) from None

@@ -31,6 +31,8 @@ MODES = frozenset(
         "contract_variant",
         "deep_nesting",
         "apply_twice",
+        "server_requests",
+        "ask_roots",
     }
 )
 #: Tool name of the switch that takes every read tool down.

@@ -20,6 +20,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations, ToolListChangedNotification
 
 from proofline_kit.sor import store
+from proofline_kit.sor.asks import ask_client
 from proofline_kit.sor.core import unapplied
 from proofline_kit.sor.db import now
 from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_LAG, READ_OUTAGE, Fault
@@ -185,6 +186,10 @@ class Runner:
                                     f"{sent[0]} progress notifications sent" if sent[0] else "")
                 raise
             mode = fault.mode if fault else None
+            if mode in ("server_requests", "ask_roots") or ctx.input_responses is not None:
+                asked = await ask_client(ctx, self.config.db_path, roots_only=mode == "ask_roots")
+                if asked is not None:
+                    return asked  # type: ignore[return-value] - the 2026-07-28 round trip, nothing applied
             if mode == "list_changed":
                 # On this request's own stream: it reaches the client on every transport.
                 await ctx.session.send_notification(ToolListChangedNotification(),
