@@ -31,6 +31,7 @@ from proofline.envelope import Envelope, EvidenceRequirements, build_envelope, r
 from proofline.errors import IdempotencyConflict, MalformedEnvelope, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
 from proofline.pins import (
+    Negotiated,
     missing_tools,
     pinned_schema,
     pinned_tool,
@@ -42,7 +43,7 @@ from proofline.settings import Settings
 from proofline.signing import sign
 from proofline.telemetry import tracing
 from worker.dispatch import CeleryDispatch
-from worker.mcp_client import connectable, endpoint_target
+from worker.mcp_client import connectable, endpoint_target, negotiated
 from worker.servers import server_named
 
 
@@ -53,17 +54,24 @@ def describe_server(settings: Settings, server_name: str) -> tuple[str | None, d
 
 
 def describe_tools(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]]]:
-    """:func:`describe_server` and the input schema of each tool (what ``contracts pin`` records)."""
+    """:func:`describe_server` and the input schema of each tool."""
+    version, hashes, schemas, _ = describe_negotiated(settings, server_name)
+    return version, hashes, schemas
+
+
+def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str],
+                                                                       dict[str, dict[str, Any]], Negotiated]:
+    """:func:`describe_tools` and what the session negotiated (what ``contracts pin`` records)."""
     server = server_named(Path(settings.servers_file), server_name)
 
-    async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]]]:
+    async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]], Negotiated]:
         target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                  environment=settings.environment)
         async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
             tools = await client.list_tools(cache_mode="bypass")
             version = reported_version(client.server_info.version if client.server_info else None)
             return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
-                    {t.name: dict(t.input_schema) for t in tools.tools})
+                    {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
 
     return asyncio.run(probe())
 

@@ -12,12 +12,17 @@ The file (``PROOFLINE_PINS_FILE``, default ``pins.json`` in the contracts direct
      "servers": {"sor": {"version": "1.0.0", "pinned_at": "...", "pinned_by": "...",
                          "tools": {"issue_refund": "<sha256>", ...},
                          "input_schemas": {"issue_refund": {"type": "object", ...}, ...},
-                         "available": ["get_account", "issue_refund", ...]}}}
+                         "available": ["get_account", "issue_refund", ...],
+                         "protocol_version": "2026-07-28", "capabilities": {"tools": {...}}}}}
 
 ``tools`` holds the hashes of the tools the contracts name; ``input_schemas`` their input schemas
 (part of what each hash covers), which ``publish`` checks the arguments against before signing
 (``proofline/arguments.py``); ``available`` every tool the server listed, so a contract naming a
 tool the server does not have is reported as ``unknown_tool`` without connecting again.
+``protocol_version`` and ``capabilities`` are what the session negotiated when it was pinned: a
+server that later speaks another protocol version or declares other capabilities (it starts
+sending list-changed notifications, gains prompts, drops logging) is not the server that was
+reviewed, and the worker refuses its actions as ``tool_contract_changed`` naming the change.
 """
 
 from __future__ import annotations
@@ -53,11 +58,17 @@ class ServerPin:
     pinned_by: str = ""
     #: The input schema of each pinned tool (a pin written before schemas were pinned has none).
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The protocol version negotiated when pinned (None: pinned before negotiation was recorded).
+    protocol_version: str | None = None
+    #: The capabilities the server declared when pinned, as JSON (None: not recorded).
+    capabilities: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
+        negotiated = {"protocol_version": self.protocol_version, "capabilities": self.capabilities} \
+            if self.protocol_version is not None else {}
         return {"version": self.version, "pinned_at": self.pinned_at, "pinned_by": self.pinned_by,
                 "tools": dict(sorted(self.tools.items())), "input_schemas": dict(sorted(self.schemas.items())),
-                "available": sorted(self.available)}
+                "available": sorted(self.available), **negotiated}
 
 
 def read_pins(path: Path) -> dict[str, ServerPin]:
@@ -80,7 +91,8 @@ def _read(path: Path, stamp: int) -> dict[str, ServerPin]:
         return {name: ServerPin(version=spec.get("version"), tools=dict(spec["tools"]),
                                 available=tuple(spec.get("available", spec["tools"])),
                                 pinned_at=spec.get("pinned_at", ""), pinned_by=spec.get("pinned_by", ""),
-                                schemas=dict(spec.get("input_schemas", {})))
+                                schemas=dict(spec.get("input_schemas", {})),
+                                protocol_version=spec.get("protocol_version"), capabilities=spec.get("capabilities"))
                 for name, spec in raw["servers"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigurationError(f"pins file {path} is unreadable: {exc}", file=str(path)) from None
@@ -114,7 +126,7 @@ def calls_on(contract: Contract, server: str | None) -> list[tuple[str, str]]:
 
 def pin_server(contracts: list[Contract], live_version: str | None, live_hashes: dict[str, str],
                by: str, live_schemas: dict[str, dict[str, Any]] | None = None,
-               server: str | None = None) -> tuple[ServerPin, dict[str, str]]:
+               server: str | None = None, negotiated: Negotiated | None = None) -> tuple[ServerPin, dict[str, str]]:
     """The pin for one server from what it listed now, and the contracts it cannot serve.
 
     ``contracts`` are those that call ``server`` (by default each contract's own): every tool they
@@ -129,7 +141,37 @@ def pin_server(contracts: list[Contract], live_version: str | None, live_hashes:
     schemas = {tool: (live_schemas or {})[tool] for tool in used if tool in (live_schemas or {})}
     return ServerPin(version=live_version, tools={tool: live_hashes[tool] for tool in used},
                      available=tuple(sorted(live_hashes)), schemas=schemas,
-                     pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by), unknown
+                     pinned_at=datetime.now(UTC).isoformat(timespec="seconds"), pinned_by=by,
+                     protocol_version=negotiated.protocol_version if negotiated else None,
+                     capabilities=negotiated.capabilities if negotiated else None), unknown
+
+
+@dataclass(frozen=True)
+class Negotiated:
+    """What one session agreed with a server: the protocol version and the server's capabilities."""
+
+    protocol_version: str | None
+    capabilities: dict[str, Any]
+
+
+def negotiation_changes(pin: ServerPin | None, live: Negotiated) -> list[str]:
+    """How ``live`` differs from what was pinned, one phrase per change (empty: as pinned, or the
+    pin recorded no negotiation to compare with)."""
+    if pin is None or pin.protocol_version is None:
+        return []
+    changes = []
+    if live.protocol_version != pin.protocol_version:
+        changes.append(f"protocol version {live.protocol_version!r}, pinned {pin.protocol_version!r}")
+    pinned = pin.capabilities or {}
+    for name in sorted(set(pinned) | set(live.capabilities)):
+        if name not in live.capabilities:
+            changes.append(f"capability {name} no longer declared")
+        elif name not in pinned:
+            changes.append(f"capability {name} newly declared ({json.dumps(live.capabilities[name], sort_keys=True)})")
+        elif live.capabilities[name] != pinned[name]:
+            changes.append(f"capability {name} is {json.dumps(live.capabilities[name], sort_keys=True)}, "
+                           f"pinned {json.dumps(pinned[name], sort_keys=True)}")
+    return changes
 
 
 def missing_tools(contract: Contract, available: Any) -> list[tuple[str, str]]:

@@ -69,6 +69,7 @@ from worker.preflight import (
     check_point_of_no_return,
     check_preconditions,
     live_contract,
+    live_negotiation,
     read_target,
 )
 from worker.record_call import FirstRead, result_evidence, write_result_txn
@@ -247,6 +248,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
                                             datetime.fromisoformat(published_at) if published_at else None)
             live_version, hashes = live_contract(rt, server)
             live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            live["negotiated"] = live_negotiation(rt, server)
             decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
                                  parent_link)
             static["authority"] = decision.evidence

@@ -35,6 +35,7 @@ from mcp.client.stdio import stdio_client
 
 from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable
+from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
 from worker import calls, sandbox
 from worker.bounded_stdio import bounded_stdio_client
@@ -118,6 +119,14 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
 def _bounded(params: StdioServerParameters, max_message_bytes: int | None, errlog: Any) -> Any:
     # The server's stderr goes through worker/server_stderr.py (one warning for a known flood).
     return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes, errlog=errlog)
+
+
+def negotiated(client: Client) -> Negotiated:
+    """The protocol version ``client``'s session speaks and the capabilities its server declared."""
+    session = client.session
+    caps = session.server_capabilities
+    return Negotiated(session.protocol_version,
+                      caps.model_dump(mode="json", by_alias=True, exclude_none=True) if caps is not None else {})
 
 
 def connectable(target: Any, name: str, role: str) -> Any:
@@ -485,6 +494,13 @@ class McpSessions:
         session = self._session(server, role)
         info = session.client.server_info if session.client else None
         return reported_version(info.version if info else None)
+
+    def negotiated(self, server: Server, role: Role = "write") -> Negotiated:
+        """What this process's session with ``server`` negotiated (opening one if needed)."""
+        session = self._session(server, role)
+        if session.client is None:
+            raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
+        return negotiated(session.client)
 
     def unsandboxed_reason(self, server: Server, role: Role) -> str | None:
         """Why the server behind this identity runs unsandboxed (recorded on calls), or None."""

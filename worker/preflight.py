@@ -11,7 +11,8 @@ from typing import Any
 from proofline.conditions import Variables, build_arguments, holds
 from proofline.contracts import Contract, ReadPath, extract
 from proofline.envelope import Envelope
-from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed
+from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed, ToolContractChanged
+from proofline.pins import negotiation_changes, pins_path, read_pins
 from worker import calls
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
@@ -22,6 +23,20 @@ def envelope_variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
     """What CEL sees of an envelope: ``envelope``, ``args``, ``target`` and any ``extra`` names."""
     doc = envelope.model_dump(mode="json")
     return {"envelope": doc, "args": doc["arguments"], "target": doc["target"], **extra}
+
+
+def live_negotiation(rt: Runtime, server: Server) -> dict[str, Any]:
+    """The protocol version and capabilities this process's session with ``server`` negotiated,
+    compared with what ``contracts pin`` recorded for it: a difference is not the reviewed server
+    (``tool_contract_changed`` naming each change). A pin that recorded no negotiation, or no pin
+    (an envelope bound to a live description), compares nothing."""
+    live = rt.mcp.negotiated(server)
+    pin = read_pins(pins_path(rt.settings)).get(server.name)
+    changes = negotiation_changes(pin, live)
+    if changes:
+        raise ToolContractChanged(f"server {server.name} is not as pinned: {'; '.join(changes)}"[:1000],
+                                  server=server.name, changes=changes[:20])
+    return {"protocol_version": live.protocol_version, "pinned": bool(pin and pin.protocol_version)}
 
 
 def read_target(rt: Runtime, server: Server, contract: Contract, envelope: Envelope, role: str = "write") -> dict[str, Any]:

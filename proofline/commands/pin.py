@@ -26,7 +26,7 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
     contract uses (its write tool and its reads); exit 1 naming each contract using a tool the server
     does not have (unknown_tool)."""
     from proofline.contracts import scan_contracts
-    from proofline.controller import describe_tools
+    from proofline.controller import describe_negotiated
     from proofline.errors import ConfigurationError, ProoflineError
     from proofline.pins import pin_server, pins_path, read_pins, write_pins
 
@@ -46,8 +46,8 @@ def pin(only: tuple[str, ...], who: str, check: bool) -> None:
         pins = dict(read_pins(path))
         failed = False
         for server, named in sorted(by_server.items()):
-            version, hashes, schemas = describe_tools(settings, server)
-            fresh, unknown = pin_server(named, version, hashes, who, schemas, server)
+            version, hashes, schemas, negotiated = describe_negotiated(settings, server)
+            fresh, unknown = pin_server(named, version, hashes, who, schemas, server, negotiated)
             for contract in named:
                 if contract.action_type in unknown:
                     failed = True
@@ -78,6 +78,15 @@ def _compare(server: str, pinned, live) -> bool:
     if pinned.version != live.version:
         click.echo(f"changed  {server}: version pinned {pinned.version} live {live.version}", err=True)
         changed = True
+    from proofline.pins import Negotiated, negotiation_changes
+
+    for change in negotiation_changes(pinned, Negotiated(live.protocol_version, live.capabilities or {})):
+        click.echo(f"changed  {server}: {change}", err=True)
+        changed = True
+    if pinned.protocol_version is None:
+        # Pinned before negotiation was recorded: workers compare nothing until it is pinned again.
+        click.echo(f"unpinned_negotiation  {server}: protocol and capabilities not compared; "
+                   "run `proofline contracts pin` to record them", err=True)
     for tool, digest in sorted(live.tools.items()):
         if pinned.tools.get(tool) != digest:
             click.echo(f"changed  {server}/{tool}: pinned {str(pinned.tools.get(tool))[:12]} live {digest[:12]}",

@@ -11,6 +11,7 @@ embedded in an ``InputRequiredResult``), then a real Celery worker writing them 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import uuid
@@ -203,3 +204,41 @@ def test_through_a_worker_the_requests_are_ledger_events_and_the_action_is_verif
     first, *rest = evidence_of(stack, env.action_id, "tool_called")
     assert (first["outcome"], first["reason_code"]) == (Outcome.unknown_outcome.value, "server_request_refused")
     assert [c["outcome"] for c in rest] == [Outcome.completed_unverified.value]
+
+
+def test_a_protocol_version_other_than_the_pinned_one_is_refused_at_revalidation(tmp_path: Path) -> None:
+    """``contracts pin`` records what the session negotiated; a worker whose session negotiates
+    another protocol version than the pin (as after a server upgrade) refuses the action as
+    ``tool_contract_changed`` naming it, and calls nothing; pinned again, the same server is verified."""
+    import subprocess
+    import sys
+
+    from proofline.pins import read_pins, write_pins
+    from tests.conftest import build_stack, start_workers, teardown_stack
+
+    pins = tmp_path / "pins.json"
+    s = build_stack("stdio", tmp_path / "stack", extra_env={"PROOFLINE_PINS_FILE": str(pins)})
+    try:
+        def pin() -> None:
+            done = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+
+        pin()
+        live = read_pins(pins)["sor"]
+        assert live.protocol_version and "tools" in (live.capabilities or {})
+        write_pins(pins, {**read_pins(pins), "sor": dataclasses.replace(live, protocol_version="2025-11-25")})
+        start_workers(s)
+        env = ticket_env(s)
+        s.publish(env)
+        row = s.wait_settled(env.action_id, timeout=60)
+        assert (row.outcome, row.reason_code) == (Outcome.not_started, "tool_contract_changed")
+        assert s.witness.count(key=env.idempotency_key) == 0
+        detail = json.dumps(s.timeline(env.action_id), default=str)
+        assert f"protocol version '{live.protocol_version}', pinned '2025-11-25'" in detail
+        pin()  # reviewed again: the same server as it negotiates now
+        again = ticket_env(s)
+        s.publish(again)
+        assert s.wait_settled(again.action_id, timeout=60).outcome == Outcome.completed_verified
+    finally:
+        teardown_stack(s)

@@ -109,3 +109,18 @@ def test_evidence_sources_are_checked_on_their_own_servers(tmp_path: Path) -> No
     assert code == "unknown_tool" and "find_audit_entries" in detail
     full, unknown = pin_server([contract], "0.1.0", {"find_audit_entries": "d" * 64}, "rev", server="audit")
     assert unknown == {} and problems({"sor": sor, "audit": full}, {"ticket.create": contract}, path) == {}
+
+
+def test_each_change_of_the_negotiation_is_named() -> None:
+    from proofline.pins import Negotiated, ServerPin, negotiation_changes
+
+    pin = ServerPin(version="1", tools={}, available=(), protocol_version="2026-07-28",
+                    capabilities={"tools": {"listChanged": True}, "logging": {}})
+    assert negotiation_changes(pin, Negotiated("2026-07-28", {"tools": {"listChanged": True}, "logging": {}})) == []
+    changes = negotiation_changes(pin, Negotiated("2025-11-25", {"tools": {}, "prompts": {"listChanged": True}}))
+    assert changes == ["protocol version '2025-11-25', pinned '2026-07-28'", "capability logging no longer declared",
+                       'capability prompts newly declared ({"listChanged": true})',
+                       'capability tools is {}, pinned {"listChanged": true}']
+    # A pin from before negotiation was recorded compares nothing (and no pin at all neither).
+    assert negotiation_changes(ServerPin(version="1", tools={}, available=()), Negotiated("x", {})) == []
+    assert negotiation_changes(None, Negotiated("x", {})) == []
