@@ -210,10 +210,12 @@ def servers_schema() -> dict:
     """The file as ``worker/servers.py::load_servers`` reads it: a server is an endpoint (the write
     identity) plus ``expected_version``, ``max_result_bytes`` and a required ``read_identity``, an
     endpoint whose fields all default to the writer's."""
+    from proofline.server_requests import ServerRequestPolicy
     from worker.servers import Endpoint
 
     endpoint = Endpoint.model_json_schema(mode="validation", ref_template="#/$defs/{model}")
     defs = endpoint.pop("$defs", {})
+    defs["ServerRequestPolicy"] = ServerRequestPolicy.model_json_schema(mode="validation")
     defs["Endpoint"] = endpoint
     read = {"type": "object", "description": "The read-only identity verification uses: the writer's fields "
             "unless given here, never its credentials, its writable paths bound read-only.",
@@ -230,12 +232,17 @@ def servers_schema() -> dict:
                                                            "description": "How long a worker session reuses "
                                                            "this server's tool list (seconds; 0: list on every "
                                                            "action); default: the setting."},
+                             "server_requests": {"$ref": "#/$defs/ServerRequestPolicy"},
                              "read_identity": read}}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "Proofline servers file",
             "description": "PROOFLINE_SERVERS_FILE (worker/servers.py). String values may name environment "
             "variables as ${NAME}; $$ is a literal $.",
             "type": "object", "required": ["servers"], "additionalProperties": False,
-            "properties": {"servers": {"type": "object", "additionalProperties": {"$ref": "#/$defs/Server"}}},
+            "properties": {"servers": {"type": "object", "additionalProperties": {"$ref": "#/$defs/Server"}},
+                           "import_mcp_json": {"type": "array", "items": {"type": "string"},
+                                               "description": "MCP client files (an mcpServers object) whose "
+                                               "servers are added, converted as `proofline servers import` "
+                                               "does; this file's own entries of the same name win."}},
             "$defs": {**defs, "Server": server}}
 
 

@@ -19,6 +19,7 @@ from proofline.commands import (
     operate,
     publish,
     runtime,
+    servers_cmd,
 )
 from proofline.commands.base import MODE, ProoflineGroup, _set_debug, _set_json, to_json
 from proofline.commands.contracts_cmd import contracts  # noqa: F401 - other modules add sub-commands to it
@@ -55,7 +56,7 @@ def main() -> None:
 
 
 for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd, authority_cmd,
-                init_cmd):
+                init_cmd, servers_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

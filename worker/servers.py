@@ -204,7 +204,22 @@ def _parse(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict) or not isinstance(servers, dict | None):
         raise ConfigurationError(f"servers file {path}: expected a mapping with a 'servers:' mapping of server "
                                  "names", file=str(path))
-    return servers or {}
+    return {**_client_files(path, raw.get("import_mcp_json")), **(servers or {})}
+
+
+def _client_files(path: Path, files: object) -> dict[str, Any]:
+    """The entries of the MCP client files a servers file names under ``import_mcp_json:`` (its own
+    entries of the same name win), converted as ``proofline servers import`` would (worker/mcp_json.py)."""
+    from worker.mcp_json import convert
+
+    if files is None:
+        return {}
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ConfigurationError(f"servers file {path}: import_mcp_json must be a list of file paths", file=str(path))
+    found: dict[str, Any] = {}
+    for name in files:
+        found.update(convert(Path(path).resolve().parent / name).servers)
+    return found
 
 
 @lru_cache(maxsize=8)
