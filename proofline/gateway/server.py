@@ -1,0 +1,168 @@
+"""``proofline gateway``: a streamable-HTTP MCP server in front of the controller path.
+
+Each ``tools/call`` of a governed tool becomes an envelope signed with the gateway's controller key
+(the authority policy then decides its mode, exactly as for any controller): the agent's credential
+names the workload identity, the accountable requester and the tenant, whatever the arguments say.
+The gateway waits for the outcome (``PROOFLINE_GATEWAY_WAIT_SECONDS``) and answers with it; a
+proposal, or an action still being verified, answers with its action id for
+``proofline_action_status``. The agent's MCP request id is recorded in the envelope's request
+context (``approval.id``: ``gateway:<agent>:mcp-request:<id>``), so the ledger ties the action to the
+request that asked for it. An agent that sets ``_meta["proofline/idempotency_key"]`` gets the same
+action id for the same key, so a call retried after a lost answer is the action it already asked for.
+
+Every request is authenticated twice: an HTTP middleware refuses a missing or unknown bearer token
+with 401 before MCP sees it, and each handler maps the token to its agent again (the tool list is
+the agent's, not the server's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp import types
+from mcp.server.lowlevel import Server
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proofline.client import Client
+from proofline.errors import ProoflineError, WaitTimedOut
+from proofline.gateway import tools
+from proofline.gateway.agents import Agent, authenticate, load_agents
+from proofline.settings import Settings
+
+log = logging.getLogger(__name__)
+#: ``_meta`` key an agent may set so that a retried call is the same action (published once).
+IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
+
+
+class Gateway:
+    """The gateway's state: settings, the agents file, one controller client."""
+
+    def __init__(self, settings: Settings, agents_file: Path, wait_seconds: float, console_url: str | None) -> None:
+        self.settings = settings
+        self.agents_file = agents_file
+        self.wait_seconds = wait_seconds
+        self.console_url = console_url
+        # One controller client per worker thread: a client holds one connection and one listener.
+        self._local = threading.local()
+
+    @property
+    def client(self) -> Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = Client(self.settings)
+        return client
+
+    def agent(self, ctx: Any) -> Agent:
+        request = getattr(ctx, "request", None)
+        header = request.headers.get("authorization") if request is not None else None
+        agent = authenticate(load_agents(self.agents_file), header)
+        if agent is None:  # the middleware refused it already; a handler never trusts that alone
+            raise PermissionError("no valid gateway credential")
+        return agent
+
+    async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
+        agent = self.agent(ctx)
+        listed = [tools.status_tool()]
+        for action_type in agent.action_types:
+            try:
+                listed.append(tools.governed_tool(self.settings, action_type)[0])
+            except ProoflineError as exc:  # an action type it cannot serve now is not offered
+                log.warning("gateway tool not offered", extra={"event": "gateway_tool_unavailable",
+                                                               "action_type": action_type, "reason_code": exc.code})
+        return types.ListToolsResult(tools=listed)
+
+    async def call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        agent = self.agent(ctx)
+        args = dict(params.arguments or {})
+        meta = params.meta if isinstance(params.meta, dict) else (
+            params.meta.model_dump() if params.meta is not None else {})
+        key = meta.get(IDEMPOTENCY_META_KEY)
+        if params.name == tools.STATUS_TOOL:
+            return await anyio.to_thread.run_sync(self._status, agent, str(args.get("action_id", "")))
+        if params.name not in agent.action_types:
+            return tools.refusal("action_type_not_permitted", f"{params.name!r} is not an action this agent may use")
+        return await anyio.to_thread.run_sync(self._publish_and_wait, agent, params.name, args, ctx.request_id,
+                                              key if isinstance(key, str) and key else None)
+
+    def _status(self, agent: Agent, action_id: str) -> types.CallToolResult:
+        if not self._owns(agent, action_id):  # another agent's action is as unknown as a missing one
+            return tools.refusal("unknown_action", f"no action {action_id!r} of this agent")
+        try:
+            return tools.outcome_result(self.client.status(action_id), self.console_url)
+        except KeyError:
+            return tools.refusal("unknown_action", f"no action {action_id!r} of this agent")
+
+    def _owns(self, agent: Agent, action_id: str) -> bool:
+        return action_id.startswith(f"gw-{_agent_slug(agent)}-")
+
+    def _publish_and_wait(self, agent: Agent, action_type: str, args: dict[str, Any],
+                          request_id: Any, key: str | None) -> types.CallToolResult:
+        _, contract = tools.governed_tool(self.settings, action_type)
+        arguments, target = args.get("arguments"), args.get("target")
+        if not isinstance(arguments, dict) or not isinstance(target, dict) or not target.get("id"):
+            return tools.refusal("arguments_invalid", "give 'target' with an 'id' and 'arguments' as objects")
+        # The credential's tenant is the action's: an argument naming another one is refused outright.
+        named = arguments.get("tenant")
+        if named is not None and named != agent.tenant:
+            return tools.refusal("tenant_mismatch", f"this agent acts for tenant {agent.tenant!r}, not {named!r}")
+        action_id = _action_id(agent, key)
+        try:
+            handle = self.client.publish(
+                action_type, arguments=arguments, target={"type": contract.target_type, **target},
+                tenant=agent.tenant, action_id=action_id, run_id=f"run-{action_id}", requester=agent.requester,
+                workload_identity=agent.workload_identity,
+                approval_id=f"gateway:{agent.name}:mcp-request:{request_id}"[:200])
+        except ProoflineError as exc:
+            return tools.refusal(exc.code, exc.detail[:500])
+        try:
+            result = handle.wait(self.wait_seconds)
+        except WaitTimedOut:
+            result = self.client.status(action_id)  # still running: the agent asks again by its id
+        return tools.outcome_result(result, self.console_url)
+
+
+def _agent_slug(agent: Agent) -> str:
+    return "".join(c if c.isalnum() else "-" for c in agent.name)[:40]
+
+
+def _action_id(agent: Agent, key: str | None) -> str:
+    """The action's id: derived from the agent's idempotency key when it gives one (a retried call is
+    the same action, published once), else new for every call."""
+    tail = hashlib.sha256(f"{agent.name}\0{key}".encode()).hexdigest()[:32] if key else uuid.uuid4().hex
+    return f"gw-{_agent_slug(agent)}-{tail}"
+
+
+class BearerOnly:
+    """Refuses any HTTP request without a known bearer token (401, with the scheme named)."""
+
+    def __init__(self, app: ASGIApp, agents: Callable[[], dict[str, Agent]]) -> None:
+        self.app, self.agents = app, agents
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if authenticate(self.agents(), header) is None:
+                response = JSONResponse({"error": "unauthorized", "message": "a gateway bearer token is required"},
+                                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="proofline"'})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(gateway: Gateway, host: str) -> ASGIApp:
+    """The ASGI app: the MCP endpoint at ``/mcp`` behind the bearer check."""
+    from importlib.metadata import version
+
+    server: Server[Any] = Server("proofline-gateway", version=version("proofline"), on_list_tools=gateway.list_tools,
+                                 on_call_tool=gateway.call_tool,
+                                 instructions="Each tool is a governed action: its answer is the proven outcome.")
+    app = server.streamable_http_app(stateless_http=True, json_response=True, host=host)
+    return BearerOnly(app, lambda: load_agents(gateway.agents_file))
