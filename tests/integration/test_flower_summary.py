@@ -145,6 +145,8 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     assert recover["state"] == "ESCALATED" and recover["result"].startswith("outcome=") and \
         f" action={lied} " in recover["result"] and " status=escalated" in recover["result"], recover
     assert all(t["state"] not in ("FAILURE", "RETRY") for t in _of(tasks, lied))
+    # Flower's API filters by the custom state like any other.
+    assert recover["uuid"] in _get(f"{base}/api/tasks?state=ESCALATED")
     # Routine sweeps ran (beat sent them) and none is in Flower's list.
     assert not [t for t in tasks.values() if t.get("name") in ("proofline.reconcile", "proofline.checkpoint")]
     # The page's own list (the datatable) shows the same line and state.
