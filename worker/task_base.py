@@ -25,6 +25,7 @@ from proofline.bounded import safe_repr
 from worker import deliveries, wire
 from worker.broker import whole_seconds
 from worker.dispatch import task_repr
+from worker.summary import task_line
 from worker.validate import claimed_fields
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def _misfit(fn: Any, args: tuple, kwargs: dict) -> str | None:
 
 class GuardedTask(Task):
     abstract = True
+    #: Success events carry the action's outcome as the task's state (worker/task_request.py).
+    Request = "worker.task_request:OutcomeRequest"
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         # Every publication shows the action id and a digest, never the envelope: Celery's own
@@ -70,7 +73,7 @@ class GuardedTask(Task):
         if placeholder is not None:
             self._refuse(rt, placeholder)
             self._settle(rt, key, "refused")
-            return {"status": "refused", "reason_code": placeholder.reason}
+            return task_line({"status": "refused", "reason_code": placeholder.reason})
         try:
             result = self.run(*args, **kwargs)
         except Retry as retry:
@@ -99,7 +102,7 @@ class GuardedTask(Task):
             log.warning("delivery count not settled", extra={"event": "delivery_unsettled",
                                                               "error": type(exc).__name__})
 
-    def _abandon(self, rt: Any, key: str, args: tuple, exc: Exception) -> dict[str, Any]:
+    def _abandon(self, rt: Any, key: str, args: tuple, exc: Exception) -> str:
         error = f"{type(exc).__name__}: {safe_repr(exc)}"
         claimed = claimed_fields(args[0]) if args else {}
         if not claimed and args and isinstance(args[0], str):
@@ -117,4 +120,4 @@ class GuardedTask(Task):
         except Exception as again:  # noqa: BLE001 - the ledger is away too: leave it to the reconciler
             log.error("abandoned delivery not recorded", extra={"event": "delivery_abandoned_unrecorded",
                                                                 "error": type(again).__name__})
-        return {"status": "abandoned", "error": type(exc).__name__}
+        return task_line({"status": "abandoned", "action_id": claimed.get("action_id"), "error": type(exc).__name__})

@@ -24,7 +24,7 @@ from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.sandbox_probe import bwrap_problem
 from worker.servers import check_sandbox_policy, sandboxed_identities
-from worker.summary import with_outcome
+from worker.summary import task_line, with_outcome
 from worker.task_base import GuardedTask
 from worker.telemetry import install as install_telemetry
 from worker.wire import CONTENT_TYPE
@@ -110,17 +110,17 @@ def _delivery(task: Any) -> dict[str, Any]:
 
 
 @app.task(name=EXECUTE, **TASK_OPTIONS)
-def execute_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def execute_task(self, *args: Any, **kwargs: Any) -> str:
     return _execute(self, args, kwargs)
 
 
 @app.task(name=COMPENSATE, **TASK_OPTIONS)
-def compensate_task(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def compensate_task(self, *args: Any, **kwargs: Any) -> str:
     """A recovery action: the same governed path as any action, on its own queue."""
     return _execute(self, args, kwargs)
 
 
-def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _execute(self: Any, args: tuple, kwargs: dict) -> str:
     """Execute one envelope. Any argument shape is accepted so that malformed input is refused
     and recorded by the runtime instead of failing inside Celery."""
     message = args[0] if len(args) == 1 and not kwargs else {"args": list(args), "kwargs": kwargs}
@@ -128,7 +128,7 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     current_redactor.set(for_message(message))
     rt = runtime()
     try:
-        return with_outcome(rt.conn, execute(rt, message, _delivery(self), dispatch))
+        return task_line(with_outcome(rt.conn, execute(rt, message, _delivery(self), dispatch)))
     except RetryLater as later:
         # Recorded already (target busy, read unavailable): deliver the same envelope again later.
         raise self.retry(countdown=later.countdown, exc=later) from None
@@ -149,13 +149,13 @@ def _execute(self: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         raise
 
 
-def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
+def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> str:
     """Run a follow-up stage (verify, recover), retried by Celery's autoretry (bounded, backoff);
     past the limit the reconciler re-drives the action from the ledger."""
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
-        return with_outcome(rt.conn, fn(rt, action_id, dispatch))
+        return task_line(with_outcome(rt.conn, fn(rt, action_id, dispatch)))
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
@@ -166,14 +166,14 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
 
 
 @app.task(name=VERIFY, **TASK_OPTIONS)
-def verify_task(self, action_id: str) -> dict[str, Any]:
+def verify_task(self, action_id: str) -> str:
     from recovery.verify import verify
 
     return _follow_up(self, "verify", action_id, verify)
 
 
 @app.task(name="proofline.recover", **TASK_OPTIONS)
-def recover_task(self, action_id: str) -> dict[str, Any]:
+def recover_task(self, action_id: str) -> str:
     from recovery.recover import recover
 
     return _follow_up(self, "recover", action_id, recover)

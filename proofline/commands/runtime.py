@@ -108,8 +108,9 @@ def soak(ctx: click.Context) -> None:
 @click.option("--port", default=5555, show_default=True)
 @click.pass_context
 def flower(ctx: click.Context, address: str, port: int) -> None:
-    """Run Flower with Proofline's configuration: the task list shows each task's outcome and
-    reason (extra options go to Flower)."""
+    """Run Flower with Proofline's configuration: each task's result starts with its action's
+    outcome and id, and an escalated, contained, kill-switched or failed action's task ends in a
+    state of that name, not SUCCESS (extra options go to Flower)."""
     import os
 
     import worker

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import click
+import psycopg
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
@@ -42,6 +43,7 @@ from proofline.console.access import (
     Sessions,
     authorize_write,
 )
+from proofline.console.hygiene import InputHygiene
 from proofline.errors import (
     ConfigurationError,
     ConsoleForbidden,
@@ -92,7 +94,10 @@ def _since(text: str | None) -> datetime | None:
         return None
     units = {"m": 60, "h": 3600, "d": 86400}
     if text[-1:] in units and text[:-1].isdigit():
-        return datetime.now(UTC) - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+        try:
+            return datetime.now(UTC) - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+        except OverflowError:
+            raise ConsoleInputInvalid(f"{text!r} reaches back before the year 1") from None
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
@@ -393,20 +398,41 @@ def create_app(sessions: Sessions, operator_role: str, approvers: dict[str, Any]
                 return render(request, "refused.html", status_code=403,
                               refused=ConsoleForbidden("log in first: writes need an operator session"))
             return back("/login")
-        response = await call_next(request)
-        # Pages are never framed by another site, and no script but our own runs.
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Content-Security-Policy"] = ("default-src 'self'; img-src 'self' data:; "
-                                                       "style-src 'self' 'unsafe-inline'")
-        response.headers["Cache-Control"] = "no-store"
-        return response
+        return _guarded(await call_next(request))
 
-    app = Starlette(routes=routes, exception_handlers={ProoflineError: _error_page},
-                    middleware=[Middleware(BaseHTTPMiddleware, dispatch=who)])
+    def refuse(scope: dict[str, Any], exc: ConsoleInputInvalid) -> Response:
+        """The 400 page for input the hygiene check refused; nothing of the request is echoed."""
+        request = Request(scope)
+        session = sessions.get(request.cookies.get(SESSION_COOKIE))
+        log.warning("console input refused", extra={"event": "console_input_refused", "reason_code": exc.code})
+        page = TEMPLATES.get_template("refused.html").render(request=request, session=session, csrf_field=CSRF_FIELD,
+                                                             message=None, error=None, refused=exc)
+        return _guarded(HTMLResponse(page, status_code=400))
+
+    app = Starlette(routes=routes, exception_handlers={ProoflineError: _error_page, psycopg.DataError: _data_error},
+                    middleware=[Middleware(InputHygiene, refuse=refuse), Middleware(BaseHTTPMiddleware, dispatch=who)])
     app.state.sessions = sessions
     app.state.operator_role = operator_role
     app.state.approvers = approvers or {}
     return app
+
+
+def _guarded(response: Response) -> Response:
+    # Pages are never framed by another site, and no script but our own runs.
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers["Content-Security-Policy"] = ("default-src 'self'; img-src 'self' data:; "
+                                                   "style-src 'self' 'unsafe-inline'")
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+async def _data_error(request: Request, exc: Exception) -> Response:
+    """A value Postgres refused (``psycopg.DataError``: a NUL byte, a number out of range, text that
+    is not a time) is the request's fault: the 400 page, with Postgres's class of error only."""
+    log.warning("console input refused by the database", extra={"event": "console_input_refused",
+                                                                 "error": type(exc).__name__})
+    return await _error_page(request, ConsoleInputInvalid(f"the database cannot take a value this request sent "
+                                                          f"({type(exc).__name__})"))
 
 
 async def _error_page(request: Request, exc: Exception) -> Response:

@@ -96,29 +96,47 @@ STYLE = Style(background="white", plot_background="white", foreground="#333", fo
               font_family="system-ui, sans-serif")
 
 
+#: Minutes between labelled ticks: the smallest that leaves at most :data:`MAX_TICKS` on the axis.
+TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 180, 240, 360)
+MAX_TICKS = 7
+
+
+def time_axis(minutes: list[datetime]) -> tuple[list[str], list[str]]:
+    """Every minute's label (UTC, ``HH:MM``; the day too when the window crosses midnight) and the
+    handful of them that are drawn: whole multiples of a step that leaves at most seven ticks."""
+    if not minutes:
+        return [], []
+    dated = minutes[0].date() != minutes[-1].date()
+    labels = [m.strftime("%d %b %H:%M" if dated else "%H:%M") for m in minutes]
+    step = next((s for s in TICK_STEPS if len(minutes) / s <= MAX_TICKS), TICK_STEPS[-1])
+    major = [label for m, label in zip(minutes, labels, strict=True) if (m.hour * 60 + m.minute) % step == 0]
+    return labels, major or labels[:1]
+
+
 def _chart(kind: type, title: str, **options: Any) -> Any:
     # js=[]: pygal's default embeds a script from the network; the console serves nothing external.
+    # truncate_label=-1: pygal otherwise cuts every label to the width of one minute's slot ("…").
     return kind(title=title, style=STYLE, js=[], width=640, height=260, show_legend=True, legend_at_bottom=True,
-                x_label_rotation=0, show_minor_x_labels=False, disable_xml_declaration=True, print_values=False,
-                **options)
+                x_label_rotation=0, show_minor_x_labels=False, truncate_label=-1, truncate_legend=-1,
+                disable_xml_declaration=True, print_values=False, **options)
 
 
 def charts(data: dict[str, Any]) -> dict[str, str]:
     """Inline SVG documents, one per figure."""
-    labels = [m.strftime("%H:%M") for m in data["minutes"]]
-    major = labels[::10]
+    labels, major = time_axis(data["minutes"])
+    axis = {"x_labels_major": major, "x_title": "minute (UTC)"}
     out = {}
-    verified = _chart(pygal.Bar, "Verified actions per minute", x_labels_major=major)
+    verified = _chart(pygal.Bar, "Verified actions per minute", **axis)
     verified.x_labels = labels
     verified.add("completed_verified", data["verified"])
     out["verified"] = verified.render(is_unicode=True)
-    rates = _chart(pygal.Line, "Unknown outcomes and verification failures (% per minute)", x_labels_major=major,
+    rates = _chart(pygal.Line, "Unknown outcomes and verification failures (% per minute)", **axis,
                    range=(0, 100), allow_interruptions=True, show_dots=True, dots_size=2)
     rates.x_labels = labels
     rates.add("unknown outcome / calls", data["unknown_rate"])
     rates.add("failed verification / verifications", data["failure_rate"])
     out["rates"] = rates.render(is_unicode=True)
-    latency = _chart(pygal.Line, "Verification latency, call to verdict (s)", x_labels_major=major,
+    latency = _chart(pygal.Line, "Verification latency, call to verdict (s)", **axis,
                      allow_interruptions=True, show_dots=True, dots_size=2)
     latency.x_labels = labels
     latency.add("median", data["latency_median"])

@@ -26,7 +26,10 @@ STAGES = {
     "verification_finished": "verify", "recovery_decided": "recovery", "recovery_action_published": "recovery",
     "contained": "recovery", "escalated": "escalation", "operator_intervention": "operator",
     "manual_retry": "operator", "cancel_requested": "operator", "final_state": "settled",
-    "handed_to_recovery": "settled", "escalated_state": "settled",
+    "handed_to_recovery": "settled", "escalated_state": "settled", "authority_budget_checked": "validate",
+    "plan_confirmed": "preconditions", "evidence_read": "verify", "evidence_signed": "verify",
+    "operation_record_expired": "verify", "verification_superseded": "verify", "sandbox_violation": "call",
+    "stale_write_refused": "call", "redelivery_ignored": "claim", "redelivery_reenqueued_verification": "claim",
 }
 
 
@@ -90,6 +93,59 @@ def stage_durations(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return bars
 
 
+#: A run of one event longer than this shows its first row; the rest fold under a count.
+RUN_SHOWN = 2
+#: A timeline longer than this keeps its first and last :data:`ENDS_SHOWN` rows open; the middle folds.
+LONG_TIMELINE = 40
+ENDS_SHOWN = 15
+
+
+def folded_timeline(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timeline as the page shows it: ``{"row": ev}`` for an open row, ``{"fold": [ev, ...],
+    "label": ...}`` for rows folded under a count (a long run of one event, a long middle)."""
+    parts: list[dict[str, Any]] = []
+    i = 0
+    while i < len(timeline):
+        j = i
+        while j < len(timeline) and timeline[j]["event"] == timeline[i]["event"]:
+            j += 1
+        run = timeline[i:j]
+        parts.extend({"row": ev} for ev in run[:RUN_SHOWN])
+        if len(run) > RUN_SHOWN:
+            rest = run[RUN_SHOWN:]
+            parts.append({"fold": rest, "label": f"{len(rest)} more {run[0]['event']} events "
+                                                 f"(seq {rest[0]['seq']}–{rest[-1]['seq']})"})
+        i = j
+    if len(parts) <= LONG_TIMELINE:
+        return parts
+    middle = parts[ENDS_SHOWN:-ENDS_SHOWN]
+    rows = [ev for p in middle for ev in ([p["row"]] if "row" in p else p["fold"])]
+    return [*parts[:ENDS_SHOWN], {"fold": rows, "label": f"{len(rows)} events in between (seq {rows[0]['seq']}–"
+                                                         f"{rows[-1]['seq']})"}, *parts[-ENDS_SHOWN:]]
+
+
+def last_readings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``evidence_read`` records of the last verification that read several sources, in the
+    order they were recorded (one column each on the page)."""
+    groups: list[list[dict[str, Any]]] = [[]]
+    for ev in events:
+        if ev["event"] == "evidence_read":
+            groups[-1].append(ev["evidence"] or {})
+        elif ev["event"] == "verification_finished":
+            groups.append([])
+    return next((g for g in reversed(groups) if g), [])
+
+
+def resolution(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The operator's resolution of an escalated action (who, what, when), if it was resolved by hand."""
+    found = [ev for ev in events if ev["event"] == "operator_intervention" and (ev["evidence"] or {}).get("resolution")]
+    if not found:
+        return None
+    ev = found[-1]
+    return {"by": ev["actor"], "resolution": ev["evidence"]["resolution"], "at": ev["at"],
+            "reason": ev["evidence"].get("reason")}
+
+
 def action_detail(cur: Any, action_id: str) -> dict[str, Any] | None:
     """One action: its row, the redacted envelope, the stage timeline, and the evidence the
     forensic reconstruction sorts into sections (checked, executed, changed, recovery, final)."""
@@ -107,6 +163,9 @@ def action_detail(cur: Any, action_id: str) -> dict[str, Any] | None:
         # before redaction existed, and for whatever this page shows of the arguments.
         "envelope": redact(row.envelope, declared),
         "timeline": timeline,
+        "folded": folded_timeline(timeline),
+        "readings": last_readings(events),
+        "resolution": resolution(events),
         "stages": stage_durations(timeline),
         "preconditions": [ev for ev in events if ev["event"] in ("preconditions_passed", "preconditions_failed")],
         "calls": [ev for ev in events if ev["event"] == "tool_called"],

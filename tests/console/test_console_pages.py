@@ -3,6 +3,7 @@ the list's filters, paging and live updates; one action's timeline; a run; the o
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -83,7 +84,7 @@ def test_one_action_shows_its_stage_timeline_and_evidence(stack: Stack, console:
     page = log_in(browser, console, "viewer-bob")
     page.goto("/actions")
     page.goto(f"/actions/{action_id}")
-    shown = page.locator("#timeline tbody tr").evaluate_all("rows => rows.map(r => r.dataset.event)")
+    shown = page.locator("#timeline tr[data-event]").evaluate_all("rows => rows.map(r => r.dataset.event)")
     assert shown == stack.events(action_id)  # every ledger event, in chain order
     for event in ("published", "lease_acquired", "preconditions_passed", "tool_called", "verification_finished",
                   "final_state"):
@@ -130,6 +131,14 @@ def test_the_overview_plots_what_the_ledger_holds(stack: Stack, console: Console
     page.goto("/?minutes=15")
     for chart in ("verified", "rates", "latency", "queue-age"):
         assert page.locator(f"#chart-{chart} svg").count() == 1
+    # The time axis, in each window: a handful of real times (UTC), none cut to an ellipsis.
+    for window in ("/?minutes=15", "/", "/?minutes=360"):
+        page.goto(window)
+        for chart in ("verified", "rates", "latency"):
+            ticks = page.locator(f"#chart-{chart} svg .axis.x .guides text").all_text_contents()
+            assert 2 <= len(ticks) <= 7 and all(re.fullmatch(r"(\d\d \w{3} )?\d\d:\d\d", t) for t in ticks), \
+                (window, ticks)
+    page.goto("/?minutes=15")
     # The verified bars: at least the one action verified a moment ago is drawn.
     assert page.locator("#chart-verified svg .bar rect").count() >= 1
     totals = page.inner_text("p.muted")
@@ -144,4 +153,33 @@ def test_the_overview_plots_what_the_ledger_holds(stack: Stack, console: Console
     shot(page, "escalations")
     page.goto("/switches")
     shot(page, "switches")
+    page.context.close()
+
+
+def test_an_evidence_conflict_shows_each_reading_side_by_side(stack: Stack, console: Console, browser: Any) -> None:
+    """A system of record lying consistently about a refund: its own read says done, the audit log
+    never saw it. The page shows one column per reading with the conflict marked."""
+    from tests.faults.test_independent_evidence import under_fault
+    from tests.helpers import evidence_of
+
+    env = refund_env(stack, new_account(stack))
+    assert under_fault(stack, "issue_refund", "lie_consistently", env).finding == "evidence_conflict"
+    read = {r["source"]: r for r in evidence_of(stack, env.action_id, "evidence_read")}
+    page = log_in(browser, console, "viewer-bob")
+    page.goto(f"/actions/{env.action_id}")
+    sources = page.locator("#readings thead th[data-source]").all_inner_texts()
+    assert sorted(sources) == sorted(read) == ["audit", "primary"]
+    assert "conflict" in (page.get_attribute("#readings", "class") or "")
+    assert "disagree" in page.inner_text("#conflict")
+    findings = page.locator("#readings tr.findings td").evaluate_all("cells => cells.map(c => c.dataset.finding)")
+    assert dict(zip(sources, findings, strict=True)) == {s: read[s]["finding"] for s in sources}
+    assert {"expected", "absent"} == set(findings)
+    cells = {label: page.locator(f"#readings tr:has(th:text-is('{label}')) td").all_inner_texts()
+             for label in ("server", "identity", "tool", "values read")}
+    for i, source in enumerate(sources):
+        assert cells["server"][i] == read[source]["server"] and cells["tool"][i] == read[source]["tool"]
+        assert cells["identity"][i] == read[source]["identity"]
+    audit_values = cells["values read"][sources.index("audit")]
+    assert '"count": 0' in audit_values
+    shot(page, "action-evidence-conflict")
     page.context.close()

@@ -45,6 +45,9 @@ def test_an_operator_resolves_an_escalated_action_and_the_ledger_records_it(stac
     page.wait_for_selector("#message")
     assert page.inner_text("#message") == f"{action_id} resolved as no_effect"
     assert page.inner_text("#outcome") == "failed_before_side_effect"
+    # Shown as the operator's word, not as a verified outcome.
+    assert page.inner_text("#resolution") == "resolved by operator ops-alice: no_effect"
+    assert "not verified by Proofline (its finding: absent)" in page.inner_text("#status")
     shown = page.locator(".operator-event[data-event='operator_intervention']").inner_text()
     assert "by ops-alice" in shown and "no ticket was created" in shown
     assert page.locator("#timeline tr[data-event='operator_intervention']").count() == 1
@@ -58,6 +61,8 @@ def test_an_operator_resolves_an_escalated_action_and_the_ledger_records_it(stac
     assert (row.status, row.reason_code) == (ActionStatus.closed, "operator_no_effect")
     page.goto("/escalations")
     assert page.locator(f"#queue tr[data-action='{action_id}']").count() == 0
+    page.goto(f"/actions?tenant={row.tenant}")
+    assert page.inner_text(f"tr[data-action='{action_id}'] .resolved") == "operator: no_effect"
     page.context.close()
 
 

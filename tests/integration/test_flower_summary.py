@@ -1,5 +1,6 @@
 """Flower, run as ``proofline flower`` against real workers that send task events, shows each task's
-Proofline outcome and reason, and the reconciler's routine sweeps do not appear in its task list."""
+result as a line that starts with the Proofline outcome and the action id, an escalated or
+kill-switched action in a state that is not SUCCESS, and no routine reconciler sweep."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ledger.states import KillSwitchScope, Outcome
+from ledger.states import ActionStatus, KillSwitchScope, Outcome
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
 from recovery.operator import clear_switch, set_switch
@@ -63,7 +64,7 @@ def _tasks(base: str) -> dict[str, dict[str, Any]]:
 
 
 def _rows(base: str) -> list[dict[str, Any]]:
-    """The task list as Flower's page loads it (with ``format_task`` applied)."""
+    """The task list as Flower's page loads it."""
     query = urllib.parse.urlencode({"draw": 1, "start": 0, "length": 500, "search[value]": "",
                                     "order[0][column]": 0, "columns[0][data]": "received", "order[0][dir]": "asc"})
     return _get(f"{base}/tasks/datatable?{query}")["data"]
@@ -85,6 +86,10 @@ def _publish(stack: Stack, tenant: str, **kw: Any) -> str:
     return envelope.action_id
 
 
+#: Flower's states of a task that has not ended yet.
+RUNNING = ("PENDING", "RECEIVED", "STARTED", "RETRY")
+
+
 def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) -> None:
     stack, base = flower
     tenant = f"t{uuid.uuid4().hex[:8]}"
@@ -103,29 +108,50 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     finally:
         sor.clear_faults(stack.sor_db)
     assert row.outcome == Outcome.completed_verified
+    # The server says it created the ticket and did not: verification finds nothing, and with one
+    # attempt allowed recovery escalates it to an operator.
+    sor.set_fault(stack.sor_db, "create_ticket", "lie", remaining=1)
+    try:
+        lied = _publish(stack, tenant, retry_policy={"max_attempts": 1, "backoff_seconds": 0.1})
+        assert stack.wait_settled(lied).status == ActionStatus.escalated
+    finally:
+        sor.clear_faults(stack.sor_db)
 
     sends = _beat_sends(stack)
     wait_for(lambda: _beat_sends(stack) >= sends + 3, 30, what="three more reconcile sweeps")
 
     def shown() -> dict[str, dict[str, Any]] | None:
         tasks = _tasks(base)
-        done = [t for a in (killed, late) for t in _of(tasks, a)]
-        return tasks if done and all(t.get("state") == "SUCCESS" for t in done) and len(_of(tasks, late)) >= 2 \
-            else None
+        done = [t for a in (killed, late, lied) for t in _of(tasks, a)]
+        ended = done and all(t.get("state") not in RUNNING for t in done)
+        return tasks if ended and len(_of(tasks, late)) >= 2 and _recover(tasks, lied) else None
 
-    tasks = wait_for(shown, 30, what="Flower to see every task of both actions succeed")
+    def _recover(tasks: dict[str, dict[str, Any]], action_id: str) -> list[dict[str, Any]]:
+        return [t for t in _of(tasks, action_id) if t["name"] == "proofline.recover"]
+
+    tasks = wait_for(shown, 60, what="Flower to see every task of the three actions end")
+    # Kill-switched: not green, and the result says why, action id first.
     (kill_task,) = _of(tasks, killed)
-    assert "'outcome': 'not_started'" in kill_task["result"] and "'reason_code': 'kill_switch_engaged'" in \
-        kill_task["result"]
+    assert kill_task["state"] == "KILL_SWITCHED", kill_task
+    assert kill_task["result"] == f"outcome=not_started action={killed} reason=kill_switch_engaged status=closed"
+    # Verified after an unknown outcome: every task a SUCCESS, the verify task's line says verified.
     late_tasks = _of(tasks, late)
-    assert all(t["state"] != "FAILURE" for t in late_tasks)
+    assert all(t["state"] == "SUCCESS" for t in late_tasks), late_tasks
     verify = [t for t in late_tasks if t["name"] == "proofline.verify"]
-    assert verify and "'outcome': 'completed_verified'" in verify[-1]["result"]
+    assert verify and verify[-1]["result"].startswith(f"outcome=completed_verified action={late} reason=verified "
+                                                      "status=closed")
+    # Escalated: the task that escalated it ends ESCALATED, never SUCCESS, and nothing failed.
+    (recover,) = _recover(tasks, lied)
+    assert recover["state"] == "ESCALATED" and recover["result"].startswith("outcome=") and \
+        f" action={lied} " in recover["result"] and " status=escalated" in recover["result"], recover
+    assert all(t["state"] not in ("FAILURE", "RETRY") for t in _of(tasks, lied))
+    # Flower's API filters by the custom state like any other.
+    assert recover["uuid"] in _get(f"{base}/api/tasks?state=ESCALATED")
     # Routine sweeps ran (beat sent them) and none is in Flower's list.
     assert not [t for t in tasks.values() if t.get("name") in ("proofline.reconcile", "proofline.checkpoint")]
-    # The page itself renders the summary as outcome / reason (status).
-    rendered = {r["uuid"]: r["result"] for r in _rows(base)}
-    assert rendered[kill_task["uuid"]] == "not_started / kill_switch_engaged (closed)"
-    assert rendered[verify[-1]["uuid"]] == "completed_verified / verified (closed)"
+    # The page's own list (the datatable) shows the same line and state.
+    rendered = {r["uuid"]: (r["state"], r["result"]) for r in _rows(base)}
+    assert rendered[kill_task["uuid"]] == ("KILL_SWITCHED", kill_task["result"])
+    assert rendered[recover["uuid"]] == ("ESCALATED", recover["result"])
     assert subprocess.run([sys.executable, "-m", "proofline", "--json", "flower"], cwd=ROOT, capture_output=True,
                           text=True, env=environment(stack), timeout=60).returncode == 2

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 
 import click
 import psycopg
@@ -16,7 +15,8 @@ from proofline import errors
 from proofline.commands import exit_codes
 from proofline.commands.base import since_value
 from proofline.settings import Settings
-from worker.flower_config import format_task
+from worker.summary import flower_state, parse_line, task_line
+from worker.task_request import shown
 
 KNOWN = {"action_types": ["ticket.create"], "tools": ["create_ticket"], "tenants": ["acme"]}
 
@@ -88,11 +88,28 @@ def test_since_takes_an_age_or_a_timestamp():
         since_value("yesterday")
 
 
-def test_flower_renders_a_proofline_summary_and_leaves_others_alone():
-    task = SimpleNamespace(result="{'outcome': 'not_started', 'reason_code': 'kill_switch_engaged', "
-                                  "'status': 'closed', 'action_id': 'a-1'}")
-    assert format_task(task).result == "not_started / kill_switch_engaged (closed)"
-    other = SimpleNamespace(result="42")
-    assert format_task(other).result == "42"
-    broken = SimpleNamespace(result="{'status': ")
-    assert format_task(broken).result == "{'status': "
+def test_a_task_line_leads_with_outcome_and_action_and_names_a_state_flower_does_not_paint_green():
+    killed = task_line({"status": "closed", "reason_code": "kill_switch_engaged", "action_id": "a-1",
+                        "outcome": "not_started"})
+    assert killed == "outcome=not_started action=a-1 reason=kill_switch_engaged status=closed"
+    cases = {
+        killed: "KILL_SWITCHED",
+        "outcome=completed_verified action=a-2 reason=verified status=closed": "SUCCESS",
+        "outcome=completed_unverified action=a-3 reason=- status=verifying": "SUCCESS",
+        "outcome=unknown_outcome action=a-4 reason=verification_absent status=escalated": "ESCALATED",
+        "outcome=unknown_outcome action=a-4 reason=x status=escalated recovery=containment": "CONTAINED",
+        "outcome=failed_after_side_effect action=a-5 reason=x status=closed": "ACTION_FAILED",
+        "outcome=not_started action=a-6 reason=stale_version status=closed": "NOT_STARTED",
+        "outcome=- action=- reason=message_malformed status=refused": "REFUSED",
+        "outcome=completed_verified action=a-7 reason=x status=closed task=refused": "REFUSED",
+    }
+    for line, state in cases.items():
+        fields = parse_line(line)
+        assert fields is not None and flower_state(fields) == state, line
+    # What Celery's event carries is the repr of the return value; the request class reads it back.
+    assert shown(repr(killed)) == ("KILL_SWITCHED", killed)
+    assert shown("42") is None and shown("'outcome=cut off") is None and shown("{'status': ") is None
+    # An action id with a space or a quote stays one word, and the line still parses.
+    odd = task_line({"status": "closed", "action_id": 'a "b" c', "outcome": "completed_verified"})
+    assert parse_line(odd)["action"] == '"a \\"b\\" c"' and flower_state(parse_line(odd)) == "SUCCESS"
+    assert task_line({"skipped": 1}) == {"skipped": 1}

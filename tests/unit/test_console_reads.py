@@ -1,0 +1,41 @@
+"""The action page's timeline folding: long runs of one event and long middles fold under a count,
+and no event is lost or reordered by folding."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from proofline.console.reads import ENDS_SHOWN, LONG_TIMELINE, RUN_SHOWN, folded_timeline, stage_timeline
+
+
+def _events(names: list[str]) -> list[dict[str, Any]]:
+    start = datetime(2026, 12, 1, tzinfo=UTC)
+    return stage_timeline([{"seq": i + 1, "at": start + timedelta(seconds=i), "event": n, "actor": "w",
+                            "evidence": {}} for i, n in enumerate(names)])
+
+
+def _flat(parts: list[dict[str, Any]]) -> list[int]:
+    return [ev["seq"] for p in parts for ev in ([p["row"]] if "row" in p else p["fold"])]
+
+
+def test_a_short_timeline_is_shown_whole() -> None:
+    timeline = _events(["published", "validated", "lease_acquired", "tool_called", "final_state"])
+    parts = folded_timeline(timeline)
+    assert all("row" in p for p in parts) and _flat(parts) == [1, 2, 3, 4, 5]
+
+
+def test_a_long_run_of_one_event_folds_under_a_count() -> None:
+    timeline = _events(["published", *["retry_scheduled"] * 9, "final_state"])
+    parts = folded_timeline(timeline)
+    assert [p.get("label") for p in parts if "fold" in p] == [f"{9 - RUN_SHOWN} more retry_scheduled events "
+                                                               f"(seq {2 + RUN_SHOWN}–10)"]
+    assert len(parts) == 1 + RUN_SHOWN + 1 + 1 and _flat(parts) == list(range(1, 12))
+
+
+def test_a_long_timeline_keeps_its_ends_open_and_folds_the_middle() -> None:
+    names = [f"e{i % 2}" for i in range(LONG_TIMELINE + 30)]  # alternating: no run to fold
+    parts = folded_timeline(_events(names))
+    assert len(parts) == 2 * ENDS_SHOWN + 1 and "fold" in parts[ENDS_SHOWN]
+    assert parts[ENDS_SHOWN]["label"].startswith(f"{len(names) - 2 * ENDS_SHOWN} events in between")
+    assert _flat(parts) == list(range(1, len(names) + 1))
