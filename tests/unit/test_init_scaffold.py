@@ -17,13 +17,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from proofline.auditor_keys import load_public, read_private
 from proofline.authority import AuthorityMode, load_policy
 from proofline.cli import main
 from proofline.contracts import load_contract
 from proofline.errors import InitFolderNotEmpty, NotADeploymentFolder
 from proofline.keys import KeyRole, check_process_keys, load_keyring, load_signing_key
 from proofline.pins import pinned_tool, read_pins
-from proofline.auditor_keys import load_public, read_private
 from proofline.scaffold import TEMPLATE_ACTION_TYPE, UNITS, Layout, init
 from proofline.settings import Settings
 from proofline_kit.devstack import read_env_file
