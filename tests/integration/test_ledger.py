@@ -23,7 +23,14 @@ from ledger import store
 from ledger.migrate import sqlalchemy_url
 from ledger.redact import MARK
 from ledger.schema import metadata
-from ledger.states import ActionStatus, CaptureKind, IdempotencyStatus, KillSwitchScope, Outcome, VerificationFinding
+from ledger.states import (
+    ActionStatus,
+    CaptureKind,
+    IdempotencyStatus,
+    KillSwitchScope,
+    Outcome,
+    VerificationFinding,
+)
 from proofline.envelope import build_envelope
 from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
