@@ -46,7 +46,7 @@ from proofline.vault import Sealed, open_sealed
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.console.conftest import chromium, log_in, running_console, shot
-from tests.helpers import new_account
+from tests.helpers import new_account, restart_env
 from tests.integration.cli_run import assert_error, proofline
 from tests.security.test_secrets import TaskEvents, database_hits, worker_log_text
 
@@ -65,6 +65,10 @@ def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     doc["sensitive_fields"] = ["args.title"]
     doc["evidence_capture"] = {"arguments": True, "result": True, "reads": True, "retention": "audit-1y"}
     (contracts / "ticket.create.yaml").write_text(yaml.safe_dump(doc))
+    # A restart is verified in the verification task (it has an independent source): its reads only.
+    doc = yaml.safe_load((contracts / "service.restart.yaml").read_text())
+    doc["evidence_capture"] = {"reads": True, "retention": "audit-30d"}
+    (contracts / "service.restart.yaml").write_text(yaml.safe_dump(doc))
     stack = build_stack("stdio", tmp, extra_env={
         "PROOFLINE_CONTRACTS_DIR": str(contracts), "PROOFLINE_TASK_EVENTS": "true",
         "OTEL_TRACES_EXPORTER": "jsonl", "PROOFLINE_TRACES_DIR": str(tmp / "traces"), "OTEL_BSP_SCHEDULE_DELAY": "100"})
@@ -185,6 +189,22 @@ def test_the_canary_is_only_ciphertext_nowhere_in_tables_logs_task_events_or_spa
     spans = wait_for(lambda: "".join(p.read_text() for p in (vault.workdir / "traces").glob("*.jsonl"))
                      or None, 20, what="span files")
     assert "proofline.tool_call" in spans and CANARY not in spans and title not in spans
+
+
+def test_the_verification_task_captures_each_read_of_each_source(vault: Stack) -> None:
+    env = restart_env(vault)
+    verified(vault, env)
+    events = wait_for(lambda: len(captured_events(vault, env.action_id)) == 2 and captured_events(vault, env.action_id),
+                      20, what="the execute task's and the verification task's evidence_captured events")
+    kinds = [[c["kind"] for c in e["captures"]] for e in events]
+    assert kinds == [["precondition_read"], ["verification_read", "verification_read"]]
+    assert {r["retention"] for r in rows(vault, env.action_id)} == {"audit-30d"}
+    out = show(vault, env.action_id, env=auditor_env(vault))
+    assert out.returncode == 0, out.stderr
+    reads = [c["value"] for c in json.loads(out.stdout)["captures"] if c["kind"] == "verification_read"]
+    assert sorted(r["source"] for r in reads) == ["monitoring", "primary"]
+    monitoring = next(r for r in reads if r["source"] == "monitoring")
+    assert monitoring["after"]["restarts"][0]["idempotency_key"] == env.idempotency_key
 
 
 # --- who can read --------------------------------------------------------------------------------
