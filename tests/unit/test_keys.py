@@ -128,6 +128,28 @@ def test_process_roles(tmp_path: Path) -> None:
         check_process_keys(Settings(), "execute")
 
 
+def test_an_execute_worker_that_can_read_the_auditor_key_is_refused_in_production(tmp_path: Path) -> None:
+    generate(tmp_path)
+    worker_only = tmp_path / "worker"
+    worker_only.mkdir()
+    for name in ("keyring.json", "auditor.pub", "worker.key"):
+        (worker_only / name).write_text((tmp_path / name).read_text())
+    (worker_only / "worker.key").chmod(0o600)
+    prod = Settings(keys_dir=worker_only, environment="production")
+    assert check_process_keys(prod, "execute") == []  # the public half is what a worker holds
+    # The private half, in its keys folder or named by the setting: it could open every capture.
+    for held in (worker_only / "auditor.key", tmp_path / "auditor.key"):
+        if held.parent == worker_only:
+            held.write_text((tmp_path / "auditor.key").read_text())
+            held.chmod(0o600)
+            settings = prod
+        else:
+            (worker_only / "auditor.key").unlink()
+            settings = Settings(keys_dir=worker_only, environment="production", auditor_key_file=held)
+        with pytest.raises(ConfigurationError, match="auditor.key"):
+            check_process_keys(settings, "execute")
+
+
 def test_a_recovery_key_must_be_active_in_the_keyring(tmp_path: Path) -> None:
     generate(tmp_path)
     key_id = json.loads((tmp_path / "recovery.key").read_text())["key_id"]
