@@ -207,6 +207,38 @@ def test_the_verification_task_captures_each_read_of_each_source(vault: Stack) -
     assert monitoring["after"]["restarts"][0]["idempotency_key"] == env.idempotency_key
 
 
+def test_without_the_auditor_public_key_a_capturing_action_is_refused_before_the_call(vault: Stack) -> None:
+    public = vault.workdir / "keys" / "auditor.pub"
+    os.replace(public, public.with_suffix(".away"))
+    try:
+        t, r = ticket(vault), refund(vault)
+        for env in (t, r):
+            vault.publish(env)
+        row = vault.wait_settled(t.action_id, timeout=60)
+        assert (row.outcome, row.reason_code) == (Outcome.not_started, "evidence_capture_unavailable")
+        assert vault.effects(t.idempotency_key) == 0  # nothing was sent
+        # Another action type, capturing nothing, runs as before.
+        assert vault.wait_settled(r.action_id, timeout=60).outcome == Outcome.completed_verified
+    finally:
+        os.replace(public.with_suffix(".away"), public)
+
+
+def test_a_capture_that_cannot_be_stored_costs_the_action_nothing(vault: Stack) -> None:
+    with psycopg.connect(vault.admin_url, autocommit=True) as conn:
+        conn.execute("REVOKE INSERT ON evidence_captures FROM proofline_worker")
+    try:
+        t = ticket(vault)
+        verified(vault, t)  # the result and its verdict are recorded whatever the store does
+        failed = wait_for(lambda: [e["evidence"] for e in vault.timeline(t.action_id)
+                                   if e["event"] == "evidence_capture_failed"], 20, what="evidence_capture_failed")
+        assert failed[0]["captures"] == 4 and CANARY not in json.dumps(failed)
+        assert rows(vault, t.action_id) == [] and captured_events(vault, t.action_id) == []
+        assert vault.effects(t.idempotency_key) == 1
+    finally:
+        with psycopg.connect(vault.admin_url, autocommit=True) as conn:
+            conn.execute("GRANT INSERT ON evidence_captures TO proofline_worker")
+
+
 # --- who can read --------------------------------------------------------------------------------
 
 
