@@ -8,6 +8,8 @@ Roles: ``proofline_controller`` publishes, ``proofline_worker`` executes and ver
 ``proofline_recovery`` is the worker plus publishing derived recovery actions,
 ``proofline_operator`` runs kill switches, revocations, cancellations and manual resolutions,
 ``proofline_reader`` only reads. ``proofline_runtime`` (development only) is worker + recovery.
+``proofline_auditor`` (migration 0018) alone reads the protected evidence store, and appends the
+``evidence_read_by_auditor`` event each read leaves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import NamedTuple
 CONTROLLER, WORKER, RECOVERY, OPERATOR, READER = (
     "proofline_controller", "proofline_worker", "proofline_recovery", "proofline_operator", "proofline_reader")
 RUNTIME = "proofline_runtime"
+#: Reads the protected evidence store and records each read (migration 0018); nothing else.
+AUDITOR = "proofline_auditor"
 ROLES = (CONTROLLER, WORKER, RECOVERY, OPERATOR, READER)
 
 #: The kinds of derived recovery action (recovery/recover.py WORKFLOW values).
@@ -126,7 +130,11 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("authority_promoted", OP),
     ("authority_demoted", WO),
     ("authority_policy_changed", WO),
+    # the protected evidence store (ledger/vault_store.py, migration 0018): each read, on the action's chain
+    ("evidence_read_by_auditor", ("auditor",)),
 )
+#: The event rights migration 0018 adds: an auditor's read of the evidence store is the auditor's alone.
+EVIDENCE_EVENTS = ("evidence_read_by_auditor",)
 #: The event rights migration 0015 adds to a database migrated before it.
 AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
                     "authority_demoted", "authority_policy_changed")

@@ -14,7 +14,7 @@ role) or ``PL005`` (immutable column changed), each with a message naming the ru
 
 from __future__ import annotations
 
-from ledger.roles import CONTROLLER, OPERATOR, RECOVERY, ROLES, RUNTIME, WORKER
+from ledger.roles import AUDITOR, CONTROLLER, OPERATOR, RECOVERY, ROLES, RUNTIME, WORKER
 
 TABLES = ("ledger_events", "actions", "idempotency_records", "leases", "revoked_identities", "kill_switches",
           "action_transitions", "idempotency_transitions", "ledger_event_rights")
@@ -374,4 +374,34 @@ DROP FUNCTION proofline_contain(text, text, text), kill_switch_guard(), ledger_e
 DROP TABLE ledger_event_rights, idempotency_transitions, action_transitions;
 ALTER FUNCTION ledger_chain() SECURITY INVOKER;
 ALTER FUNCTION ledger_chain() RESET search_path;
+"""
+
+
+# --- the protected evidence store (migration 0018) -------------------------------------------------
+
+CREATE_AUDITOR = f"""DO $$ BEGIN CREATE ROLE {AUDITOR} LOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;"""
+
+
+def evidence_store_grants_sql(database: str) -> str:
+    """Who may touch ``evidence_captures``: the worker (so recovery and the runtime) inserts and
+    never reads; the auditor reads, appends its ``evidence_read_by_auditor`` events and reads the
+    ledger; every other role, and PUBLIC, has no right on the store at all."""
+    others = ", ".join((*ROLES, RUNTIME, AUDITOR))
+    return f"""
+REVOKE ALL ON evidence_captures FROM PUBLIC, {others};
+GRANT INSERT ON evidence_captures TO {WORKER};
+GRANT CONNECT ON DATABASE "{database}" TO {AUDITOR};
+GRANT USAGE ON SCHEMA public TO {AUDITOR};
+GRANT SELECT ON evidence_captures, ledger_events, actions, ledger_event_rights TO {AUDITOR};
+GRANT INSERT ON ledger_events TO {AUDITOR};
+GRANT USAGE ON SEQUENCE ledger_events_id_seq TO {AUDITOR};
+GRANT EXECUTE ON FUNCTION ledger_event_hash(text, text, integer, text, text, timestamptz, jsonb) TO {AUDITOR};
+"""
+
+
+EVIDENCE_STORE_DOWNGRADE = f"""
+REVOKE ALL ON ledger_events, actions, ledger_event_rights FROM {AUDITOR};
+REVOKE ALL ON SEQUENCE ledger_events_id_seq FROM {AUDITOR};
+REVOKE ALL ON FUNCTION ledger_event_hash(text, text, integer, text, text, timestamptz, jsonb) FROM {AUDITOR};
 """

@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from ledger.states import (
     ActionStatus,
+    CaptureKind,
     IdempotencyStatus,
     KillSwitchScope,
     Outcome,
@@ -296,3 +297,28 @@ authority_demotions = Table(
     Column("demoted_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     UniqueConstraint("action_type", "policy_hash", name="authority_demotions_once_per_policy"),
 )
+
+#: The capture kinds a row may hold, as an SQL list.
+CAPTURE_KINDS = ", ".join(f"'{k.value}'" for k in CaptureKind)
+
+# The protected evidence store (ledger/vault_store.py): raw values a contract's evidence_capture
+# policy keeps, sealed to the auditor's X25519 key (proofline/vault.py). Workers insert and cannot
+# select; only proofline_auditor reads (migration 0018). The ledger event ``evidence_captured``
+# records each row's plaintext digest. Insert-only.
+evidence_captures = Table(
+    "evidence_captures",
+    metadata,
+    Column("capture_id", Text, primary_key=True),
+    Column("action_id", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("key_id", Text, nullable=False),
+    Column("ephemeral_public", LargeBinary, nullable=False),
+    Column("nonce", LargeBinary, nullable=False),
+    Column("ciphertext", LargeBinary, nullable=False),
+    Column("plaintext_sha256", Text, nullable=False),
+    Column("retention", Text, nullable=False),
+    Column("captured_by", Text, nullable=False),
+    Column("captured_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    CheckConstraint(f"kind IN ({CAPTURE_KINDS})", name="evidence_captures_kind_known"),
+)
+Index("evidence_captures_action_idx", evidence_captures.c.action_id)

@@ -122,6 +122,19 @@ class RecoveryKind(str, Enum):
     manual_intervention = "manual_intervention"
 
 
+class CaptureKind(str, Enum):
+    """What a row of the protected evidence store holds (``evidence_captures.kind``; a CHECK mirrors it)."""
+
+    #: The tool's arguments exactly as sent.
+    arguments = "arguments"
+    #: The tool result's values as received.
+    result = "result"
+    #: The precondition read of the target, before the call.
+    precondition_read = "precondition_read"
+    #: A verification read of the target, after the call.
+    verification_read = "verification_read"
+
+
 #: Statuses in which no worker will advance the action without an operator or the reconciler.
 SETTLED_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled, ActionStatus.escalated,
                               ActionStatus.recovery})

@@ -217,6 +217,25 @@ class Recovery(_Model):
     forward: DerivedAction | None = None
 
 
+class EvidenceCapture(_Model):
+    """What the protected evidence store keeps of this action type, unredacted and sealed to the
+    auditor (docs/security/evidence-store.md). Off unless a flag is set."""
+
+    #: The tool's arguments exactly as sent.
+    arguments: bool = False
+    #: The tool result's values (what ``result`` extracts) as received.
+    result: bool = False
+    #: The reads of the target: the precondition read and the verification reads.
+    reads: bool = False
+    #: The retention class each capture is stored under (the retention policy's name for how long
+    #: it is kept): lower-case letters, digits and dashes, e.g. ``audit-1y``.
+    retention: str = Field(default="audit-1y", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+
+    @property
+    def enabled(self) -> bool:
+        return self.arguments or self.result or self.reads
+
+
 class Contract(_Model):
     action_type: str
     version: int = Field(ge=1)
@@ -248,6 +267,9 @@ class Contract(_Model):
     #: part is redacted by name wherever it appears in this action's records, and an argument's
     #: value wherever it reappears (ledger/redact.py).
     sensitive_fields: tuple[str, ...] = ()
+    #: Raw arguments, results and reads captured encrypted for the auditor (redaction still applies
+    #: everywhere else): ``{arguments: true, result: true, reads: true, retention: audit-1y}``.
+    evidence_capture: EvidenceCapture = EvidenceCapture()
     #: CEL over ``args`` (and ``envelope``, ``target``) giving the amount of money this action moves,
     #: in cents; checked against the envelope's ``authority_budget.max_amount_cents``, per action and
     #: summed over its run. Every money-moving contract declares it.

@@ -266,7 +266,10 @@ def check_process_keys(settings: Any, role: str) -> list[str]:
         _active_key(ring, load_signing_key(settings.worker_key_file, KeyRole.worker, env))
     if role == "execute":
         ledger = settings.ledger_key_file or (Path(settings.keys_dir) / FILES["ledger"] if settings.keys_dir else None)
-        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file, ledger)
+        from proofline.auditor_keys import readable_by_this_process
+
+        auditor = readable_by_this_process(settings)  # captures are sealed to it: a worker must not open them
+        held = [str(p) for p in (settings.signing_key_file, settings.recovery_key_file, ledger, auditor)
                 if private_key_readable(p)]
         if held and env == PRODUCTION:
             raise ConfigurationError(f"an execute worker must not be able to read signing keys: {', '.join(held)}")
@@ -315,10 +318,14 @@ def new_signing_key(role: KeyRole, development: bool = False) -> tuple[dict[str,
 
 
 def generate(directory: Path, *, force: bool = False, development: bool = False) -> list[Path]:
-    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key and keyring.json into
-    ``directory``."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key, keyring.json and the
+    auditor's X25519 pair (auditor.key, auditor.pub) into ``directory``."""
+    from proofline.auditor_keys import PRIVATE_FILE as AUDITOR_KEY
+    from proofline.auditor_keys import PUBLIC_FILE as AUDITOR_PUB
+    from proofline.auditor_keys import write_pair
+
     directory = Path(directory)
-    names = [*FILES.values(), SEAL_FILE, KEYRING_FILE]
+    names = [*FILES.values(), SEAL_FILE, KEYRING_FILE, AUDITOR_KEY, AUDITOR_PUB]
     existing = [n for n in names if (directory / n).exists()]
     if existing and not force:
         raise ConfigurationError(f"{directory} already holds {', '.join(existing)}; pass --force to replace them")
@@ -335,7 +342,9 @@ def generate(directory: Path, *, force: bool = False, development: bool = False)
         seal["development"] = True
     _write(directory / SEAL_FILE, seal, 0o600)
     _write(directory / KEYRING_FILE, {"keys": entries}, 0o644)
-    return [*written, directory / SEAL_FILE, directory / KEYRING_FILE]
+    write_pair(directory / AUDITOR_KEY, directory / AUDITOR_PUB, development=development, force=True)
+    return [*written, directory / SEAL_FILE, directory / KEYRING_FILE, directory / AUDITOR_KEY,
+            directory / AUDITOR_PUB]
 
 
 def rotate(directory: Path, role: KeyRole, overlap: timedelta) -> tuple[str, str]:

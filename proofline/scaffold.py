@@ -2,13 +2,14 @@
 
 The folder holds everything a deployment reads, with the permissions each part needs:
 
-- ``keys/``: one 0700 folder per private key (controller, recovery, ledger, seal, and the approver
-  key of whoever ran init), each key 0600; ``keys/keyring.json`` (0644) is what every process reads;
+- ``keys/``: one 0700 folder per private key (controller, recovery, ledger, seal, the auditor's
+  X25519 key, and the approver key of whoever ran init), each key 0600; ``keys/keyring.json`` and
+  ``keys/auditor.pub`` (0644) are what every process reads;
 - ``servers.yaml`` and ``contracts/`` (one commented contract, ``pins.json`` of its server's tools);
 - ``authority.yaml`` (the template's action type in ``propose``) and ``authority.json`` (it,
   signed with the approver key);
-- ``.env`` (shared settings), ``worker.env``, ``recovery.env`` and ``controller.env`` (what only those
-  processes hold);
+- ``.env`` (shared settings), ``worker.env``, ``recovery.env``, ``controller.env`` and ``auditor.env``
+  (what only those processes, or the auditor, hold);
 - ``systemd/`` (worker, recovery, beat, console, exporter) and ``compose.yaml`` (the same five);
 - ``var/`` (0700): the state the processes write (``proofline dev`` keeps its Postgres here too).
 
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proofline import scaffold_files as texts
+from proofline.auditor_keys import PRIVATE_FILE as AUDITOR_KEY
+from proofline.auditor_keys import PUBLIC_FILE as AUDITOR_PUB
 from proofline.authority import read_policy_yaml, sign_policy
 from proofline.errors import InitFolderNotEmpty, NotADeploymentFolder
 from proofline.keys import FILES, KEYRING_FILE, SEAL_FILE, KeyRole, add_approver, generate, load_signing_key
@@ -55,13 +58,18 @@ class Layout:
         return self.root / "keys"
 
     def key_file(self, role: str) -> Path:
-        """The private key of ``role`` (controller, recovery, ledger, seal, approver) in its own folder."""
-        name = {**FILES, "seal": SEAL_FILE, "approver": "approver.key"}[role]
+        """The private key of ``role`` (controller, recovery, ledger, seal, auditor, approver) in its own folder."""
+        name = {**FILES, "seal": SEAL_FILE, "auditor": AUDITOR_KEY, "approver": "approver.key"}[role]
         return self.keys / role / name
 
     @property
     def keyring(self) -> Path:
         return self.keys / KEYRING_FILE
+
+    @property
+    def auditor_public(self) -> Path:
+        """The auditor's public key: every worker seals captured evidence to it."""
+        return self.keys / AUDITOR_PUB
 
     @property
     def var(self) -> Path:
@@ -130,6 +138,7 @@ def init(directory: Path, *, approver: str | None = None, force: bool = False) -
     _write(layout.root / "worker.env", texts.worker_env(layout), PRIVATE_FILE)
     _write(layout.root / "recovery.env", texts.recovery_env(layout), PRIVATE_FILE)
     _write(layout.root / "controller.env", texts.controller_env(layout), PRIVATE_FILE)
+    _write(layout.root / "auditor.env", texts.auditor_env(layout), PRIVATE_FILE)
     _folder(layout.root / "systemd", PUBLIC_DIR)
     for unit in UNITS:
         _write(layout.root / "systemd" / f"proofline-{unit}.service", texts.systemd_unit(layout, unit), PUBLIC_FILE)
@@ -150,13 +159,14 @@ def _keys(layout: Layout, approver: str) -> None:
     a process is given the folders of the keys it may hold, never the others."""
     _folder(layout.keys, PUBLIC_DIR)
     generate(layout.keys, force=True)
-    for role in (*FILES, "seal"):
+    for role in (*FILES, "seal", "auditor"):
         _folder(layout.key_file(role).parent, PRIVATE_DIR)
         os.replace(layout.keys / layout.key_file(role).name, layout.key_file(role))  # keeps its 0600
     _folder(layout.key_file("approver").parent, PRIVATE_DIR)
     layout.key_file("approver").unlink(missing_ok=True)
     add_approver(layout.keyring, layout.key_file("approver"), approver)
     os.chmod(layout.keyring, PUBLIC_FILE)
+    os.chmod(layout.auditor_public, PUBLIC_FILE)
 
 
 def _authority(layout: Layout) -> None:

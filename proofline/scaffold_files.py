@@ -158,6 +158,9 @@ PROOFLINE_CONTRACTS_DIR={layout.contracts}
 PROOFLINE_AUTHORITY_FILE={layout.authority_json}
 # Public keys of every signer: read by every process.
 PROOFLINE_KEYRING_FILE={layout.keyring}
+# The auditor's public key: workers seal the evidence a contract captures to it (only the
+# auditor's private key, keys/auditor/, opens it; docs/security/evidence-store.md).
+PROOFLINE_AUDITOR_PUBLIC_KEY_FILE={layout.auditor_public}
 # Seals the signed messages the ledger stores: workers and recovery need it.
 PROOFLINE_SEAL_KEY_FILE={layout.key_file('seal')}
 # What the processes write: checkpoints, beat's schedule, console users, the template server's data.
@@ -173,6 +176,7 @@ SOR_DB={r / 'var' / 'sor.sqlite3'}
 #   PROOFLINE_WORKER_KEY_FILE                               -> worker.env (execute worker: signs its evidence)
 #   PROOFLINE_RECOVERY_KEY_FILE, PROOFLINE_LEDGER_KEY_FILE  -> recovery.env (recovery worker)
 #   PROOFLINE_SIGNING_KEY_FILE                              -> controller.env (your agent, proofline publish)
+#   PROOFLINE_AUDITOR_KEY_FILE, PROOFLINE_AUDITOR_DATABASE_URL -> auditor.env (proofline evidence show)
 #   the approver key ({layout.key_file('approver')})  -> stays with its approver
 """
 
@@ -201,6 +205,17 @@ def controller_env(layout: Layout) -> str:
 # The controller's own setting, read after .env by whatever publishes actions (your agent using
 # proofline.Client, proofline publish): the key that signs its envelopes.
 PROOFLINE_SIGNING_KEY_FILE={layout.key_file('controller')}
+"""
+
+
+def auditor_env(layout: Layout) -> str:
+    return f"""\
+# The auditor's own settings, read after .env by `proofline evidence show` (and by a console that
+# serves the evidence page): the private key that opens captured evidence and the only database
+# role that may read the evidence store. Keep this file and keys/auditor/ off every worker host.
+PROOFLINE_AUDITOR_KEY_FILE={layout.key_file('auditor')}
+# CHANGE: the auditor role's password.
+PROOFLINE_AUDITOR_DATABASE_URL=postgresql://proofline_auditor:CHANGE_ME@127.0.0.1:5432/proofline
 """
 
 
@@ -248,7 +263,7 @@ WantedBy=multi-user.target
 def compose_file(layout: Layout) -> str:
     """The same five processes as the systemd units, in containers on the host's network (so the
     URLs of .env mean the same), each given only the files of the keys it may hold."""
-    shared = [layout.servers_file, layout.contracts, layout.authority_json, layout.keyring,
+    shared = [layout.servers_file, layout.contracts, layout.authority_json, layout.keyring, layout.auditor_public,
               layout.key_file("seal").parent, layout.var]
     services = []
     for unit in UNIT_SPECS:

@@ -178,6 +178,9 @@ class Settings(BaseSettings):
     controller_database_url: SecretStr | None = None
     operator_database_url: SecretStr | None = None
     reader_database_url: SecretStr | None = None
+    #: ``proofline evidence show`` and the console's evidence page read the protected evidence store
+    #: as proofline_auditor through this URL (no other role may read it).
+    auditor_database_url: SecretStr | None = None
     # --- the operator console ---
     #: Where ``proofline console`` listens: loopback unless configured.
     console_host: str = "127.0.0.1"
@@ -194,6 +197,12 @@ class Settings(BaseSettings):
     worker_key_file: Path | None = None
     #: Public keys with key ids, roles, ``not_after`` and ``revoked`` (every process that verifies).
     keyring_file: Path | None = None
+    #: The auditor's X25519 public key (``auditor.pub``): workers seal the evidence a contract's
+    #: ``evidence_capture`` policy captures to it (default ``keys_dir/auditor.pub``).
+    auditor_public_key_file: Path | None = None
+    #: The auditor's X25519 private key (``auditor.key``): only the auditor's CLI and console hold it;
+    #: an execute worker that can read it is refused in production.
+    auditor_key_file: Path | None = None
     #: The signed authority policy (``proofline authority sign``): each action type's mode (read,
     #: simulate, propose, approved, autonomous), approvers required and autonomy bounds. Required in
     #: production; without it, development and test accept the controller's approval as before.

@@ -204,6 +204,29 @@ def check_contracts(settings: Settings, warnings: list[str] | None = None) -> st
     return f"{len(loaded.contracts)} loaded from {directory}"
 
 
+def check_evidence_capture(settings: Settings, warnings: list[str] | None = None) -> str:
+    """Every contract whose ``evidence_capture`` policy captures has an auditor public key to seal
+    to. Without one its actions are refused before any call (``evidence_capture_unavailable``);
+    with ``warnings`` (a worker) that is a warning, since the other action types still run."""
+    from proofline.auditor_keys import load_public, public_path
+    from proofline.contracts import scan_contracts
+
+    capturing = sorted(t for t, c in scan_contracts(Path(settings.contracts_dir)).contracts.items()
+                       if c.evidence_capture.enabled)
+    if not capturing:
+        return "no contract captures evidence"
+    try:
+        key = load_public(settings)
+    except ProoflineError as exc:
+        detail = f"{', '.join(capturing)} capture evidence but {exc.detail}"
+        if warnings is None:
+            raise Failed(detail[:400], "make the auditor's pair (`proofline keys add-auditor --out AUDITOR_DIR/"
+                         "auditor.key --public auditor.pub`) and set PROOFLINE_AUDITOR_PUBLIC_KEY_FILE") from None
+        warnings.append(f"evidence capture: {detail[:300]} (their actions are refused before any call)")
+        return detail
+    return f"{', '.join(capturing)} capture evidence, sealed to auditor key {key.key_id} ({public_path(settings)})"
+
+
 def check_servers(settings: Settings) -> str:
     """The servers file loads, the sandbox rules of this environment hold, bubblewrap can start a
     sandbox here (when a server runs in one) and every sandbox path exists."""
@@ -274,6 +297,7 @@ def worker_checks(settings: Settings, role: str, warnings: list[str]) -> list[tu
     return [("keys", lambda: check_keys(settings, role)), ("environment", lambda: check_environment(settings)),
             ("authority", lambda: check_authority(settings)),
             ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings, warnings)),
+            ("evidence_capture", lambda: check_evidence_capture(settings, warnings)),
             ("pins", lambda: check_pins(settings, publishing=False)),
             ("database", lambda: check_database(settings, own=True)),
             ("migrations", lambda: check_migrations(settings, own=True))]

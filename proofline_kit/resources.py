@@ -31,9 +31,10 @@ RABBITMQ_URL = os.environ.get("PROOFLINE_TEST_RABBITMQ_URL", "amqp://guest:guest
 #: RabbitMQ's own scripts (the Debian/Ubuntu package), for private nodes (``proofline_kit/rabbitmq_server.py``).
 RABBITMQ_SCRIPTS = Path(os.environ.get("PROOFLINE_TEST_RABBITMQ_SCRIPTS", "/usr/lib/rabbitmq/bin"))
 
-#: The database roles migration 0003 creates (short name -> role), and the development role.
+#: The database roles migrations 0003 and 0018 create (short name -> role), and the development role.
 DB_ROLES = {"controller": "proofline_controller", "worker": "proofline_worker", "recovery": "proofline_recovery",
-            "operator": "proofline_operator", "reader": "proofline_reader", "runtime": "proofline_runtime"}
+            "operator": "proofline_operator", "reader": "proofline_reader", "runtime": "proofline_runtime",
+            "auditor": "proofline_auditor"}
 
 
 def with_database(url: str, dbname: str, user: str | None = None) -> str:

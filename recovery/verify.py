@@ -22,7 +22,7 @@ from proofline.errors import TransitionRefused
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
 from recovery.operation_record import read_operation_record
-from worker import faultpoints, sandbox_events
+from worker import capture, faultpoints, sandbox_events
 from worker.dispatch import Dispatch
 from worker.evidence import decide as decide_evidence
 from worker.evidence import reconcile_unknown
@@ -224,6 +224,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
         metrics.PUBLISH_TO_VERIFIED_SECONDS.labels(action.action_type).observe(
             max(time.time() - action.published_at.timestamp(), 0.0))
     log.info("verified", extra={"action_id": action_id, "event": "verification_finished", "finding": obs.finding.value})
+    capture.capture_reads(rt, action_id, contract, readings)  # its own transaction, after the verdict's
     from recovery.settle import after_settle
 
     after_settle(rt.conn, rt.settings.worker_id, action_id, dispatch, envelope=envelope, status=status,

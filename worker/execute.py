@@ -46,7 +46,7 @@ from proofline.keys import load_keyring
 from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import faultpoints, quota, sandbox_events
+from worker import capture, faultpoints, quota, sandbox_events
 from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
@@ -252,6 +252,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
                                  parent_link)
             static["authority"] = decision.evidence
+            auditor = capture.require(rt, contract, static)  # fails closed before any call
             if decision.point_of_no_return:
                 static["point_of_no_return"] = check_point_of_no_return(conn, envelope,
                                                                         legacy=decision.mode == UNMANAGED)
@@ -332,8 +333,10 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             stages.note(**{"proofline.verification_finding": first.obs.finding.value})
         stages.enter("proofline.record_result")
         locked = False  # the result transaction releases both locks as its last statement
+        sealed = capture.seal_call(rt, auditor, envelope, contract, before, verdict.values,
+                                   first.obs.after if first is not None else None)
         return _record_result(rt, envelope, red, verdict, report, token, locks, dispatch, first,
-                              existing.get("published_at"))
+                              existing.get("published_at"), (contract, sealed))
     except BaseException:
         if locked and not conn.closed and not conn.broken:
             try:
@@ -547,7 +550,7 @@ def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: li
 
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,
                    token: int, locks: Locks, dispatch, first: FirstRead | None = None,
-                   published_at: str | None = None) -> dict[str, Any]:
+                   published_at: str | None = None, captured: tuple[Contract, list] | None = None) -> dict[str, Any]:
     aid = envelope.action_id
     evidence = result_evidence(envelope, verdict, report)
     audit = sandbox_events.pending(rt, aid)  # taken once: a retried write records the same findings
@@ -571,6 +574,8 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
                                     sandbox_events.write_pending_txn(cur, rt, aid, audit), red)
         unlock_locks(rt.conn, locks)
         return TaskSummary("refused", exc.code, aid).as_dict()
+    if captured is not None:  # after the result's commit, in a transaction of its own (worker/capture.py)
+        capture.write(rt, aid, *captured)
     if verdict.outcome == Outcome.failed_before_side_effect:
         tracing.mark("proofline.retry_decision", **{"proofline.error_category": verdict.reason_code,
                                                      "proofline.recovery_kind": "retry" if retry else None})

@@ -56,7 +56,7 @@ def console(ctx: click.Context, host: str | None, port: int | None, users: str |
 
 @console.command("add-user")
 @click.argument("name")
-@click.option("--role", type=click.Choice(["viewer", "operator", "approver"]), required=True)
+@click.option("--role", type=click.Choice(["viewer", "operator", "approver", "auditor"]), required=True)
 @click.option("--approver-key", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="approvers only: the approver key file the console signs this user's approvals with")
 @click.option("--users", "users", default=None, help="the users file (default PROOFLINE_CONSOLE_USERS_FILE)")

@@ -4,7 +4,8 @@ One line per check (``ok`` or ``FAIL``, what was found, and for a failure how to
 any check failed, ``--json`` for machines. Every check runs even when an earlier one failed, so
 one run lists everything that is wrong. Checks: the production rules (not root, a broker URL with
 credentials), the database, its migrations, the broker, the reconciler's heartbeat, the keys this
-process role needs, the contracts and their pins, the servers file and what its sandboxes need on
+process role needs, the contracts and their pins, an auditor key for contracts that capture
+evidence, the servers file and what its sandboxes need on
 this host. The checks themselves live in
 ``proofline/setup_checks.py``: ``proofline worker`` runs the same ones before it starts.
 """
@@ -28,6 +29,7 @@ from proofline.setup_checks import (
     check_contracts,
     check_database,
     check_environment,
+    check_evidence_capture,
     check_keys,
     check_migrations,
     check_pins,
@@ -46,6 +48,7 @@ def run_checks(settings: Settings, role: str) -> list[Check]:
         ("keys", lambda: check_keys(settings, role)),
         ("authority", lambda: check_authority(settings)),
         ("contracts", lambda: check_contracts(settings)),
+        ("evidence_capture", lambda: check_evidence_capture(settings)),
         ("pins", lambda: check_pins(settings, publishing=role in ("controller", "all"))),
         ("servers", lambda: check_servers(settings)),
     ]

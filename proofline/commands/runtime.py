@@ -132,7 +132,8 @@ def keys() -> None:
 @click.option("--force", is_flag=True, help="replace existing key files")
 @click.option("--development", is_flag=True, help="mark the keys as development keys (refused in production)")
 def keys_generate(directory: Path, force: bool, development: bool) -> None:
-    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key (0600) and keyring.json."""
+    """Write controller.key, recovery.key, ledger.key, worker.key, seal.key, auditor.key (0600),
+    keyring.json and auditor.pub."""
     from proofline.keys import generate
 
     written = [str(p) for p in generate(directory, force=force, development=development)]
@@ -180,6 +181,22 @@ def keys_add_worker(out: Path, keyring: Path, development: bool) -> None:
     key_id = add_worker(keyring, out, development)
     emit({"key_id": key_id, "wrote": str(out)},
          f"worker key {key_id}: {out} (point that worker's PROOFLINE_WORKER_KEY_FILE at it), public part in {keyring}")
+
+
+@keys.command("add-auditor")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="the auditor's private key file (0600; for the auditor alone)")
+@click.option("--public", "public", required=True, type=click.Path(path_type=Path),
+              help="the public key file (0644; every worker reads it: PROOFLINE_AUDITOR_PUBLIC_KEY_FILE)")
+@click.option("--development", is_flag=True, help="mark the key as a development key (refused in production)")
+def keys_add_auditor(out: Path, public: Path, development: bool) -> None:
+    """Make the auditor's X25519 key pair: workers seal captured evidence to the public half; only the
+    private half (never on a worker host) opens it. An existing private key is never overwritten."""
+    from proofline.auditor_keys import write_pair
+
+    key_id = write_pair(out, public, development=development)
+    emit({"key_id": key_id, "wrote": [str(out), str(public)]},
+         f"auditor key {key_id}: {out} (the auditor's alone), public half {public} (for the workers)")
 
 
 @keys.command("revoke")

@@ -1,7 +1,8 @@
 """Who may use the console, and how a write proves it came from the console's own page.
 
 Operators are named in a users file (JSON, ``PROOFLINE_CONSOLE_USERS_FILE``): a name, a role
-(``viewer`` reads; ``operator`` also acts; ``approver`` approves proposals) and the sha256 of a
+(``viewer`` reads; ``operator`` also acts; ``approver`` approves proposals; ``auditor`` alone
+opens the protected evidence store's captures, each read recorded in the ledger) and the sha256 of a
 random token the operator logs in with. An approver also names the approver key file the console
 signs that user's approvals with (:mod:`proofline.console.approvers` checks it at start). The file never holds a token itself; ``proofline console add-user`` writes it and prints the
 token once. A login opens a server-side session: the cookie is a random id (HttpOnly,
@@ -41,6 +42,9 @@ class ConsoleRole(str, Enum):
     operator = "operator"
     #: approves proposals with their own approver key; also denies proposals and revokes approvals
     approver = "approver"
+    #: reads every page, and alone opens captured evidence (docs/security/evidence-store.md); each read
+    #: is a ledger event naming the user
+    auditor = "auditor"
 
 
 #: Who may send each kind of write. Only an approver approves (an operator holds no approver key);
@@ -48,6 +52,8 @@ class ConsoleRole(str, Enum):
 OPERATOR_ONLY = frozenset({ConsoleRole.operator})
 APPROVER_ONLY = frozenset({ConsoleRole.approver})
 PROPOSAL_STOPPERS = frozenset({ConsoleRole.operator, ConsoleRole.approver})
+#: Only an auditor opens the evidence store (the page itself too: the others do not see what was captured).
+AUDITOR_ONLY = frozenset({ConsoleRole.auditor})
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def load_users(path: Path) -> dict[str, User]:
         role = entry.get("role") if isinstance(entry, dict) else None
         digest = entry.get("token_sha256") if isinstance(entry, dict) else None
         if role not in {r.value for r in ConsoleRole} or not isinstance(digest, str) or len(digest) != 64:
-            raise ConfigurationError(f"console user {name!r} in {path} needs a role (viewer, operator or approver) "
+            raise ConfigurationError(f"console user {name!r} in {path} needs a role (viewer, operator, approver or auditor) "
                                      "and a token_sha256")
         key = entry.get("approver_key")
         if (role == ConsoleRole.approver.value) != isinstance(key, str) or key == "":

@@ -375,9 +375,10 @@ def create_app(sessions: Sessions, operator_role: str, approvers: dict[str, Any]
     """The application; ``approvers`` maps each approver user to its checked key
     (:func:`proofline.console.approvers.approver_keys`)."""
     # Imported here: the proposal pages use this module's helpers (render, _write).
+    from proofline.console.evidence_page import ROUTES as EVIDENCE_ROUTES
     from proofline.console.proposal_pages import ROUTES as PROPOSAL_ROUTES
 
-    routes = [*PROPOSAL_ROUTES,
+    routes = [*PROPOSAL_ROUTES, *EVIDENCE_ROUTES,
         Route("/", overview_page), Route("/actions", actions_page), Route("/actions/{action_id:path}/resolve",
                                                                           resolve, methods=["POST"]),
         Route("/actions/{action_id:path}/retry", retry, methods=["POST"]),

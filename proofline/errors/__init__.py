@@ -501,4 +501,5 @@ class TenantQuotaExceeded(ProoflineError):
 
 # The other parts of the one namespace (they subclass the classes above).
 from proofline.errors.authority import *  # noqa: E402,F403
+from proofline.errors.evidence_store import *  # noqa: E402,F403
 from proofline.errors.operator import *  # noqa: E402,F403

@@ -5,6 +5,7 @@ exactly its own check, in one line that says how to fix it, with a non-zero exit
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import uuid
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 
 from ledger.migrate import upgrade
 from tests.conftest import (
@@ -27,8 +29,8 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "authority", "contracts", "pins",
-          "servers"]
+CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "authority", "contracts",
+          "evidence_capture", "pins", "servers"]
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:
@@ -83,6 +85,20 @@ def test_doctor_names_a_keys_folder_without_keys(stack, tmp_path: Path) -> None:
     assert code == 1 and "keys" in failed(checks), checks
     assert "proofline keys generate" in checks["keys"]["fix"]
     assert not {"database", "migrations", "broker", "contracts", "servers"} & set(failed(checks))
+
+
+def test_doctor_names_a_capture_policy_without_an_auditor_public_key(stack, tmp_path: Path) -> None:
+    contracts = tmp_path / "contracts"
+    shutil.copytree(ROOT / "contracts", contracts)
+    doc = yaml.safe_load((contracts / "ticket.create.yaml").read_text())
+    doc["evidence_capture"] = {"arguments": True}
+    (contracts / "ticket.create.yaml").write_text(yaml.safe_dump(doc))
+    env = {**stack.env, "PROOFLINE_CONTRACTS_DIR": str(contracts)}
+    code, checks = doctor({**env, "PROOFLINE_AUDITOR_PUBLIC_KEY_FILE": str(tmp_path / "absent.pub")}, tmp_path)
+    assert "evidence_capture" in failed(checks) and "ticket.create" in checks["evidence_capture"]["detail"]
+    assert "keys add-auditor" in checks["evidence_capture"]["fix"]
+    _, checks = doctor(env, tmp_path)  # the stack's keys folder has auditor.pub
+    assert checks["evidence_capture"]["ok"] and "sealed to auditor key" in checks["evidence_capture"]["detail"]
 
 
 def test_doctor_names_a_missing_database(stack, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from proofline.auditor_keys import load_public, read_private
 from proofline.authority import AuthorityMode, load_policy
 from proofline.cli import main
 from proofline.contracts import load_contract
@@ -28,7 +29,7 @@ from proofline.settings import Settings
 from proofline_kit.devstack import read_env_file
 from worker.servers import check_sandbox_policy, load_servers
 
-ROLES = ("controller", "recovery", "ledger", "seal", "worker", "approver")
+ROLES = ("controller", "recovery", "ledger", "seal", "worker", "auditor", "approver")
 
 
 def mode(path: Path) -> int:
@@ -50,8 +51,9 @@ def test_each_private_key_is_0600_in_a_0700_folder_of_its_own_and_the_keyring_is
         folders.add(key.parent)
     assert len(folders) == len(ROLES)
     assert mode(folder.keys) == 0o755 and mode(folder.keyring) == 0o644
-    assert sorted(p.name for p in folder.keys.iterdir() if p.is_file()) == ["keyring.json"]
-    for name in (".env", "recovery.env", "controller.env"):
+    assert sorted(p.name for p in folder.keys.iterdir() if p.is_file()) == ["auditor.pub", "keyring.json"]
+    assert mode(folder.auditor_public) == 0o644
+    for name in (".env", "recovery.env", "controller.env", "auditor.env"):
         assert mode(folder.root / name) == 0o600, name
     assert mode(folder.var) == 0o700
 
@@ -85,11 +87,11 @@ def test_the_contract_template_loads_is_pinned_and_names_a_server_of_the_servers
 def test_the_env_files_name_real_settings_and_keep_private_keys_to_their_process(folder: Layout) -> None:
     fields = {f"PROOFLINE_{name.upper()}" for name in Settings.model_fields}
     shared = read_env_file(folder.env_file)
-    for name in (".env", "worker.env", "recovery.env", "controller.env"):
+    for name in (".env", "worker.env", "recovery.env", "controller.env", "auditor.env"):
         names = {k for k in read_env_file(folder.root / name) if k.startswith("PROOFLINE_")}
         assert names and names <= fields, (name, names - fields)
     assert not {"PROOFLINE_SIGNING_KEY_FILE", "PROOFLINE_RECOVERY_KEY_FILE", "PROOFLINE_LEDGER_KEY_FILE",
-                "PROOFLINE_WORKER_KEY_FILE"} & set(shared)
+                "PROOFLINE_WORKER_KEY_FILE", "PROOFLINE_AUDITOR_KEY_FILE", "PROOFLINE_AUDITOR_DATABASE_URL"} & set(shared)
     assert read_env_file(folder.root / "controller.env")["PROOFLINE_SIGNING_KEY_FILE"] == str(folder.key_file("controller"))
     # An execute worker given the shared .env and worker.env starts in production: it holds its worker
     # key (which signs evidence only) and no key that signs envelopes or checkpoints.
@@ -97,6 +99,10 @@ def test_the_env_files_name_real_settings_and_keep_private_keys_to_their_process
                            {**shared, **read_env_file(folder.root / "worker.env")}.items() if k.startswith("PROOFLINE_")})
     assert settings.environment == "production"
     assert check_process_keys(settings, "execute") == []
+    # It seals captured evidence to the auditor's public half, and is given nothing that opens it.
+    assert load_public(settings).key_id == read_private(folder.key_file("auditor"), "production").key_id
+    assert settings.auditor_key_file is None
+    assert read_env_file(folder.root / "auditor.env")["PROOFLINE_AUDITOR_KEY_FILE"] == str(folder.key_file("auditor"))
     recovery = Settings(**{k.removeprefix("PROOFLINE_").lower(): v for k, v in
                            {**shared, **read_env_file(folder.root / "recovery.env")}.items() if k.startswith("PROOFLINE_")})
     assert check_process_keys(recovery, "recovery") == []

@@ -28,7 +28,8 @@ from proofline.keys import (
 )
 from proofline.settings import ROOT, Settings
 
-FILES = ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key", "keyring.json")
+FILES = ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key", "keyring.json", "auditor.key",
+         "auditor.pub")
 SIGNING_ROLES = ("controller", "recovery", "ledger", "worker")
 
 
@@ -38,12 +39,13 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env={**base, **(env or {})}, timeout=60)
 
 
-def test_generate_writes_the_six_files_in_the_agreed_format(tmp_path: Path) -> None:
+def test_generate_writes_the_eight_files_in_the_agreed_format(tmp_path: Path) -> None:
     result = cli("keys", "generate", "--dir", str(tmp_path / "k"))
     assert result.returncode == 0, result.stderr
     d = tmp_path / "k"
     assert sorted(p.name for p in d.iterdir()) == sorted(FILES)
-    for name in ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key"):
+    assert stat.S_IMODE((d / "auditor.pub").stat().st_mode) == 0o644
+    for name in ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key", "auditor.key"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
     ring = json.loads((d / "keyring.json").read_text())
     by_role = {e["role"]: e for e in ring["keys"]}
@@ -60,7 +62,11 @@ def test_generate_writes_the_six_files_in_the_agreed_format(tmp_path: Path) -> N
         Ed25519PublicKey.from_public_bytes(base64.b64decode(entry["public_key"])).verify(signer.sign(b"x"), b"x")
     seal = json.loads((d / "seal.key").read_text())
     assert set(seal) == {"key_id", "key"} and len(base64.b64decode(seal["key"])) == 32
-    assert len({json.loads((d / f).read_text())["key_id"] for f in FILES if f != "keyring.json"}) == 5
+    assert len({json.loads((d / f).read_text())["key_id"] for f in FILES if f != "keyring.json"}) == 6
+    # The auditor's pair is X25519, not a signing key: no keyring entry, its public half in its own file.
+    auditor, public = (json.loads((d / f).read_text()) for f in ("auditor.key", "auditor.pub"))
+    assert set(auditor) == {"key_id", "role", "private_key"} and set(public) == {"key_id", "role", "public_key"}
+    assert auditor["key_id"] == public["key_id"] and auditor["role"] == public["role"] == "auditor"
 
 
 def test_generate_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
@@ -120,6 +126,28 @@ def test_process_roles(tmp_path: Path) -> None:
         check_process_keys(Settings(keys_dir=public_only, environment="production"), "recovery")
     with pytest.raises(ConfigurationError, match="no keyring"):
         check_process_keys(Settings(), "execute")
+
+
+def test_an_execute_worker_that_can_read_the_auditor_key_is_refused_in_production(tmp_path: Path) -> None:
+    generate(tmp_path)
+    worker_only = tmp_path / "worker"
+    worker_only.mkdir()
+    for name in ("keyring.json", "auditor.pub", "worker.key"):
+        (worker_only / name).write_text((tmp_path / name).read_text())
+    (worker_only / "worker.key").chmod(0o600)
+    prod = Settings(keys_dir=worker_only, environment="production")
+    assert check_process_keys(prod, "execute") == []  # the public half is what a worker holds
+    # The private half, in its keys folder or named by the setting: it could open every capture.
+    for held in (worker_only / "auditor.key", tmp_path / "auditor.key"):
+        if held.parent == worker_only:
+            held.write_text((tmp_path / "auditor.key").read_text())
+            held.chmod(0o600)
+            settings = prod
+        else:
+            (worker_only / "auditor.key").unlink()
+            settings = Settings(keys_dir=worker_only, environment="production", auditor_key_file=held)
+        with pytest.raises(ConfigurationError, match="auditor.key"):
+            check_process_keys(settings, "execute")
 
 
 def test_a_recovery_key_must_be_active_in_the_keyring(tmp_path: Path) -> None:
