@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 EXECUTE = "proofline.execute"
 COMPENSATE = "proofline.compensate"
 VERIFY = "proofline.verify"
+RECHECK = "proofline.recheck"
 
 app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("worker.celery_config")
@@ -170,6 +171,15 @@ def verify_task(self, action_id: str) -> dict[str, Any]:
     from recovery.verify import verify
 
     return _follow_up(self, "verify", action_id, verify)
+
+
+@app.task(name=RECHECK, **TASK_OPTIONS)
+def recheck_task(self, check_id: int, attempt: int) -> dict[str, Any]:
+    """A post-condition re-check the reconciler claimed (``recovery/recheck.py``); its row and the
+    claim's attempt are its idempotency: a second delivery of the same claim finds it finished."""
+    from recovery.recheck import recheck
+
+    return _follow_up(self, "recheck", str(check_id), lambda rt, _, d: recheck(rt, int(check_id), int(attempt), d))
 
 
 @app.task(name="proofline.recover", **TASK_OPTIONS)

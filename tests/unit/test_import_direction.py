@@ -23,6 +23,7 @@ from proofline.settings import ROOT
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
           "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts",
           "proofline.envelope", "proofline.errors", "proofline.errors.authority", "proofline.errors.operator", "proofline.keys", "proofline.ledger_check", "proofline.plan",
+          "proofline.recheck",
           "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
           "proofline.telemetry.observe"}
 #: Instrumentation every layer reports through (metric and span definitions, log context): at the
