@@ -5,7 +5,8 @@ id and claim attempt here. The read is the verification's own: the contract's re
 the read identity, its evidence sources and policy, the same conditions (``worker/verification.py``,
 ``worker/evidence.py``). Its verdict:
 
-- ``expected``: ``postcondition_held``; the chain goes on to its next offset, or ends at its last;
+- ``expected``: ``postcondition_held``; the chain goes on, or ends (``chain_ended``) with the
+  re-check that leaves none of the action's open;
 - ``prohibited``, ``not_reached``, ``absent`` or ``evidence_conflict``: ``postcondition_regressed``.
   In one transaction: the event, the worker's signed statement of the row it leaves, the guarded
   move ``closed -> recovery`` (outcome kept: the effect did happen, and was verified once; finding
@@ -110,8 +111,10 @@ def recheck(rt: Runtime, check_id: int, attempt: int, dispatch: Dispatch) -> dic
             if status != RecheckStatus.regressed:
                 rechecks.finish_txn(cur, check_id, attempt, status, read.value)
                 name = "postcondition_held" if status == RecheckStatus.held else "postcondition_unreadable"
-                last = {"last": check.seq == check.of} if status == RecheckStatus.held else {}
-                store.append_events_txn(cur, check.action_id, actor, [*events, (name, {**record, **last})], red)
+                # The chain ends with the re-check that leaves none of its action's open.
+                left = rechecks.open_count_txn(cur, check.action_id)
+                store.append_events_txn(cur, check.action_id, actor,
+                                        [*events, (name, {**record, "open_after": left, "chain_ended": left == 0})], red)
             else:
                 _regress_txn(cur, rt, now, check, attempt, obs, read, record, events, red)
     except TransitionRefused:

@@ -156,7 +156,10 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> dict[str, Any]:
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
-        return with_outcome(rt.conn, fn(rt, action_id, dispatch))
+        result = fn(rt, action_id, dispatch)
+        # The connection is taken after the stage ran: a stage that read the system of record for
+        # longer than the session's idle timeout has left the one it started with closed by Postgres.
+        return with_outcome(rt.conn, result)
     except psycopg.OperationalError:
         rt.reset_connection()
         raise

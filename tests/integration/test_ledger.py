@@ -23,7 +23,14 @@ from ledger import store
 from ledger.migrate import sqlalchemy_url
 from ledger.redact import MARK
 from ledger.schema import metadata
-from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome, VerificationFinding
+from ledger.states import (
+    ActionStatus,
+    IdempotencyStatus,
+    KillSwitchScope,
+    Outcome,
+    RecheckStatus,
+    VerificationFinding,
+)
 from proofline.envelope import build_envelope
 from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
@@ -129,6 +136,16 @@ def test_finding_check_equals_python_enum(admin):
     labels = re.findall(r"'([a-z_]+)'::text", row["def"])
     assert sorted(labels) == sorted(m.value for m in VerificationFinding)
     assert "evidence_conflict" in labels
+
+
+def test_recheck_status_check_equals_python_enum(admin):
+    """``postcondition_checks.status`` is text guarded by a CHECK: its list is ``RecheckStatus``."""
+    with admin.cursor() as cur:
+        cur.execute("""SELECT pg_get_constraintdef(c.oid) AS def FROM pg_constraint c
+                       WHERE c.conname = 'postcondition_checks_status_known'""")
+        [row] = cur.fetchall()
+    labels = re.findall(r"'([a-z_]+)'::text", row["def"])
+    assert sorted(labels) == sorted(m.value for m in RecheckStatus)
 
 
 def _schema_diff(admin_url: str, target: MetaData) -> list[Any]:
