@@ -38,12 +38,14 @@ ON CONFLICT DO NOTHING
 
 # Rows due (or whose claim expired) inside their horizon, oldest first, taken with SKIP LOCKED so
 # that two sweepers never take one row; the claim and its expiry are set in the same statement.
+# The bounds are the statement's time (stable), not clock_timestamp() (volatile): only a stable
+# bound lets the planner read postcondition_checks_open_idx instead of every row.
 CLAIM_SQL = """
 WITH due AS (
     SELECT c.id FROM postcondition_checks c
-     WHERE c.status IN ('scheduled', 'claimed') AND c.due_at <= clock_timestamp()
-       AND c.horizon_at > clock_timestamp()
-       AND (c.status = 'scheduled' OR c.claim_expires_at < clock_timestamp())
+     WHERE c.status IN ('scheduled', 'claimed') AND c.due_at <= statement_timestamp()
+       AND c.horizon_at > statement_timestamp()
+       AND (c.status = 'scheduled' OR c.claim_expires_at < statement_timestamp())
      ORDER BY c.due_at LIMIT %(limit)s
      FOR UPDATE SKIP LOCKED
 )
@@ -58,9 +60,9 @@ RETURNING c.id, c.action_id, c.seq, c.recheck_key, c.attempts, c.offset_ms, a.te
 EXPIRE_SQL = """
 WITH gone AS (
     SELECT c.id FROM postcondition_checks c
-     WHERE c.status IN ('scheduled', 'claimed') AND c.due_at <= clock_timestamp()
-       AND c.horizon_at <= clock_timestamp()
-       AND (c.status = 'scheduled' OR c.claim_expires_at < clock_timestamp())
+     WHERE c.status IN ('scheduled', 'claimed') AND c.due_at <= statement_timestamp()
+       AND c.horizon_at <= statement_timestamp()
+       AND (c.status = 'scheduled' OR c.claim_expires_at < statement_timestamp())
      LIMIT %(limit)s
      FOR UPDATE SKIP LOCKED
 )
