@@ -30,6 +30,7 @@ from ledger.states import (
     IdempotencyStatus,
     KillSwitchScope,
     Outcome,
+    RecheckStatus,
     RecoveryKind,
     VerificationFinding,
 )
@@ -50,6 +51,8 @@ recovery_kind_type = _enum(RecoveryKind, "recovery_kind")
 NOW = text("clock_timestamp()")
 #: The verification findings an action row may hold, as an SQL list.
 FINDINGS = ", ".join(f"'{f.value}'" for f in VerificationFinding)
+#: The statuses a post-condition re-check may hold, as an SQL list.
+RECHECK_STATUSES = ", ".join(f"'{s.value}'" for s in RecheckStatus)
 
 ledger_events = Table(
     "ledger_events",
@@ -322,3 +325,33 @@ evidence_captures = Table(
     CheckConstraint(f"kind IN ({CAPTURE_KINDS})", name="evidence_captures_kind_known"),
 )
 Index("evidence_captures_action_idx", evidence_captures.c.action_id)
+
+# Post-condition re-checks a contract asked for (proofline/recheck.py), written in the transaction
+# of the verdict that closed the action ``completed_verified``; the reconciler claims the due ones
+# (recovery/recheck_sweep.py) and a worker reads them (recovery/recheck.py). Guarded moves only
+# (ledger/rechecks.py); ``attempts`` is the claim's fencing token.
+postcondition_checks = Table(
+    "postcondition_checks",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("action_id", Text, nullable=False),
+    # 1, 2, ... in the order of the contract's offsets.
+    Column("seq", Integer, nullable=False),
+    # The re-check's own idempotency key (its task carries it; its events name it).
+    Column("recheck_key", Text, nullable=False),
+    Column("offset_ms", BigInteger, nullable=False),
+    Column("due_at", DateTime(timezone=True), nullable=False),
+    Column("horizon_at", DateTime(timezone=True), nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'scheduled'")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("claim_expires_at", DateTime(timezone=True), nullable=True),
+    Column("finding", Text, nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    UniqueConstraint("action_id", "seq", name="postcondition_checks_once_per_offset"),
+    UniqueConstraint("recheck_key", name="postcondition_checks_key_uq"),
+    # Mirrors ledger.states.RecheckStatus (migration 0017).
+    CheckConstraint(f"status IN ({RECHECK_STATUSES})", name="postcondition_checks_status_known"),
+)
+# What the reconciler's sweep reads: the open rows by due time (an idle sweep reads only this index).
+Index("postcondition_checks_open_idx", postcondition_checks.c.status, postcondition_checks.c.due_at)

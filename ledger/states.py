@@ -90,6 +90,26 @@ class VerificationFinding(str, Enum):
     evidence_conflict = "evidence_conflict"
 
 
+class RecheckStatus(str, Enum):
+    """Where one scheduled post-condition re-check stands (``postcondition_checks.status``, a CHECK
+    mirrors it; migration 0017)."""
+
+    #: Waiting for its due time; nothing runs until then.
+    scheduled = "scheduled"
+    #: Taken by the reconciler and sent to a worker; taken again once its claim expires.
+    claimed = "claimed"
+    #: Read again: the post-condition still holds.
+    held = "held"
+    #: Read again: the post-condition no longer holds; the action went to recovery.
+    regressed = "regressed"
+    #: The read path (or a source) could not be read: no evidence either way.
+    unreadable = "unreadable"
+    #: Not read: the action regressed at an earlier re-check, or left its verified state.
+    cancelled = "cancelled"
+    #: Not read: its horizon passed before a worker could read it (the reconciler was down).
+    expired = "expired"
+
+
 class KillSwitchScope(str, Enum):
     """What a kill switch covers."""
 

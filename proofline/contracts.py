@@ -27,6 +27,7 @@ from proofline.errors import (
     ProoflineError,
     UnknownActionType,
 )
+from proofline.recheck import Recheck
 from proofline.server_requests import ServerRequestPolicy
 
 SENSITIVE_PATH = re.compile(r"(args|result|before|after)(\.[A-Za-z0-9_\-]+)+")
@@ -144,6 +145,9 @@ class Verification(_Model):
     #: (an audit log, by idempotency key or operation id) whose ``expected`` conditions say the
     #: effect happened. It can only ever say "it happened"; its silence proves nothing.
     reconcile: EvidenceSource | None = None
+    #: Re-read the verified effect later (``proofline/recheck.py``): offsets after the verdict
+    #: within a horizon; a re-check that no longer holds is ``postcondition_regressed``.
+    recheck: Recheck | None = None
 
     @property
     def all_sources(self) -> tuple[EvidenceSource, ...]:

@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     redrive_after_seconds: float = 60.0
     #: A verification with no progress for this long is started again.
     verify_stall_seconds: float = 180.0
+    #: A post-condition re-check sent to a worker and not finished after this long (the worker
+    #: died) is claimed again by the reconciler and sent once more.
+    recheck_claim_seconds: float = Field(default=300.0, gt=0)
 
     #: Send Celery task events from the start (Flower also enables them at runtime).
     task_events: bool = False

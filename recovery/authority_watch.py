@@ -10,9 +10,10 @@ verifications, compensations and their success, and manual resolutions.
 :func:`demote_on_regressions` runs with the reconciler's sweep: an action type whose actions,
 authorized under the policy in force at a rung above its ``demote_to``, show a regression (an
 escalated action the runtime could not settle, a failed compensation, a post-condition that did
-not hold) is demoted to ``demote_to`` until an approver signs a new policy. The demotion is a row
-the worker reads on every action, a ledger event on the chain ``authority:<type>``, and a warning
-log that the ``authority_demotions`` counter and its alert turn into a page.
+not hold, at verification or at a later re-check) is demoted to ``demote_to`` until an approver
+signs a new policy. The demotion is a row the worker reads on every action, a ledger event on the
+chain ``authority:<type>``, and a warning log that the ``authority_demotions`` counter and its
+alert turn into a page.
 """
 
 from __future__ import annotations
@@ -56,15 +57,17 @@ SELECT a.action_type, au.mode,
  ORDER BY a.action_type, au.mode
 """
 
-# Open regressions: escalated (an operator's turn) or in recovery, authorized under one policy.
+# Regressions, authorized under one policy: open ones (escalated, an operator's turn, or in
+# recovery), and post-conditions that no longer held at a re-check, however recovery settled them.
 REGRESSIONS_SQL = """
 SELECT a.action_id, a.action_type, a.status::text AS status, a.outcome::text AS outcome, a.finding,
        e.evidence #>> '{authority,mode}' AS mode
   FROM actions a
   JOIN LATERAL (SELECT evidence FROM ledger_events WHERE action_id = a.action_id AND event = 'revalidated'
                  ORDER BY seq DESC LIMIT 1) e ON true
- WHERE a.status IN ('escalated', 'recovery') AND a.kind = 'action'
-   AND e.evidence #>> '{authority,policy_hash}' = %s
+ WHERE a.kind = 'action' AND e.evidence #>> '{authority,policy_hash}' = %s
+   AND (a.status IN ('escalated', 'recovery')
+        OR a.action_id IN (SELECT c.action_id FROM postcondition_checks c WHERE c.status = 'regressed'))
 """
 
 

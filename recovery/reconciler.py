@@ -7,7 +7,8 @@ Run periodically by Celery beat on the ``reconcile`` queue. Each sweep looks for
   claim in progress and reconciles the downstream state before anything else;
 - verifications that stalled (accepted operations to poll, unverified completions) → verify again;
 - actions in recovery with no decision taken → recover again;
-- run steps and compensated parents whose follow-up was lost between a commit and its hook.
+- run steps and compensated parents whose follow-up was lost between a commit and its hook;
+- post-condition re-checks that are due (``recovery/recheck_sweep.py``) → send each to a worker.
 Safe on several workers at once: rows are taken with ``FOR UPDATE SKIP LOCKED`` and pushed back
 by ``next_check_at`` in the same statement, so two sweepers never re-drive the same action twice.
 
@@ -32,6 +33,7 @@ from ledger import heartbeat, store
 from proofline.errors import ProoflineError
 from proofline.settings import Settings
 from proofline.telemetry import tracing
+from recovery import recheck_sweep
 from recovery.expiry import close_overdue_txn, prune_deliveries_txn
 from recovery.settle import after_settle
 from recovery.sweep_gate import SweepRun, Swept, run_once
@@ -92,10 +94,13 @@ class Taken:
     expired: list[str] = field(default_factory=list)
     #: Claimed rows (with ``trace``, and for ``execute`` the ``message`` to send again) and what to do.
     redrives: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    #: Post-condition re-checks claimed now (``recovery/recheck_sweep.py``), to send once committed.
+    rechecks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_seconds: float, limit: int = 200,
-         deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0) -> Taken:
+         deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0,
+         recheck_claim_seconds: float = 300.0) -> Taken:
     """Everything a sweep writes, inside the caller's transaction; nothing is sent."""
     taken = Taken(counts={})
     taken.expired = close_overdue_txn(cur, actor, deadline_grace_seconds, limit)
@@ -113,6 +118,8 @@ def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_se
                     row["message"] = _message_or_refusal(cur, actor, row)
             taken.redrives.append((row, action))
         taken.counts[name] = len(rows)
+    taken.rechecks, expired = recheck_sweep.take_txn(cur, actor, limit=limit, claim_seconds=recheck_claim_seconds)
+    taken.counts["rechecks_claimed"], taken.counts["rechecks_expired"] = len(taken.rechecks), expired
     return taken
 
 
@@ -145,6 +152,7 @@ def send(conn: Any, dispatch: Dispatch, actor: str, taken: Taken) -> None:
     for row, action in taken.redrives:
         with tracing.resume(row["trace"], "proofline.redrive"):
             _redrive(conn, dispatch, actor, row, action)
+    recheck_sweep.send(dispatch, taken.rechecks)
     if any(taken.counts.values()):
         log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **taken.counts})
 
@@ -173,7 +181,8 @@ def sweep_once(conn: psycopg.Connection[dict[str, Any]], dispatch: Dispatch, set
                      verify_stale_seconds=settings.verify_stall_seconds,
                      deadline_grace_seconds=settings.deadline_grace_seconds,
                      # Longer than any deadline plus its grace: older counts can explain nothing still open.
-                     delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds)
+                     delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds,
+                     recheck_claim_seconds=settings.recheck_claim_seconds)
         heartbeat.beat_txn(cur, actor, taken.counts)
         return Swept(taken.counts, then=lambda: send(conn, dispatch, actor, taken))
 

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from ledger import evidence, store
+from ledger import evidence, rechecks, store
 from ledger.redact import Redactor, current_redactor, for_envelope
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
@@ -203,6 +203,12 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
             if status == ActionStatus.escalated:
                 events.append(("escalated", {"reason_code": reason, "evidence": ESCALATION_EVIDENCE.get(
                     obs.finding, "verification read path unavailable")}))
+            recheck = contract.verification.recheck
+            if recheck is not None and (status, outcome or action.outcome) == (ActionStatus.closed,
+                                                                                Outcome.completed_verified):
+                # The re-checks the contract asks for, due from this verdict: in its transaction.
+                rechecks.schedule_txn(cur, action_id, envelope.idempotency_key, recheck)
+                events.append(("recheck_scheduled", rechecks.plan(recheck)))
             # The worker's signed statement of this verdict, then the final state (always the last event).
             events.append(verdict_evidence(rt, action, red, status, outcome or action.outcome, obs, reason, recovered))
             events.append(("final_state" if status in (ActionStatus.closed, ActionStatus.cancelled)

@@ -65,6 +65,7 @@ task_default_queue = "actions"
 task_routes = _broker.task_routes(_settings, broker_url, {
     "proofline.execute": {"queue": "actions"},
     "proofline.verify": {"queue": "verify"},
+    "proofline.recheck": {"queue": "verify"},
     "proofline.compensate": {"queue": "compensate"},
     # Deciding and signing recovery envelopes: only processes holding the recovery key consume it.
     "proofline.recover": {"queue": "recovery"},

@@ -66,6 +66,8 @@ class Dispatch(Protocol):
 
     def recover(self, action_id: str) -> None: ...
 
+    def recheck(self, check_id: int, attempt: int, tenant: str | None = None) -> None: ...
+
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str: ...
 
@@ -105,6 +107,11 @@ class CeleryDispatch:
     def recover(self, action_id: str) -> None:
         # Its own queue: only recovery processes (which hold the recovery key) consume it.
         self._send("proofline.recover", [action_id], queue="recovery")
+
+    def recheck(self, check_id: int, attempt: int, tenant: str | None = None) -> None:
+        # A post-condition re-check is a verification read: the tenant's verify shard, the worker role.
+        self._send("proofline.recheck", [check_id, attempt],
+                   queue=queue_for_tenant(tenant, self.tenant_shards, VERIFY_QUEUE))
 
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
         # The summary is written by ``_hide_arguments`` as the message is published; a placeholder

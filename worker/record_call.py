@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ledger import evidence, store
+from ledger import evidence, rechecks, store
 from ledger.redact import Redactor
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome, VerificationFinding
 from proofline.canonical import sha256_hex
@@ -119,11 +119,17 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
             recovery_data={"downstream_operation_id": verdict.operation_id} if verdict.operation_id else None,
             redactor=red, events=events, actor=actor, deferred=True)
         if verified and first is not None:
+            recheck = rt.contract(envelope.action_type).verification.recheck
+            scheduled = []
+            if recheck is not None:
+                # The contract's re-checks, due from this verdict, in its transaction.
+                rechecks.schedule_txn(cur, aid, envelope.idempotency_key, recheck)
+                scheduled = [("recheck_scheduled", rechecks.plan(recheck))]
             store.transition_txn(
                 cur, aid, [ActionStatus.verifying], ActionStatus.closed, outcome=Outcome.completed_verified,
                 finding=VerificationFinding.expected.value, reason_code="verified",
                 recovery_data={"after": after} if after is not None else None, redactor=red,
-                events=[("verification_finished", {**first.evidence, "in_place": True}),
+                events=[("verification_finished", {**first.evidence, "in_place": True}), *scheduled,
                         _closed_evidence(rt, envelope, red, verdict, first),
                         ("final_state", {"status": ActionStatus.closed.value,
                                          "outcome": Outcome.completed_verified.value, "reason_code": "verified"})],

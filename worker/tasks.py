@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 EXECUTE = "proofline.execute"
 COMPENSATE = "proofline.compensate"
 VERIFY = "proofline.verify"
+RECHECK = "proofline.recheck"
 
 app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("worker.celery_config")
@@ -155,7 +156,10 @@ def _follow_up(self: Any, step: str, action_id: str, fn: Any) -> str:
     current_redactor.set(POLICY)  # the stage sets its action's redactor once it has loaded it
     rt = runtime()
     try:
-        return task_line(with_outcome(rt.conn, fn(rt, action_id, dispatch)))
+        result = fn(rt, action_id, dispatch)
+        # The connection is taken after the stage ran: a stage that read the system of record for
+        # longer than the session's idle timeout has left the one it started with closed by Postgres.
+        return task_line(with_outcome(rt.conn, result))
     except psycopg.OperationalError:
         rt.reset_connection()
         raise
@@ -170,6 +174,15 @@ def verify_task(self, action_id: str) -> str:
     from recovery.verify import verify
 
     return _follow_up(self, "verify", action_id, verify)
+
+
+@app.task(name=RECHECK, **TASK_OPTIONS)
+def recheck_task(self, check_id: int, attempt: int) -> dict[str, Any]:
+    """A post-condition re-check the reconciler claimed (``recovery/recheck.py``); its row and the
+    claim's attempt are its idempotency: a second delivery of the same claim finds it finished."""
+    from recovery.recheck import recheck
+
+    return _follow_up(self, "recheck", str(check_id), lambda rt, _, d: recheck(rt, int(check_id), int(attempt), d))
 
 
 @app.task(name="proofline.recover", **TASK_OPTIONS)

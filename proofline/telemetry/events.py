@@ -153,11 +153,9 @@ COUNTERS: tuple[EventCounter, ...] = (
                  when=(Mentions(("error",), ("timeout", "timed out")),)),
     EventCounter("verifications", "Verifications finished, by finding", ("verification_finished",),
                  (Path("finding", ("finding",)),)),
-    EventCounter("postcondition_regressions", "Calls reported successful whose post-condition did not hold "
-                 "(prohibited, not reached or absent) or whose independent sources disagreed",
-                 ("verification_finished",), (Path("finding", ("finding",)),),
-                 when=(OneOf(("prior_outcome",), ("completed_unverified", "accepted")),
-                       OneOf(("finding",), ("prohibited", "not_reached", "absent", "evidence_conflict")))),
+    EventCounter("postcondition_regressions", "Verified actions whose post-condition no longer held at a later "
+                 "re-check (the contract's verification.recheck), by what the re-read found",
+                 ("postcondition_regressed",), (Path("finding", ("read_finding",)),)),
     EventCounter("retries", "Deliveries retried with the same key, by the classified cause",
                  ("retry_scheduled",), (Path("cause", ("cause",)),)),
     EventCounter("recovery_decisions", "Recovery decisions, by kind and reason", ("recovery_decided",),

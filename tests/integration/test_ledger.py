@@ -29,6 +29,7 @@ from ledger.states import (
     IdempotencyStatus,
     KillSwitchScope,
     Outcome,
+    RecheckStatus,
     VerificationFinding,
 )
 from proofline.envelope import build_envelope
@@ -146,6 +147,16 @@ def test_capture_kind_check_equals_python_enum(admin):
         [row] = cur.fetchall()
     labels = re.findall(r"'([a-z_]+)'::text", row["def"])
     assert sorted(labels) == sorted(m.value for m in CaptureKind)
+
+
+def test_recheck_status_check_equals_python_enum(admin):
+    """``postcondition_checks.status`` is text guarded by a CHECK: its list is ``RecheckStatus``."""
+    with admin.cursor() as cur:
+        cur.execute("""SELECT pg_get_constraintdef(c.oid) AS def FROM pg_constraint c
+                       WHERE c.conname = 'postcondition_checks_status_known'""")
+        [row] = cur.fetchall()
+    labels = re.findall(r"'([a-z_]+)'::text", row["def"])
+    assert sorted(labels) == sorted(m.value for m in RecheckStatus)
 
 
 def _schema_diff(admin_url: str, target: MetaData) -> list[Any]:

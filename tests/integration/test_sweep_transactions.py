@@ -111,6 +111,9 @@ class SendRecorder:
     def recover(self, action_id: str) -> None:
         self._sent("recover", action_id)
 
+    def recheck(self, check_id: int, attempt: int, tenant: str | None = None) -> None:
+        self._sent("recheck", str(check_id))
+
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:
         self._sent("execute", message["envelope"]["action_id"])

@@ -170,10 +170,15 @@ def test_a_conflict_is_never_compensated_or_retried():
     assert (contained.kind, contained.contain) == (RecoveryKind.containment, True)
 
 
-def test_a_conflict_after_a_reported_success_counts_as_a_postcondition_regression():
+def test_postcondition_regressions_count_re_checks_that_no_longer_hold_not_first_verifications():
+    """A first verification that fails is a verification failure (``verifications{finding}``); a
+    post-condition regression is a verified effect that a later re-check found gone or changed."""
     from proofline.telemetry.events import COUNTERS
 
     [regressions] = [c for c in COUNTERS if c.name == "postcondition_regressions"]
-    after_success = {"prior_outcome": "completed_unverified", "finding": "evidence_conflict"}
-    assert regressions.matches("verification_finished", after_success)
-    assert not regressions.matches("verification_finished", {**after_success, "finding": "expected"})
+    first = {"prior_outcome": "completed_unverified", "finding": "evidence_conflict"}
+    assert not regressions.matches("verification_finished", first)
+    regressed = {"read_finding": "absent", "finding": "not_reached", "recheck": 2}
+    assert regressions.matches("postcondition_regressed", regressed)
+    assert regressions.labels[0].read("postcondition_regressed", regressed) == "absent"
+    assert not regressions.matches("postcondition_held", {"finding": "expected"})

@@ -9,7 +9,7 @@
 - Event rights: ``evidence_read_by_auditor`` is the auditor's alone.
 
 Revision ID: 0018
-Revises: 0016
+Revises: 0017
 """
 
 import sqlalchemy as sa
@@ -20,7 +20,7 @@ from ledger import roles_ddl
 from ledger.roles import EVENT_RIGHTS, EVIDENCE_EVENTS
 
 revision = "0018"
-down_revision = "0016"
+down_revision = "0017"
 branch_labels = None
 depends_on = None
 
