@@ -50,9 +50,10 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
 
     Before it consumes it runs ``proofline doctor``'s checks of its setup (servers file, sandbox,
     contracts, pins, keys, database and migrations) and refuses to start on the first that fails:
-    one line, exit 3 (a production process refuses development keys, an execute worker that can
-    read a private key, and the combined role). The worker is restarted if it dies (for example
-    when the broker crashes under it)."""
+    one line, exit 3 (a production process refuses development keys, the combined role, root, a
+    private key of another role it can read, a broker that asks no credentials and a database role
+    let in without a password). The worker is restarted if it dies (for example when the broker
+    crashes under it)."""
     from proofline.keys import check_process_keys
     from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
