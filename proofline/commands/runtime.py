@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import MODE, emit, raw_options, settings
+from proofline.commands.base import MODE, emit, foreground, raw_options, refuse_json, settings
 
 #: What each kind of worker process consumes. Execution never holds the recovery key; recovery
 #: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
@@ -27,12 +27,7 @@ def role_queues(role: str, tenant_shards: int) -> str:
     return ",".join(names)
 
 
-def _foreground(name: str) -> None:
-    """Long-running commands log as they go; they have no single result to print as JSON."""
-    if MODE.json:
-        raise click.UsageError(f"{name} runs in the foreground and logs as it goes; --json is not available")
-
-
+@foreground
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--role", type=click.Choice(sorted(ROLE_QUEUES)), default="all", show_default=True,
               help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
@@ -58,7 +53,7 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
     from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
 
-    _foreground("worker")
+    refuse_json("worker")
     warnings = refuse_bad_setup(settings(), role)
     for warning in [*warnings, *check_process_keys(settings(), role)]:
         click.echo(f"proofline worker: warning: {warning}", err=True)
@@ -104,6 +99,7 @@ def soak(ctx: click.Context) -> None:
     sys.exit(soak_main(list(ctx.args)))
 
 
+@foreground
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.option("--port", default=5555, show_default=True)
@@ -115,7 +111,7 @@ def flower(ctx: click.Context, address: str, port: int) -> None:
 
     import worker
 
-    _foreground("flower")
+    refuse_json("flower")
     conf = Path(worker.__file__).resolve().parent / "flower_config.py"
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--conf={conf}", f"--address={address}",
             f"--port={port}", *ctx.args]
