@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     controller_database_url: SecretStr | None = None
     operator_database_url: SecretStr | None = None
     reader_database_url: SecretStr | None = None
+    # --- who publishes ---
+    #: Who requests the actions this controller publishes when the caller names nobody (``publish
+    #: --requester``, the SDK's ``requester=``); signed into every envelope. Unset: the user and
+    #: host that publish (``alice@build-01``), never a placeholder.
+    requester: str | None = None
+    #: The workload (agent) identity signed into envelopes when the caller names none; unset:
+    #: ``proofline-controller:<user>@<host>``, the process that published.
+    workload_identity: str | None = None
     # --- the operator console ---
     #: Where ``proofline console`` listens: loopback unless configured.
     console_host: str = "127.0.0.1"
