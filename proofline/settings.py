@@ -6,6 +6,7 @@ reads the environment.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from enum import StrEnum
@@ -24,10 +25,13 @@ PACKAGED_CONTRACTS_DIR = Path(__file__).resolve().parent / "defaults" / "contrac
 PACKAGED_SERVERS_FILE = Path(__file__).resolve().parent / "defaults" / "servers.yaml"
 
 
-def default_state_dir() -> Path:
-    """``$XDG_STATE_HOME/proofline``, else ``~/.local/state/proofline``: never the current directory."""
+def default_state_dir(package: Path = Path(__file__).resolve().parent) -> Path:
+    """``$XDG_STATE_HOME/proofline/install-<hash>``, else ``~/.local/state/proofline/install-<hash>``:
+    one folder per installed copy of Proofline (a checkout, a virtual environment; the hash is of
+    the package's folder), so two checkouts never share a demo's database. Never the current
+    directory."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "proofline"
+    return Path(base) / "proofline" / f"install-{hashlib.sha256(str(package).encode()).hexdigest()[:12]}"
 
 
 class Environment(StrEnum):

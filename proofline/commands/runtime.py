@@ -69,12 +69,16 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
 
 
 @click.command()
-@click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards")
-def demo(keep: bool) -> None:
+@click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards (and say how to stop it)")
+@click.option("--stop", is_flag=True, help="stop the embedded Postgres a `demo --keep` left running, and exit")
+def demo(keep: bool, stop: bool) -> None:
     """Run the demo end to end (embedded Postgres and broker unless PROOFLINE_DATABASE_URL is set)."""
     from contextlib import redirect_stdout
 
-    from proofline_kit.demo import run_demo  # the demo is part of the kit
+    from proofline_kit.demo import run_demo, stop_demo  # the demo is part of the kit
+
+    if stop:
+        sys.exit(stop_demo())
 
     if not MODE.json:
         sys.exit(run_demo(keep=keep))

@@ -65,6 +65,11 @@ def test_publish_executes_once_and_status_reports_the_ledger(stack: Stack) -> No
         row.status.value, row.outcome.value, row.idempotency_key)
     assert [(e["seq"], e["event"]) for e in report["timeline"]] == [
         (e["seq"], e["event"]) for e in stack.timeline(action_id)]
+    # forensics numbers its six sections alike for every action: one that needed no recovery says so.
+    told = ok(cli(stack, "forensics", action_id)).stdout
+    headings = [line.split(".", 1)[0] for line in told.splitlines() if line[:2] in {f"{n}." for n in range(1, 10)}]
+    assert headings == ["1", "2", "3", "4", "5", "6"], told
+    assert "none: nothing was decided or done after the call" in told
 
 
 def test_publish_fills_in_the_ids_and_names_who_published(stack: Stack) -> None:
