@@ -80,7 +80,7 @@ def _default(name: str, field) -> str:
 
     from proofline import settings as s
 
-    described = {"state_dir": "`$XDG_STATE_HOME/proofline`, else `~/.local/state/proofline`",
+    described = {"state_dir": "`$XDG_STATE_HOME/proofline/install-<hash>`, else `~/.local/state/proofline/install-<hash>` (one folder per installed copy)",
                  "worker_concurrency": "twice the processors", "worker_id": "`<node name or host>:<pid>`",
                  "accepted_policy_versions": "`[5]`"}
     if name in described:

@@ -23,7 +23,6 @@ client per thread.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ import psycopg
 from ledger import store
 from ledger.settled import CHANNEL, SETTLED
 from ledger.states import ActionStatus, Outcome
-from proofline.controller import prepare, publish_many, publish_message, signed_message
+from proofline.controller import fresh_ids, prepare, publish_many, publish_message, signed_message
 from proofline.envelope import Envelope
 from proofline.errors import IdempotencyConflict, WaitTimedOut
 from proofline.settings import Settings, get_settings, reveal
@@ -126,9 +125,9 @@ class Client:
                 run_id: str | None = None, action_id: str | None = None, **options: Any) -> Envelope:
         """An unsigned envelope bound to the pinned tool contract (see ``proofline.controller.prepare``
         for the options: requester, approval, deadline, evidence ...)."""
-        action_id = action_id or f"act-{uuid.uuid4().hex}"
+        run_id, action_id = fresh_ids(run_id, action_id)
         return prepare(self.settings, action_type=action_type, arguments=dict(arguments), target=dict(target),
-                       tenant=tenant, run_id=run_id or f"run-{action_id}", action_id=action_id, **options)
+                       tenant=tenant, run_id=run_id, action_id=action_id, **options)
 
     def publish(self, action_type: str | Envelope, **fields: Any) -> ActionHandle:
         """Sign, record and send one action; returns its handle. Takes ``prepare``'s fields, or an

@@ -7,6 +7,7 @@ broker message is still visible as an action that was published and never starte
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,22 @@ def pinned_or_live(settings: Settings, contract: Contract,
     return version, hashes[contract.tool]
 
 
+def publisher(settings: Settings) -> tuple[str, str]:
+    """The requester and workload identity an envelope names when its caller names none: the
+    settings' ``requester`` and ``workload_identity``, else the user and host that publish."""
+    import getpass
+    import socket
+
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    return settings.requester or who, settings.workload_identity or f"proofline-controller:{who}"
+
+
+def fresh_ids(run_id: str | None, action_id: str | None) -> tuple[str, str]:
+    """A run id and an action id, made fresh where the caller gave none (the action's own run)."""
+    action_id = action_id or f"act-{uuid.uuid4().hex}"
+    return run_id or f"run-{action_id}", action_id
+
+
 def prepare(
     settings: Settings,
     *,
@@ -99,8 +116,8 @@ def prepare(
     tenant: str,
     run_id: str,
     action_id: str,
-    requester: str = "operator@example.com",
-    workload_identity: str = "agent:ops-assistant",
+    requester: str | None = None,
+    workload_identity: str | None = None,
     environment: str | None = None,
     approval_id: str | None = None,
     approval_version: int = 1,
@@ -120,6 +137,8 @@ def prepare(
     (``arguments_invalid``). Fields that do not make a valid envelope (an action id with a space)
     are ``envelope_malformed``, never a raw pydantic error."""
     contract = contract_for(Path(settings.contracts_dir), action_type)
+    default_requester, default_workload = publisher(settings)
+    requester, workload_identity = requester or default_requester, workload_identity or default_workload
     version, contract_hash = pinned_or_live(settings, contract, live)
     if live is None:
         path = pins_path(settings)

@@ -158,19 +158,20 @@ def reconstruct(cur: Any, action_id: str, depth: int = 0) -> str | None:
              f"{_j(ev['evidence'], 100)}")
 
     recovery = [ev for ev in events if ev["event"] in RECOVERY_EVENTS]
-    if recovery:
-        line("5. Recovery and interventions")
-        for ev in recovery:
-            e = ev["evidence"]
-            if ev["event"] == "recovery_decided":
-                line(f"   {ts(ev['at'])} decided {e['decision']} ({e['reason']}) from facts "
-                     f"{_j(e['facts'], 120)}")
-            else:
-                line(f"   {ts(ev['at'])} {ev['event']} {_j(e, 120)}")
-            if ev["event"] == "recovery_action_published":
-                sub = reconstruct(cur, e["recovery_action"], depth + 1)
-                if sub:
-                    out.append(sub)
+    line("5. Recovery and interventions")  # always shown, so the six sections are numbered alike
+    if not recovery:
+        line("   none: nothing was decided or done after the call")
+    for ev in recovery:
+        e = ev["evidence"]
+        if ev["event"] == "recovery_decided":
+            line(f"   {ts(ev['at'])} decided {e['decision']} ({e['reason']}) from facts "
+                 f"{_j(e['facts'], 120)}")
+        else:
+            line(f"   {ts(ev['at'])} {ev['event']} {_j(e, 120)}")
+        if ev["event"] == "recovery_action_published":
+            sub = reconstruct(cur, e["recovery_action"], depth + 1)
+            if sub:
+                out.append(sub)
 
     line("6. Final state and how it was determined")
     finals = [ev for ev in events if ev["event"] in FINAL_EVENTS]

@@ -6,6 +6,7 @@ reads the environment.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from enum import StrEnum
@@ -24,10 +25,13 @@ PACKAGED_CONTRACTS_DIR = Path(__file__).resolve().parent / "defaults" / "contrac
 PACKAGED_SERVERS_FILE = Path(__file__).resolve().parent / "defaults" / "servers.yaml"
 
 
-def default_state_dir() -> Path:
-    """``$XDG_STATE_HOME/proofline``, else ``~/.local/state/proofline``: never the current directory."""
+def default_state_dir(package: Path = Path(__file__).resolve().parent) -> Path:
+    """``$XDG_STATE_HOME/proofline/install-<hash>``, else ``~/.local/state/proofline/install-<hash>``:
+    one folder per installed copy of Proofline (a checkout, a virtual environment; the hash is of
+    the package's folder), so two checkouts never share a demo's database. Never the current
+    directory."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "proofline"
+    return Path(base) / "proofline" / f"install-{hashlib.sha256(str(package).encode()).hexdigest()[:12]}"
 
 
 class Environment(StrEnum):
@@ -184,6 +188,14 @@ class Settings(BaseSettings):
     #: ``proofline evidence show`` and the console's evidence page read the protected evidence store
     #: as proofline_auditor through this URL (no other role may read it).
     auditor_database_url: SecretStr | None = None
+    # --- who publishes ---
+    #: Who requests the actions this controller publishes when the caller names nobody (``publish
+    #: --requester``, the SDK's ``requester=``); signed into every envelope. Unset: the user and
+    #: host that publish (``alice@build-01``), never a placeholder.
+    requester: str | None = None
+    #: The workload (agent) identity signed into envelopes when the caller names none; unset:
+    #: ``proofline-controller:<user>@<host>``, the process that published.
+    workload_identity: str | None = None
     # --- the operator console ---
     #: Where ``proofline console`` listens: loopback unless configured.
     console_host: str = "127.0.0.1"

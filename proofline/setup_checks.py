@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proofline.errors import ConfigurationError, ProoflineError
+from proofline.production_checks import check_broker_auth, check_database_auth, check_key_files
 from proofline.settings import Environment, Settings, reveal
 
 #: The connect timeout of each service check, in seconds: a check must answer, not hang.
@@ -50,7 +51,8 @@ class Failed(Exception):
 
 
 def check_environment(settings: Settings) -> str:
-    """In production, two rules more: not as root, and a broker URL with credentials."""
+    """In production, two rules more: not as root, and a broker URL with credentials (what the host
+    and its services allow is checked by ``proofline/production_checks.py``)."""
     env = settings.environment
     if env != Environment.production:
         return f"{env.value}: the production rules are off (development keys, unsandboxed servers, one process " \
@@ -292,9 +294,14 @@ NEEDS_DATABASE = ("migrations", "reconciler")
 
 def worker_checks(settings: Settings, role: str, warnings: list[str]) -> list[tuple[str, Any]]:
     """What a worker checks before it consumes, in order (each a name and a call): the process's own
-    keys and rules first, then its files, then the database. Not the broker (Celery waits for it
-    and reconnects) nor the reconciler's heartbeat (a worker may be the first process to start)."""
+    keys and rules first, the production rules on its key files, broker and database login
+    (``proofline/production_checks.py``), then its files, then the database. Not whether the broker
+    is up (Celery waits for it and reconnects) nor the reconciler's heartbeat (a worker may be the
+    first process to start)."""
     return [("keys", lambda: check_keys(settings, role)), ("environment", lambda: check_environment(settings)),
+            ("key-files", lambda: check_key_files(settings, role)),
+            ("broker-auth", lambda: check_broker_auth(settings)),
+            ("db-auth", lambda: check_database_auth(settings, own=True)),
             ("authority", lambda: check_authority(settings)),
             ("servers", lambda: check_servers(settings)), ("contracts", lambda: check_contracts(settings, warnings)),
             ("evidence_capture", lambda: check_evidence_capture(settings, warnings)),

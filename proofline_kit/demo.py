@@ -147,8 +147,21 @@ def run_demo(keep: bool = False, report: list[dict[str, Any]] | None = None) -> 
         if keep or os.environ.get("PROOFLINE_DATABASE_URL"):
             print(f"read the ledger:  PROOFLINE_DATABASE_URL='{runtime}' proofline forensics {lost}")
             _console_hint(runtime, broker, keys_dir)
+        if keep and not os.environ.get("PROOFLINE_DATABASE_URL"):
+            print(f"the demo's Postgres keeps running (its data in {WORKDIR / 'pg'}); stop it with: proofline demo --stop")
         else:
             print(f"to read the ledger afterwards: proofline demo --keep, then proofline forensics {lost}")
+    return 0
+
+
+def stop_demo() -> int:
+    """``proofline demo --stop``: stop the Postgres a ``demo --keep`` left running. Exit 0 either way,
+    saying which."""
+    from proofline_kit.embedded import stop_kept
+
+    stopped = stop_kept(WORKDIR / "pg")
+    print(f"stopped the demo's Postgres in {WORKDIR / 'pg'}" if stopped
+          else f"no demo Postgres is running in {WORKDIR / 'pg'}")
     return 0
 
 

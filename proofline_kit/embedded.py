@@ -72,8 +72,11 @@ def _stop_embedded(server: Any, postmaster: psutil.Process | None) -> None:
     except Exception as exc:  # noqa: BLE001 - the checks below finish the job
         print(f"note: embedded Postgres did not stop cleanly ({type(exc).__name__}); stopping it by signal",
               file=sys.stderr, flush=True)
-    if postmaster is None:
-        return
+    if postmaster is not None:
+        _signal_until_gone(postmaster)
+
+
+def _signal_until_gone(postmaster: psutil.Process) -> None:
     for sig, grace in ((signal.SIGINT, 60.0), (signal.SIGQUIT, 10.0), (signal.SIGKILL, 10.0)):
         try:
             if not postmaster.is_running() or postmaster.status() == psutil.STATUS_ZOMBIE:
@@ -85,6 +88,16 @@ def _stop_embedded(server: Any, postmaster: psutil.Process | None) -> None:
             return
         except psutil.TimeoutExpired:
             continue
+
+
+def stop_kept(pgdata: Path) -> bool:
+    """Stop an embedded Postgres left running (``demo --keep``): a fast shutdown, then harder
+    signals. False when none was running there."""
+    postmaster = _postmaster(pgdata)
+    if postmaster is None or not postmaster.is_running():
+        return False
+    _signal_until_gone(postmaster)
+    return True
 
 
 def servers_for_this_machine(servers_file: Path, base_dir: Path, out: Path, why: str) -> Path:

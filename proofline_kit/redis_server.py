@@ -10,6 +10,7 @@ workers' broker URL names it) and fails loudly if that port was taken in between
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import redis
 
@@ -19,11 +20,16 @@ ATTEMPTS = 5
 
 
 class RedisServer(OwnedServer):
-    """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``."""
+    """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``.
+    With a ``password`` the server refuses every client that does not give it (``requirepass``)."""
+
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
+        super().__init__(workdir)
+        self.password = password
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         if self.port is not None:  # a restart: the same port, or a clear failure
@@ -39,10 +45,10 @@ class RedisServer(OwnedServer):
 
     def _launch(self, port: int) -> bool:
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--dir", str(self.workdir)]
+                "--daemonize", "no", "--dir", str(self.workdir), *(["--requirepass", self.password] if self.password else [])]
         with open(self.workdir / "redis.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+        client = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_connect_timeout=0.2)
 
         def ours() -> str | None:
             if proc.poll() is not None:

@@ -33,17 +33,62 @@ def actions() -> None:
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--before", "before", default=None,
               help="the next page: the 'next' cursor a previous page printed")
-def actions_list(statuses, outcomes, tenant, action_type, run_id, since, limit, before) -> None:
-    """Actions newest first, with their status, outcome and reason."""
+@click.option("--follow", is_flag=True,
+              help="after the page, print each matching action that appears or changes status, outcome or "
+                   "reason, until Ctrl-C (or --stop-after)")
+@click.option("--stop-after", type=click.FloatRange(min=0.1), default=None,
+              help="with --follow: stop watching after this many seconds (exit 0)")
+@click.option("--interval", type=click.FloatRange(0.05, 10.0), default=1.0, show_default=True,
+              help="with --follow: how often the ledger is read")
+def actions_list(statuses, outcomes, tenant, action_type, run_id, since, limit, before, follow, stop_after,
+                 interval) -> None:
+    """Actions newest first, with their status, outcome and reason (``--follow``: then watch for more)."""
     from ledger.listing import ActionFilter, list_actions
 
+    if follow and (MODE.json or before):
+        raise click.UsageError("--follow streams lines as actions change: not with --json or --before")
     flt = ActionFilter(status=tuple(statuses), outcome=tuple(outcomes), tenant=tenant, action_type=action_type,
                        since=since_value(since), run_id=run_id, before=_cursor(before))
-    with connect("reader") as conn, conn.cursor() as cur:
-        rows = list_actions(cur, flt, limit + 1)
-    page, more = rows[:limit], len(rows) > limit
-    cursor = f"{page[-1]['published_at'].isoformat()}|{page[-1]['action_id']}" if more else None
-    emit({"actions": page, "next": cursor}, lambda: _actions_text(page, cursor, flt))
+    with connect("reader") as conn:
+        with conn.cursor() as cur:
+            rows = list_actions(cur, flt, limit + 1)
+        page, more = rows[:limit], len(rows) > limit
+        cursor = f"{page[-1]['published_at'].isoformat()}|{page[-1]['action_id']}" if more else None
+        if not follow:
+            emit({"actions": page, "next": cursor}, lambda: _actions_text(page, cursor, flt))
+            return
+        click.echo(_actions_text(page, None, flt))
+        _watch(conn, flt, limit, page, stop_after, interval)
+
+
+def _state(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["status"], row["outcome"], row["reason_code"]
+
+
+def _watch(conn: Any, flt: Any, limit: int, seen_rows: list[dict[str, Any]], stop_after: float | None,
+           interval: float) -> None:
+    """Read the newest ``limit`` matching actions every ``interval`` and print the line of each that
+    is new or whose status, outcome or reason moved. Ctrl-C ends it as a normal exit."""
+    from ledger.listing import list_actions
+
+    seen = {r["action_id"]: _state(r) for r in seen_rows}
+    deadline = None if stop_after is None else time.monotonic() + stop_after
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(interval)
+            with conn.cursor() as cur:
+                rows = list_actions(cur, flt, limit)
+            for row in reversed(rows):  # oldest change first, as a log reads
+                if seen.get(row["action_id"]) != _state(row):
+                    seen[row["action_id"]] = _state(row)
+                    click.echo(_action_line(row))
+    except KeyboardInterrupt:
+        return
+
+
+def _action_line(r: dict[str, Any]) -> str:
+    return (f"{ts(r['published_at']):<27} {r['action_id']:<32} {r['action_type']:<16} {r['tenant']:<10} "
+            f"{r['status']:<10} {dash(r['outcome']):<26} {dash(r['reason_code'])}")
 
 
 def _cursor(text: str | None) -> tuple[datetime, str] | None:
@@ -61,9 +106,7 @@ def _actions_text(rows: list[dict[str, Any]], cursor: str | None, flt: Any) -> s
         narrowed = any((flt.status, flt.outcome, flt.tenant, flt.action_type, flt.since, flt.run_id, flt.before))
         return "no actions match these filters" if narrowed else "no actions in the ledger yet"
     lines = [f"{'published':<27} {'action':<32} {'type':<16} {'tenant':<10} {'status':<10} {'outcome':<26} reason"]
-    for r in rows:
-        lines.append(f"{ts(r['published_at']):<27} {r['action_id']:<32} {r['action_type']:<16} {r['tenant']:<10} "
-                     f"{r['status']:<10} {dash(r['outcome']):<26} {dash(r['reason_code'])}")
+    lines += [_action_line(r) for r in rows]
     if cursor:
         lines.append(f"more: --before '{cursor}'")
     return "\n".join(lines)

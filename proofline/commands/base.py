@@ -45,9 +45,22 @@ def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
         MODE.debug = True
 
 
-def json_option() -> click.Option:
+def json_option(hidden: bool = False) -> click.Option:
     return click.Option(["--json"], is_flag=True, expose_value=False, is_eager=True, callback=_set_json,
-                        help="print one JSON document on stdout (errors: one JSON line on stderr)")
+                        help="print one JSON document on stdout (errors: one JSON line on stderr)", hidden=hidden)
+
+
+def foreground(cmd: click.Command) -> click.Command:
+    """Mark a long-running command (worker, beat, flower, console, dev): it logs as it goes and has
+    no document to print, so its help does not offer ``--json`` and the flag is refused when given."""
+    cmd.foreground = True  # type: ignore[attr-defined]
+    return cmd
+
+
+def refuse_json(name: str) -> None:
+    """What a foreground command does with ``--json``: a usage error (exit 2) that says why."""
+    if MODE.json:
+        raise click.UsageError(f"{name} runs in the foreground and logs as it goes; --json is not available")
 
 
 def raw_options(cmd: click.Command) -> click.Command:
@@ -63,7 +76,7 @@ class ProoflineGroup(click.Group):
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         if not getattr(cmd, "raw_options", False) and not any("--json" in getattr(p, "opts", ()) for p in cmd.params):
-            cmd.params.append(json_option())
+            cmd.params.append(json_option(hidden=getattr(cmd, "foreground", False)))
         if isinstance(cmd, click.Group) and not isinstance(cmd, ProoflineGroup):
             cmd.__class__ = ProoflineGroup  # its own sub-commands get --json too
             for sub in list(cmd.commands.values()):

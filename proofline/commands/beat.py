@@ -14,9 +14,11 @@ from pathlib import Path
 
 import click
 
+from proofline.commands.base import foreground, refuse_json
 from proofline.settings import get_settings
 
 
+@foreground
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--schedule", "schedule", type=click.Path(path_type=Path), default=None,
               help="beat's schedule file (default: PROOFLINE_STATE_DIR/beat-schedule)")
@@ -25,6 +27,7 @@ def beat(ctx: click.Context, schedule: Path | None) -> None:
     """Run Celery beat for the reconciler and checkpoints (restarted if it dies); extra options go to Celery."""
     from proofline.supervise import supervise
 
+    refuse_json("beat")
     if schedule is None:
         state = Path(get_settings().state_dir)
         state.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import MODE, emit, settings
+from proofline.commands.base import emit, foreground, refuse_json, settings
 
 
 def users_file(path: str | None) -> Path:
@@ -22,6 +22,7 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+@foreground
 @click.group(invoke_without_command=True)
 @click.option("--host", default=None, help="address to bind (default PROOFLINE_CONSOLE_HOST, 127.0.0.1)")
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
@@ -36,8 +37,7 @@ def console(ctx: click.Context, host: str | None, port: int | None, users: str |
     role, writes as the operator role; approver users' approvals are signed with their own key."""
     if ctx.invoked_subcommand is not None:
         return
-    if MODE.json:
-        raise click.UsageError("console runs in the foreground and logs as it goes; --json is not available")
+    refuse_json("console")
     from proofline.console.server import serve
 
     s = settings()

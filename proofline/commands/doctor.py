@@ -3,7 +3,8 @@
 One line per check (``ok`` or ``FAIL``, what was found, and for a failure how to fix it), exit 1 if
 any check failed, ``--json`` for machines. Every check runs even when an earlier one failed, so
 one run lists everything that is wrong. Checks: the production rules (not root, a broker URL with
-credentials), the database, its migrations, the broker, the reconciler's heartbeat, the keys this
+credentials, no private key of another role readable, no runtime role let into Postgres without a
+password, a broker that asks for credentials), the database, its migrations, the broker, the reconciler's heartbeat, the keys this
 process role needs, the contracts and their pins, an auditor key for contracts that capture
 evidence, the servers file and what its sandboxes need on
 this host. The checks themselves live in
@@ -19,6 +20,7 @@ from dataclasses import asdict
 
 import click
 
+from proofline.production_checks import check_broker_auth, check_database_auth, check_key_files
 from proofline.settings import Settings, get_settings
 from proofline.setup_checks import (
     NEEDS_DATABASE,
@@ -41,9 +43,12 @@ from proofline.setup_checks import (
 def run_checks(settings: Settings, role: str) -> list[Check]:
     checks: list[tuple[str, Callable[[], str]]] = [
         ("environment", lambda: check_environment(settings)),
+        ("key-files", lambda: check_key_files(settings, role)),
         ("database", lambda: check_database(settings)),
+        ("db-auth", lambda: check_database_auth(settings)),
         ("migrations", lambda: check_migrations(settings)),
         ("broker", lambda: check_broker(settings)),
+        ("broker-auth", lambda: check_broker_auth(settings)),
         ("reconciler", lambda: check_reconciler(settings)),
         ("keys", lambda: check_keys(settings, role)),
         ("authority", lambda: check_authority(settings)),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import MODE, emit
+from proofline.commands.base import emit, foreground, refuse_json
 
 
 @click.command("init")
@@ -28,6 +28,7 @@ def init(directory: Path, approver: str | None, force: bool) -> None:
          "\n".join([f"made a deployment folder in {layout.root}", "next:", *(f"  {c}" for c in commands)]))
 
 
+@foreground
 @click.command("dev")
 @click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=Path("."),
               show_default=True, help="the folder `proofline init` made")
@@ -37,8 +38,7 @@ def dev(directory: Path, console_port: int, metrics_port: int) -> None:
     """Run the folder's whole stack on this machine until Ctrl-C: embedded Postgres (in the folder)
     as database and broker, migrations, worker with beat, console (a login token is printed) and the
     metrics exporter. SIGINT or SIGTERM stops every process it started."""
-    if MODE.json:
-        raise click.UsageError("dev runs in the foreground and logs as it goes; --json is not available")
+    refuse_json("dev")
     from proofline_kit.devstack import run_dev  # the dev stack is part of the kit
 
     sys.exit(run_dev(directory, console_port=console_port, metrics_port=metrics_port,

@@ -190,9 +190,23 @@ def manual_list() -> None:
 
     with connect("reader") as conn:
         rows = manual_queue(conn)
-    emit_rows("actions", rows, lambda r: f"{ts(r['updated_at']):<27} {r['action_id']:<32} {r['action_type']:<16} "
-              f"{r['tenant']:<10} {dash(r['outcome']):<26} {dash(r['reason_code']):<28} {dash(r['recovery_kind'])}",
-              "the manual-intervention queue is empty")
+    emit({"actions": rows}, lambda: _manual_text(rows))
+
+
+#: The manual queue's columns: a header line names them, as ``actions list`` does.
+MANUAL_COLUMNS = (("escalated", 27), ("action", 32), ("type", 16), ("tenant", 10), ("outcome", 26),
+                  ("reason", 28), ("recovery", 0))
+
+
+def _manual_text(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "the manual-intervention queue is empty"
+    lines = [" ".join(f"{name:<{width}}" for name, width in MANUAL_COLUMNS).rstrip()]
+    for r in rows:
+        cells = (ts(r["updated_at"]), r["action_id"], r["action_type"], r["tenant"], dash(r["outcome"]),
+                 dash(r["reason_code"]), dash(r["recovery_kind"]))
+        lines.append(" ".join(f"{cell:<{width}}" for cell, (_, width) in zip(cells, MANUAL_COLUMNS, strict=True)))
+    return "\n".join(lines)
 
 
 @manual.command("resolve")

@@ -15,10 +15,12 @@ from proofline.commands.base import connect, emit, json_value, settings
 @click.option("--tenant", required=True)
 @click.option("--target", "target_json", required=True, help='JSON, e.g. {"type":"ticket","id":"T-1","expected_version":2}')
 @click.option("--args", "args_json", required=True, help="tool arguments as JSON")
-@click.option("--run-id", required=True)
-@click.option("--action-id", required=True)
-@click.option("--requester", default="operator@example.com")
-@click.option("--workload-identity", default="agent:ops-assistant")
+@click.option("--run-id", default=None, help="default: the action's own run, run-<action id>")
+@click.option("--action-id", default=None, help="default: a fresh act-<uuid>, printed")
+@click.option("--requester", default=None,
+              help="who requests it (default PROOFLINE_REQUESTER, else the user and host that publish)")
+@click.option("--workload-identity", default=None,
+              help="the agent's identity (default PROOFLINE_WORKLOAD_IDENTITY, else proofline-controller:USER@HOST)")
 @click.option("--approval", "approval_files", multiple=True, type=click.Path(path_type=Path, dir_okay=False),
               help="an approval signed by an approver (`proofline approvals sign`); repeat for two approvers")
 def publish(action_type, tenant, target_json, args_json, run_id, action_id, requester, workload_identity,
@@ -27,7 +29,7 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     requests the action; approvals come from approvers (``--approval``) or the authority policy."""
     from kombu.exceptions import OperationalError
 
-    from proofline.controller import prepare
+    from proofline.controller import fresh_ids, prepare
     from proofline.controller import publish as do_publish
     from proofline.errors import BrokerUnavailable
     from proofline.keys import check_process_keys
@@ -43,6 +45,7 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
             raise click.BadParameter(f"{path}: not a readable JSON approval ({exc})", param_hint="--approval") from None
     s = settings()
     check_process_keys(s, "controller")  # before anything is recorded
+    run_id, action_id = fresh_ids(run_id, action_id)
     # Arguments against the pinned input schema (arguments_invalid), then the envelope's own fields
     # (envelope_malformed): both refused here, before anything is signed or recorded.
     envelope = prepare(s, action_type=action_type, arguments=arguments, target=target, tenant=tenant,

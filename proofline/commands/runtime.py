@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from proofline.commands.base import MODE, emit, raw_options, settings
+from proofline.commands.base import MODE, emit, foreground, raw_options, refuse_json, settings
 
 #: What each kind of worker process consumes. Execution never holds the recovery key; recovery
 #: (deciding, deriving and signing recovery envelopes, and the reconciler) runs no execute tasks.
@@ -27,12 +27,7 @@ def role_queues(role: str, tenant_shards: int) -> str:
     return ",".join(names)
 
 
-def _foreground(name: str) -> None:
-    """Long-running commands log as they go; they have no single result to print as JSON."""
-    if MODE.json:
-        raise click.UsageError(f"{name} runs in the foreground and logs as it goes; --json is not available")
-
-
+@foreground
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--role", type=click.Choice(sorted(ROLE_QUEUES)), default="all", show_default=True,
               help="execute: no recovery key; recovery: holds it; all: both (refused in production)")
@@ -50,14 +45,15 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
 
     Before it consumes it runs ``proofline doctor``'s checks of its setup (servers file, sandbox,
     contracts, pins, keys, database and migrations) and refuses to start on the first that fails:
-    one line, exit 3 (a production process refuses development keys, an execute worker that can
-    read a private key, and the combined role). The worker is restarted if it dies (for example
-    when the broker crashes under it)."""
+    one line, exit 3 (a production process refuses development keys, the combined role, root, a
+    private key of another role it can read, a broker that asks no credentials and a database role
+    let in without a password). The worker is restarted if it dies (for example when the broker
+    crashes under it)."""
     from proofline.keys import check_process_keys
     from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
 
-    _foreground("worker")
+    refuse_json("worker")
     warnings = refuse_bad_setup(settings(), role)
     for warning in [*warnings, *check_process_keys(settings(), role)]:
         click.echo(f"proofline worker: warning: {warning}", err=True)
@@ -73,12 +69,16 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
 
 
 @click.command()
-@click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards")
-def demo(keep: bool) -> None:
+@click.option("--keep", is_flag=True, help="leave the embedded Postgres running afterwards (and say how to stop it)")
+@click.option("--stop", is_flag=True, help="stop the embedded Postgres a `demo --keep` left running, and exit")
+def demo(keep: bool, stop: bool) -> None:
     """Run the demo end to end (embedded Postgres and broker unless PROOFLINE_DATABASE_URL is set)."""
     from contextlib import redirect_stdout
 
-    from proofline_kit.demo import run_demo  # the demo is part of the kit
+    from proofline_kit.demo import run_demo, stop_demo  # the demo is part of the kit
+
+    if stop:
+        sys.exit(stop_demo())
 
     if not MODE.json:
         sys.exit(run_demo(keep=keep))
@@ -103,6 +103,7 @@ def soak(ctx: click.Context) -> None:
     sys.exit(soak_main(list(ctx.args)))
 
 
+@foreground
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.option("--port", default=5555, show_default=True)
@@ -115,7 +116,7 @@ def flower(ctx: click.Context, address: str, port: int) -> None:
 
     import worker
 
-    _foreground("flower")
+    refuse_json("flower")
     conf = Path(worker.__file__).resolve().parent / "flower_config.py"
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--conf={conf}", f"--address={address}",
             f"--port={port}", *ctx.args]

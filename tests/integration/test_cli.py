@@ -65,6 +65,38 @@ def test_publish_executes_once_and_status_reports_the_ledger(stack: Stack) -> No
         row.status.value, row.outcome.value, row.idempotency_key)
     assert [(e["seq"], e["event"]) for e in report["timeline"]] == [
         (e["seq"], e["event"]) for e in stack.timeline(action_id)]
+    # forensics numbers its six sections alike for every action: one that needed no recovery says so.
+    told = ok(cli(stack, "forensics", action_id)).stdout
+    headings = [line.split(".", 1)[0] for line in told.splitlines() if line[:2] in {f"{n}." for n in range(1, 10)}]
+    assert headings == ["1", "2", "3", "4", "5", "6"], told
+    assert "none: nothing was decided or done after the call" in told
+
+
+def test_publish_fills_in_the_ids_and_names_who_published(stack: Stack) -> None:
+    """Without --action-id and --run-id the CLI makes them as the SDK does, and prints the action
+    id; the envelope names the configured requester, else the user and host that published, never
+    a placeholder."""
+    import getpass
+    import socket
+
+    argv = ["--json", "publish", "--action-type", "ticket.create", "--tenant", "acme",
+            "--target", json.dumps({"type": "ticket_queue", "id": "acme-ops"}),
+            "--args", json.dumps({"tenant": "acme", "title": "no ids given", "owner": "ops"})]
+    first = json.loads(ok(cli(stack, *argv)).stdout)
+    row = stack.action(first["action_id"])
+    assert first["action_id"].startswith("act-") and row.envelope["run_id"] == f"run-{first['action_id']}"
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    assert (row.envelope["requester"], row.envelope["workload_identity"]) == (who, f"proofline-controller:{who}")
+    stack.env.update(PROOFLINE_REQUESTER="alice@example.org", PROOFLINE_WORKLOAD_IDENTITY="agent:billing")
+    try:
+        second = json.loads(ok(cli(stack, *argv)).stdout)
+    finally:
+        del stack.env["PROOFLINE_REQUESTER"], stack.env["PROOFLINE_WORKLOAD_IDENTITY"]
+    envelope = stack.action(second["action_id"]).envelope
+    assert second["action_id"] != first["action_id"]
+    assert (envelope["requester"], envelope["workload_identity"]) == ("alice@example.org", "agent:billing")
+    for action_id in (first["action_id"], second["action_id"]):
+        assert stack.wait_settled(action_id).outcome == Outcome.completed_verified
 
 
 def test_verify_ledger_fails_on_a_tampered_event_and_names_it(stack: Stack) -> None:

@@ -31,6 +31,33 @@ def _publish(stack: Stack, tenant: str, **kw: Any) -> str:
     return envelope.action_id
 
 
+def test_actions_list_follow_prints_each_new_action_and_each_move(stack: Stack) -> None:
+    """``actions list --follow``: the page first (here: nothing yet), then one line each time an
+    action of the filter appears or its status moves, until --stop-after."""
+    tenant = _tenant()
+    watcher = subprocess.Popen([sys.executable, "-m", "proofline", "actions", "list", "--tenant", tenant, "--follow",
+                                "--interval", "0.2", "--stop-after", "90"], env=environment(stack), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout is not None
+        assert watcher.stdout.readline().strip() == "no actions match these filters"
+        action_id = _publish(stack, tenant)
+        statuses = []
+        while "closed" not in statuses:
+            line = watcher.stdout.readline()
+            assert line, watcher.stderr.read() if watcher.stderr else "the watcher ended"
+            fields = line.split()
+            assert fields[3] == action_id, line  # published (three fields), then the action
+            statuses.append(fields[6])
+        assert statuses[-1] == "closed" and len(statuses) == len(set(statuses)), statuses  # each move once
+        assert "completed_verified" in line
+    finally:
+        watcher.terminate()
+        watcher.wait(30)
+    assert_error(proofline(stack, "actions", "list", "--follow", "--before", f"{datetime.now(UTC).isoformat()}|x"), 2,
+                 "usage", "not with --json or --before")
+
+
 def test_actions_list_filters_pages_and_says_when_nothing_matches(stack: Stack) -> None:
     tenant = _tenant()
     verified = _publish(stack, tenant)
@@ -199,6 +226,9 @@ def test_retry_is_refused_when_the_effect_is_not_proven_absent(stack: Stack) -> 
     queue = as_json(proofline(stack, "--json", "manual", "list"))["actions"]
     assert action_id in [a["action_id"] for a in queue]
     assert json.dumps(queue)  # one JSON document, every value serialisable
+    text = proofline(stack, "manual", "list").stdout.splitlines()
+    assert text[0].split() == ["escalated", "action", "type", "tenant", "outcome", "reason", "recovery"], text[0]
+    assert any(line.split()[3] == action_id for line in text[1:]), text  # the time takes three fields
 
 
 def test_retry_is_refused_past_the_call_budget_or_the_approval(stack: Stack) -> None:

@@ -29,8 +29,8 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-CHECKS = ["environment", "database", "migrations", "broker", "reconciler", "keys", "authority", "contracts",
-          "evidence_capture", "pins", "servers"]
+CHECKS = ["environment", "key-files", "database", "db-auth", "migrations", "broker", "broker-auth", "reconciler", "keys",
+          "authority", "contracts", "evidence_capture", "pins", "servers"]
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:
