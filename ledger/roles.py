@@ -126,6 +126,10 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("authority_promoted", OP),
     ("authority_demoted", WO),
     ("authority_policy_changed", WO),
+    # retention (ledger/retention_ddl.py, migration 0019): written only inside the owner's
+    # SECURITY DEFINER functions (a prune, an explicit retention class), by no role directly
+    ("ledger_pruned", ()),
+    ("retention_set", ()),
 )
 #: The event rights migration 0015 adds to a database migrated before it.
 AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",

@@ -30,6 +30,7 @@ from ledger.states import (
     KillSwitchScope,
     Outcome,
     RecoveryKind,
+    RetentionClass,
     VerificationFinding,
 )
 
@@ -45,6 +46,7 @@ status_type = _enum(ActionStatus, "action_status")
 idem_status_type = _enum(IdempotencyStatus, "idempotency_status")
 scope_type = _enum(KillSwitchScope, "kill_switch_scope")
 recovery_kind_type = _enum(RecoveryKind, "recovery_kind")
+retention_type = _enum(RetentionClass, "retention_class")
 
 NOW = text("clock_timestamp()")
 #: The verification findings an action row may hold, as an SQL list.
@@ -110,6 +112,9 @@ actions = Table(
     # The signed message's canonical bytes, AES-256-GCM sealed with the action id as associated
     # data (ledger/seal.py): what the reconciler and recovery send again, byte for byte.
     Column("sealed_message", LargeBinary, nullable=True),
+    # An explicit retention class (a legal hold, say: ``proofline ledger hold``); NULL means the
+    # class the action's contract names (default ``standard``), resolved when pruning (migration 0019).
+    Column("retention_class", retention_type, nullable=True),
     # Mirrors ledger.states.VerificationFinding (migration 0016).
     CheckConstraint(f"finding IS NULL OR finding IN ({FINDINGS})", name="actions_finding_known"),
 )
@@ -227,6 +232,7 @@ message_deliveries = Table(
     Column("last_outcome", Text, nullable=True),
     Column("last_error", Text, nullable=True),
     Column("dead_lettered_at", DateTime(timezone=True), nullable=True),
+    Column("retention_class", retention_type, nullable=False, server_default=text("'short'")),
 )
 Index("message_deliveries_action_idx", message_deliveries.c.action_id)
 
@@ -295,4 +301,17 @@ authority_demotions = Table(
     Column("demoted_by", Text, nullable=False),
     Column("demoted_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     UniqueConstraint("action_type", "policy_hash", name="authority_demotions_once_per_policy"),
+)
+
+# The tables ``proofline ledger prune`` removes old rows from, besides whole action chains
+# (ledger/retention.py, migration 0019): a row is removed once ``age_column`` is older than the
+# duration of its class (``class_column``) and ``condition`` holds. A migration that adds a table
+# with a retention class registers it here; nothing else prunes.
+retention_tables = Table(
+    "retention_tables",
+    metadata,
+    Column("table_name", Text, primary_key=True),
+    Column("age_column", Text, nullable=False),
+    Column("class_column", Text, nullable=False),
+    Column("condition", Text, nullable=False, server_default=text("'true'")),
 )

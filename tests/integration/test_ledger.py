@@ -23,7 +23,14 @@ from ledger import store
 from ledger.migrate import sqlalchemy_url
 from ledger.redact import MARK
 from ledger.schema import metadata
-from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome, VerificationFinding
+from ledger.states import (
+    ActionStatus,
+    IdempotencyStatus,
+    KillSwitchScope,
+    Outcome,
+    RetentionClass,
+    VerificationFinding,
+)
 from proofline.envelope import build_envelope
 from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
@@ -105,7 +112,7 @@ def verify_cli(runtime_url: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("type_name", "py_enum"),
     [("outcome_class", Outcome), ("action_status", ActionStatus), ("idempotency_status", IdempotencyStatus),
-     ("kill_switch_scope", KillSwitchScope)],
+     ("kill_switch_scope", KillSwitchScope), ("retention_class", RetentionClass)],
 )
 def test_postgres_enum_equals_python_enum(admin, type_name, py_enum):
     with admin.cursor() as cur:
