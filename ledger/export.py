@@ -68,7 +68,7 @@ KINDS: tuple[Kind, ...] = (
         _c("ledger_seq", "int64", "events in its chain"), _c("ledger_head", "string", "its chain's head hash"),
         _c("envelope", "json", "the stored (redacted) envelope"), _c("result", "json", "the stored (redacted) result"),
     ), f"""SELECT action_id, run_id, step, tenant, action_type, server, tool, kind, parent_action_id,
-              status::text, outcome::text, finding, reason_code, retention_class::text, published_at,
+              status::text, outcome::text, finding, reason_code, retention_class, published_at,
               updated_at, deadline, ledger_seq, ledger_head, envelope, result
          FROM actions WHERE status::text IN {_SETTLED} AND {_BOUND.format(t="updated_at")}
         ORDER BY updated_at, action_id"""),

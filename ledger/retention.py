@@ -37,7 +37,7 @@ DAY = 86400.0
 CANDIDATES_SQL = """
 SELECT action_id, ledger_seq, ledger_head FROM (
   SELECT a.action_id, a.ledger_seq, a.ledger_head, a.updated_at,
-         COALESCE(a.retention_class::text, %(types)s::jsonb->>a.action_type, 'standard') AS cls
+         COALESCE(a.retention_class, %(types)s::jsonb->>a.action_type, 'standard') AS cls
     FROM actions a
    WHERE a.status IN ('closed', 'cancelled') AND a.ledger_seq > 0 AND a.deadline < clock_timestamp()) c
  WHERE %(keep)s::jsonb ? c.cls

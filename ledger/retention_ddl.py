@@ -62,7 +62,7 @@ BEGIN
   PERFORM set_config('proofline.pruning', 'on', true);
   FOR c IN
     SELECT u.chain, u.seq, u.head, a.updated_at,
-           COALESCE(a.retention_class::text, p_types->>a.action_type, 'standard') AS cls
+           COALESCE(a.retention_class, p_types->>a.action_type, 'standard') AS cls
       FROM unnest(p_chains, p_seqs, p_heads) AS u(chain, seq, head)
       JOIN actions a ON a.action_id = u.chain
      WHERE a.status IN ('closed', 'cancelled')
@@ -125,7 +125,7 @@ END $$;
 """
 
 HOLD_FUNCTION = rf"""
-CREATE FUNCTION proofline_set_retention(p_action_id text, p_class retention_class, p_by text, p_reason text)
+CREATE FUNCTION proofline_set_retention(p_action_id text, p_class text, p_by text, p_reason text)
   RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp AS $$
 BEGIN
@@ -135,7 +135,7 @@ BEGIN
   END IF;
   INSERT INTO ledger_events (action_id, event, actor, evidence)
   VALUES (p_action_id, '{HOLD_EVENT}', p_by,
-          jsonb_build_object('retention_class', p_class::text, 'reason', p_reason));
+          jsonb_build_object('retention_class', p_class, 'reason', p_reason));
 END $$;
 """
 
@@ -152,10 +152,10 @@ GRANT SELECT ON ALL TABLES IN SCHEMA public TO {PRUNER_ROLE};
 REVOKE ALL ON FUNCTION proofline_prune(text[], integer[], text[], integer, jsonb, jsonb, text, boolean) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION proofline_prune(text[], integer[], text[], integer, jsonb, jsonb, text, boolean)
   TO {PRUNER_ROLE};
-REVOKE ALL ON FUNCTION proofline_set_retention(text, retention_class, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION proofline_set_retention(text, text, text, text) FROM PUBLIC;
 DO $$ BEGIN
   IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'proofline_operator') THEN
-    GRANT EXECUTE ON FUNCTION proofline_set_retention(text, retention_class, text, text)
+    GRANT EXECUTE ON FUNCTION proofline_set_retention(text, text, text, text)
       TO proofline_operator, {PRUNER_ROLE};
     GRANT SELECT ON retention_tables TO proofline_controller, proofline_worker, proofline_recovery,
       proofline_operator, proofline_reader;
@@ -169,7 +169,7 @@ VALUES ('message_deliveries', 'last_at', 'retention_class', 'unsettled = 0');
 
 DOWNGRADE = f"""
 DELETE FROM ledger_event_rights WHERE event IN ('{PRUNE_EVENT}', '{HOLD_EVENT}');
-DROP FUNCTION proofline_set_retention(text, retention_class, text, text);
+DROP FUNCTION proofline_set_retention(text, text, text, text);
 DROP FUNCTION proofline_prune(text[], integer[], text[], integer, jsonb, jsonb, text, boolean);
 REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {PRUNER_ROLE};
 REVOKE USAGE ON SCHEMA public FROM {PRUNER_ROLE};

@@ -46,11 +46,13 @@ status_type = _enum(ActionStatus, "action_status")
 idem_status_type = _enum(IdempotencyStatus, "idempotency_status")
 scope_type = _enum(KillSwitchScope, "kill_switch_scope")
 recovery_kind_type = _enum(RecoveryKind, "recovery_kind")
-retention_type = _enum(RetentionClass, "retention_class")
 
 NOW = text("clock_timestamp()")
 #: The verification findings an action row may hold, as an SQL list.
 FINDINGS = ", ".join(f"'{f.value}'" for f in VerificationFinding)
+#: The retention classes (text guarded by a CHECK, like findings: a type recreated by a migration
+#: round trip would get a new OID and break every cached plan of a connection left open).
+RETENTION = ", ".join(f"'{c.value}'" for c in RetentionClass)
 
 ledger_events = Table(
     "ledger_events",
@@ -114,9 +116,11 @@ actions = Table(
     Column("sealed_message", LargeBinary, nullable=True),
     # An explicit retention class (a legal hold, say: ``proofline ledger hold``); NULL means the
     # class the action's contract names (default ``standard``), resolved when pruning (migration 0019).
-    Column("retention_class", retention_type, nullable=True),
+    Column("retention_class", Text, nullable=True),
     # Mirrors ledger.states.VerificationFinding (migration 0016).
     CheckConstraint(f"finding IS NULL OR finding IN ({FINDINGS})", name="actions_finding_known"),
+    # Mirrors ledger.states.RetentionClass (migration 0019).
+    CheckConstraint(f"retention_class IS NULL OR retention_class IN ({RETENTION})", name="actions_retention_known"),
 )
 Index("actions_status_idx", actions.c.status)
 Index("actions_run_idx", actions.c.run_id, actions.c.step)
@@ -232,7 +236,8 @@ message_deliveries = Table(
     Column("last_outcome", Text, nullable=True),
     Column("last_error", Text, nullable=True),
     Column("dead_lettered_at", DateTime(timezone=True), nullable=True),
-    Column("retention_class", retention_type, nullable=False, server_default=text("'short'")),
+    Column("retention_class", Text, nullable=False, server_default=text("'short'")),
+    CheckConstraint(f"retention_class IN ({RETENTION})", name="message_deliveries_retention_known"),
 )
 Index("message_deliveries_action_idx", message_deliveries.c.action_id)
 

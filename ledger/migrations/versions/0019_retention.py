@@ -1,7 +1,9 @@
 """Retention: classes on settled actions and delivery records, and pruning as its own privilege.
 
-- ``retention_class`` ENUM mirroring ``ledger.states.RetentionClass``; ``actions.retention_class``
-  (NULL: the contract's class) and ``message_deliveries.retention_class`` (default ``short``).
+- ``actions.retention_class`` (NULL: the contract's class) and ``message_deliveries.retention_class``
+  (default ``short``): text, each guarded by a CHECK mirroring ``ledger.states.RetentionClass``
+  (not an ENUM: a type dropped and re-created by a downgrade and upgrade gets a new OID, and an
+  open connection's cached plans over ``actions`` would fail).
 - ``retention_tables``: the tables pruned by age and class besides whole chains (a later table
   with a retention class registers itself with one row).
 - ``proofline_prune()`` and ``proofline_set_retention()`` (SECURITY DEFINER), the role
@@ -14,7 +16,6 @@ Revises: 0016
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
 
 from ledger import retention_ddl
 from ledger.states import RetentionClass
@@ -24,15 +25,18 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
-CLASSES = tuple(c.value for c in RetentionClass)
+#: The classes as of this migration (a later one that adds a class replaces the CHECKs).
+CLASSES = ", ".join(f"'{c.value}'" for c in RetentionClass)
 
 
 def upgrade() -> None:
-    kind = postgresql.ENUM(*CLASSES, name="retention_class", create_type=False)
-    postgresql.ENUM(*CLASSES, name="retention_class").create(op.get_bind())
-    op.add_column("actions", sa.Column("retention_class", kind, nullable=True))
-    op.add_column("message_deliveries", sa.Column("retention_class", kind, nullable=False,
+    op.add_column("actions", sa.Column("retention_class", sa.Text, nullable=True))
+    op.create_check_constraint("actions_retention_known", "actions",
+                               f"retention_class IS NULL OR retention_class IN ({CLASSES})")
+    op.add_column("message_deliveries", sa.Column("retention_class", sa.Text, nullable=False,
                                                   server_default=sa.text("'short'")))
+    op.create_check_constraint("message_deliveries_retention_known", "message_deliveries",
+                               f"retention_class IN ({CLASSES})")
     op.create_table(
         "retention_tables",
         sa.Column("table_name", sa.Text, primary_key=True),
@@ -52,4 +56,3 @@ def downgrade() -> None:
     op.drop_table("retention_tables")
     op.drop_column("message_deliveries", "retention_class")
     op.drop_column("actions", "retention_class")
-    op.execute("DROP TYPE retention_class")
