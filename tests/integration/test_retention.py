@@ -268,3 +268,11 @@ def test_request_ids_are_recorded_on_calls_and_reads(copy: Copy):
         read_ids.setdefault(ev["mcp_connection"], []).extend(ev["mcp_request_ids"])
     for ids in read_ids.values():
         assert len(ids) == len(set(ids))
+    # The target read before the call: its request is on the preconditions' evidence.
+    passed = copy.sql("SELECT evidence FROM ledger_events WHERE event = 'preconditions_passed' "
+                      "AND action_id = ANY(%s)", (copy.source.actions,))
+    assert len(passed) == len(copy.source.actions)
+    for row in passed:
+        read = row["evidence"]["target_read"]
+        assert read["mcp_connection"] in seen and isinstance(read["mcp_request_id"], int), row
+        assert read["mcp_request_id"] not in seen[read["mcp_connection"]]  # not the call's id
