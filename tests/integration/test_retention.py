@@ -187,6 +187,29 @@ def test_a_deleted_chain_is_not_passed_off_as_pruned(copy: Copy):
     assert [(b["chain"], b["seq"]) for b in json.loads(broken.stdout)["broken"]] == [(victim, 1)]
 
 
+def test_a_prune_record_naming_another_head_does_not_cover_a_deletion(copy: Copy):
+    """The owner deletes a chain and writes a prune record for it by hand, with a head that is not
+    the one the checkpoint anchored (or a checkpoint that does not exist): still a deletion."""
+    victim, other = copy.source.actions[1], copy.source.actions[2]
+    copy.ok("checkpoint")
+    [row] = copy.sql("SELECT ledger_seq FROM actions WHERE action_id = %s", (victim,))
+    with store.connect(copy.admin) as conn, store.transaction(conn) as cur:
+        cur.execute("ALTER TABLE ledger_events DISABLE TRIGGER USER")
+        cur.execute("DELETE FROM ledger_events WHERE action_id = ANY(%s)", ([victim, other],))
+        cur.execute("ALTER TABLE ledger_events ENABLE TRIGGER USER")
+        cur.execute("DELETE FROM actions WHERE action_id = ANY(%s)", ([victim, other],))
+        store.append_event_txn(cur, PRUNE_CHAIN, "ledger_pruned", "owner", {
+            "checkpoint": 1, "heads": [[victim, row["ledger_seq"], "0" * 64]]})
+        store.append_event_txn(cur, PRUNE_CHAIN, "ledger_pruned", "owner", {
+            "checkpoint": 7, "heads": [[other, 1, "0" * 64]]})
+    broken = copy.cli("verify-ledger")
+    assert broken.returncode == 1
+    found = {b["chain"]: b["problem"] for b in json.loads(broken.stdout)["broken"]}
+    assert set(found) == {victim, other}, found
+    # Reported at its first event; the record naming checkpoint 7 is named too.
+    assert "was deleted" in found[victim] and "does not exist" in found[other], found
+
+
 def test_only_the_pruning_role_may_prune(copy: Copy):
     for role in ("runtime", "worker", "operator", "reader"):
         with store.connect(copy.url(role)) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
