@@ -17,6 +17,7 @@ from typing import Any
 from ledger.anchor_keys import load_public_keys
 from ledger.anchor_store import store_for
 from ledger.checkpoint import RECORD_CHAIN, Checkpoint, ledger_name, open_checkpoint, recorded_checkpoints
+from ledger.pruned import PrunedHead, pruned_heads
 from proofline.errors import CheckpointInvalid, LedgerKeyUnavailable
 from proofline.ledger_check import BrokenLink, check_chains
 from proofline.settings import Settings
@@ -48,7 +49,8 @@ class LedgerReport:
 class _Expected:
     """Every event hash the valid checkpoints anchored, compared with the rows as they stream past."""
 
-    def __init__(self, series: list[Checkpoint]) -> None:
+    def __init__(self, series: list[Checkpoint], pruned: dict[str, PrunedHead] | None = None) -> None:
+        self.pruned = pruned or {}
         self.hashes: dict[str, list[str | None]] = {}
         #: chain -> ([last seq of each delta], [checkpoint number of each delta]) to cite the right one.
         self.owner: dict[str, tuple[list[int], list[int]]] = {}
@@ -102,8 +104,11 @@ class _Expected:
     def finish(self) -> None:
         if self.latest is None:
             return
-        for chain, seq, _ in self.latest.leaves:
+        for chain, seq, head in self.latest.leaves:
             seen = self.last_seen.get(chain, 0)
+            kept = self.pruned.get(chain)
+            if seen == 0 and kept is not None and (kept.seq, kept.head) == (seq, head):
+                continue  # pruned whole at the head this checkpoint anchored: recorded, not deleted
             if seen == 0:
                 self._flag(chain, 1, f"the whole chain ({seq} events anchored by checkpoint "
                                      f"{self.cited(chain, seq)}) was deleted")
@@ -174,10 +179,31 @@ def _series(conn: Any, settings: Settings, notes: list[str]) -> tuple[list[Check
     return valid, problems, len(numbers)
 
 
+def _prune_problems(pruned: dict[str, PrunedHead], series: list[Checkpoint]) -> list[BrokenLink]:
+    """A prune record must name heads its checkpoint anchored: anything else is a deletion dressed up."""
+    by_number = {cp.number: cp for cp in series}
+    problems = []
+    for kept in pruned.values():
+        cp = by_number.get(kept.checkpoint)
+        if cp is None:
+            if series and kept.checkpoint > series[-1].number:
+                problems.append(BrokenLink(kept.chain, kept.seq, f"pruned under checkpoint {kept.checkpoint}, "
+                                                                 "which does not exist"))
+            continue  # an older checkpoint that is missing is reported with the series
+        if cp.heads().get(kept.chain) != (kept.seq, kept.head):
+            problems.append(BrokenLink(kept.chain, kept.seq, f"pruned (ledger:prunes seq {kept.record_seq}) at a "
+                                                             f"head checkpoint {kept.checkpoint} did not anchor"))
+    return problems
+
+
 def verify_ledger(conn: Any, settings: Settings) -> LedgerReport:
     notes: list[str] = []
     series, problems, stored = _series(conn, settings, notes)
-    expected = _Expected(series)
+    pruned = pruned_heads(conn)
+    problems += _prune_problems(pruned, series)
+    if pruned:
+        notes.append(f"{len(pruned)} chain(s) pruned whole; their heads are kept in ledger:prunes")
+    expected = _Expected(series, pruned)
     chains, events, broken = check_chains(conn, on_event=expected.observe)
     expected.finish()
     first: dict[str, BrokenLink] = {}

@@ -29,6 +29,7 @@ from cryptography.exceptions import InvalidSignature
 from ledger import store
 from ledger.anchor_keys import PublicKey, SigningKey, load_public_keys, load_signing_key
 from ledger.anchor_store import AnchorStore, store_for
+from ledger.pruned import pruned_heads
 from proofline.canonical import canonical_bytes
 from proofline.errors import CheckpointInvalid, LedgerKeyUnavailable
 from proofline.keys import KeyRole
@@ -217,6 +218,8 @@ class _Walk:
 
 def build(conn: Any, ledger: str, previous: Checkpoint | None, number: int, key: SigningKey) -> Checkpoint:
     prev_heads = previous.heads() if previous else {}
+    # A chain pruned at the head it anchored is no longer carried: its head is kept by the prune record.
+    gone = {c for c, p in pruned_heads(conn).items() if prev_heads.get(c) == (p.seq, p.head)}
     walks = {chain: _Walk(seq, head, seq) for chain, (seq, head) in prev_heads.items()}
     with conn.transaction(), conn.cursor(name="ledger_checkpoint") as cur:
         cur.itersize = 2000
@@ -226,8 +229,12 @@ def build(conn: Any, ledger: str, previous: Checkpoint | None, number: int, key:
     leaves: list[Leaf] = []
     hashes: dict[str, dict[str, Any]] = {}
     diverged = []
+    pruned = []
     for chain in sorted(walks):
         walk = walks[chain]
+        if chain in gone and not walk.seen:
+            pruned.append(chain)
+            continue
         if not walk.seen or walk.diverged:
             diverged.append(chain)
         if walk.seq > 0:
@@ -242,6 +249,8 @@ def build(conn: Any, ledger: str, previous: Checkpoint | None, number: int, key:
         "hashes_digest": hashlib.sha256(canonical_bytes(hashes)).hexdigest(),
         "prev": {"number": previous.number, "hash": previous.hash} if previous else None,
         "diverged": diverged,
+        # Chains the previous checkpoint anchored and a recorded prune removed since, at that head.
+        **({"pruned": pruned} if pruned else {}),
     }
     return sign(statement, leaves, hashes, key)
 

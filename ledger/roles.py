@@ -132,6 +132,10 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("authority_policy_changed", WO),
     # the protected evidence store (ledger/vault_store.py, migration 0018): each read, on the action's chain
     ("evidence_read_by_auditor", ("auditor",)),
+    # retention (ledger/retention_ddl.py, migration 0019): written only inside the owner's
+    # SECURITY DEFINER functions (a prune, an explicit retention class), by no role directly
+    ("ledger_pruned", ()),
+    ("retention_set", ()),
 )
 #: The event rights migration 0018 adds: an auditor's read of the evidence store is the auditor's alone.
 EVIDENCE_EVENTS = ("evidence_read_by_auditor",)

@@ -32,6 +32,7 @@ from ledger.states import (
     Outcome,
     RecheckStatus,
     RecoveryKind,
+    RetentionClass,
     VerificationFinding,
 )
 
@@ -53,6 +54,9 @@ NOW = text("clock_timestamp()")
 FINDINGS = ", ".join(f"'{f.value}'" for f in VerificationFinding)
 #: The statuses a post-condition re-check may hold, as an SQL list.
 RECHECK_STATUSES = ", ".join(f"'{s.value}'" for s in RecheckStatus)
+#: The retention classes (text guarded by a CHECK, like findings: a type recreated by a migration
+#: round trip would get a new OID and break every cached plan of a connection left open).
+RETENTION = ", ".join(f"'{c.value}'" for c in RetentionClass)
 
 ledger_events = Table(
     "ledger_events",
@@ -114,8 +118,13 @@ actions = Table(
     # The signed message's canonical bytes, AES-256-GCM sealed with the action id as associated
     # data (ledger/seal.py): what the reconciler and recovery send again, byte for byte.
     Column("sealed_message", LargeBinary, nullable=True),
+    # An explicit retention class (a legal hold, say: ``proofline ledger hold``); NULL means the
+    # class the action's contract names (default ``standard``), resolved when pruning (migration 0019).
+    Column("retention_class", Text, nullable=True),
     # Mirrors ledger.states.VerificationFinding (migration 0016).
     CheckConstraint(f"finding IS NULL OR finding IN ({FINDINGS})", name="actions_finding_known"),
+    # Mirrors ledger.states.RetentionClass (migration 0019).
+    CheckConstraint(f"retention_class IS NULL OR retention_class IN ({RETENTION})", name="actions_retention_known"),
 )
 Index("actions_status_idx", actions.c.status)
 Index("actions_run_idx", actions.c.run_id, actions.c.step)
@@ -231,6 +240,8 @@ message_deliveries = Table(
     Column("last_outcome", Text, nullable=True),
     Column("last_error", Text, nullable=True),
     Column("dead_lettered_at", DateTime(timezone=True), nullable=True),
+    Column("retention_class", Text, nullable=False, server_default=text("'short'")),
+    CheckConstraint(f"retention_class IN ({RETENTION})", name="message_deliveries_retention_known"),
 )
 Index("message_deliveries_action_idx", message_deliveries.c.action_id)
 
@@ -355,3 +366,16 @@ postcondition_checks = Table(
 )
 # What the reconciler's sweep reads: the open rows by due time (an idle sweep reads only this index).
 Index("postcondition_checks_open_idx", postcondition_checks.c.status, postcondition_checks.c.due_at)
+
+# The tables ``proofline ledger prune`` removes old rows from, besides whole action chains
+# (ledger/retention.py, migration 0019): a row is removed once ``age_column`` is older than the
+# duration of its class (``class_column``) and ``condition`` holds. A migration that adds a table
+# with a retention class registers it here; nothing else prunes.
+retention_tables = Table(
+    "retention_tables",
+    metadata,
+    Column("table_name", Text, primary_key=True),
+    Column("age_column", Text, nullable=False),
+    Column("class_column", Text, nullable=False),
+    Column("condition", Text, nullable=False, server_default=text("'true'")),
+)

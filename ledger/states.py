@@ -158,3 +158,18 @@ class CaptureKind(str, Enum):
 #: Statuses in which no worker will advance the action without an operator or the reconciler.
 SETTLED_STATUSES = frozenset({ActionStatus.closed, ActionStatus.cancelled, ActionStatus.escalated,
                               ActionStatus.recovery})
+
+
+class RetentionClass(str, Enum):
+    """How long a settled record is kept before ``proofline ledger prune`` may remove it (the
+    durations are settings: ``retention_short_days``, ``retention_standard_days``,
+    ``retention_audit_days``). Mirrored by the Postgres ENUM ``retention_class``."""
+
+    #: Routine records worth little after a few days (delivery bookkeeping, test traffic).
+    short = "short"
+    #: The default for settled actions and their evidence.
+    standard = "standard"
+    #: Records an auditor may ask for years later.
+    audit = "audit"
+    #: Never pruned, whatever its age, until the hold is lifted.
+    legal_hold = "legal_hold"

@@ -69,6 +69,7 @@ main.add_command(__import__("proofline.commands.doctor", fromlist=["doctor"]).do
 import proofline.commands.pin  # noqa: E402,F401  (adds `contracts pin`)
 
 main.add_command(__import__("proofline.telemetry.commands", fromlist=["exporter"]).exporter)
+main.add_command(__import__("proofline.commands.retention_cmds", fromlist=["ledger"]).ledger)
 
 if __name__ == "__main__":
     main()

@@ -283,6 +283,9 @@ class Contract(_Model):
     #: Narrows the servers' answers to their requests mid-call (elicitation, sampling, roots) for
     #: this action type: it may refuse what a server's policy answers, never answer what it refuses.
     server_requests: ServerRequestPolicy | None = None
+    #: How long the settled action and its evidence are kept (ledger.states.RetentionClass; the
+    #: durations are settings): ``short``, ``standard``, ``audit`` or ``legal_hold`` (never pruned).
+    retention_class: Literal["short", "standard", "audit", "legal_hold"] = "standard"
     #: Filled in by the loader: sha256 of the contract's canonical JSON.
     digest: str = ""
 

@@ -162,6 +162,15 @@ class Settings(BaseSettings):
     checkpoint_dir: Path | None = None
     #: How often Celery beat asks for a checkpoint (task ``proofline.checkpoint``, queue ``checkpoint``).
     checkpoint_interval_seconds: float = 300.0
+    # --- retention (ledger/retention.py; docs/how-to/retention-and-export.md) ---
+    #: Days a settled record of class ``short`` is kept before ``proofline ledger prune`` may remove it.
+    retention_short_days: float = Field(default=7.0, ge=0)
+    #: Days for class ``standard`` (the default class of settled actions and their evidence).
+    retention_standard_days: float = Field(default=90.0, ge=0)
+    #: Days for class ``audit`` (``legal_hold`` is never pruned).
+    retention_audit_days: float = Field(default=2555.0, ge=0)
+    #: How often Celery beat sends ``proofline.prune`` (queue ``checkpoint``); 0 (the default): never.
+    prune_interval_seconds: float = Field(default=0.0, ge=0)
     # --- secrets and redaction ---
     #: AES-256-GCM key sealing the stored signed messages (default ``keys_dir/seal.key``).
     seal_key_file: Path | None = None
@@ -196,6 +205,8 @@ class Settings(BaseSettings):
     #: The workload (agent) identity signed into envelopes when the caller names none; unset:
     #: ``proofline-controller:<user>@<host>``, the process that published.
     workload_identity: str | None = None
+    #: ``proofline ledger prune`` and the ``proofline.prune`` task connect here (role ``proofline_pruner``).
+    pruner_database_url: SecretStr | None = None
     # --- the operator console ---
     #: Where ``proofline console`` listens: loopback unless configured.
     console_host: str = "127.0.0.1"

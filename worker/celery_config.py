@@ -71,6 +71,7 @@ task_routes = _broker.task_routes(_settings, broker_url, {
     "proofline.recover": {"queue": "recovery"},
     "proofline.reconcile": {"queue": "reconcile"},
     "proofline.checkpoint": {"queue": "checkpoint"},
+    "proofline.prune": {"queue": "checkpoint"},
 })
 imports = ("worker.tasks",)
 
@@ -90,3 +91,11 @@ beat_schedule = {
         "options": {"queue": "checkpoint", "expires": _settings.checkpoint_interval_seconds},
     },
 }
+# Retention pruning (ledger/retention.py), off unless ``prune_interval_seconds`` is set: it runs on
+# the checkpoint queue (it needs the keyring and the checkpoint store) as the pruning role.
+if _settings.prune_interval_seconds > 0:
+    beat_schedule["proofline-prune"] = {
+        "task": "proofline.prune",
+        "schedule": _settings.prune_interval_seconds,
+        "options": {"queue": "checkpoint", "expires": _settings.prune_interval_seconds},
+    }

@@ -15,15 +15,17 @@ from proofline.errors import AuthorityBudgetExceeded, IdempotencyConflict, Repla
 
 def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
                before: dict[str, Any], token: int, actor: str, replay_window: float,
-               admitted: dict[str, Any] | None = None) -> str:
+               admitted: dict[str, Any] | None = None, read: dict[str, Any] | None = None) -> str:
     """Claim the idempotency record (or dispatch on the one that exists) and record the pre-call
-    evidence, all in the lease's transaction. Returns "call", "not_started" or a dispatch decision."""
+    evidence, all in the lease's transaction. Returns "call", "not_started" or a dispatch decision.
+    ``read`` names the target read's MCP request (worker/request_ids.py), recorded with its evidence."""
+    seen = {"target_read": read} if read else {}
     aid = envelope.action_id
     if failures:
         record = store.get_idempotency_txn(cur, envelope.idempotency_key)
         if record is None:
             # A failed precondition ends the action unstarted; it is never adapted to the new state.
-            events.append(("preconditions_failed", {"failures": failures, "before": before}))
+            events.append(("preconditions_failed", {"failures": failures, "before": before, **seen}))
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.closed, outcome=Outcome.not_started,
                                  reason_code=failures[0]["reason"], recovery_data={"before": before},
                                  redactor=redact, events=events, actor=actor)
@@ -33,7 +35,7 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
             # A retry whose preconditions no longer hold. The target changed since the failed
             # attempt: perhaps by someone else, perhaps by that attempt's own late effect. Never
             # call on a changed target; let verification tell which it is.
-            events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "retry"}))
+            events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "retry", **seen}))
             store.transition_txn(cur, aid, [ActionStatus.published], ActionStatus.verifying,
                                  reason_code="retry_preconditions_failed",
                                  recovery_data={"before": before, "retry_blocked_by": failures[0]["reason"]},
@@ -51,9 +53,9 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
             store.append_events_txn(cur, aid, actor, events, redact)
             _finish_dispatch(cur, aid, decision, record)
             return decision
-        events.append(_preconditions_passed(envelope, before))
+        events.append(_preconditions_passed(envelope, before, read))
     else:
-        events.extend(claimed_events(envelope, before, token))
+        events.extend(claimed_events(envelope, before, token, read))
     # The pre-call evidence and the move to executing: one round trip.
     store.transition_txn(cur, aid, [ActionStatus.published, ActionStatus.executing], ActionStatus.executing,
                          recovery_data={"before": before, **(admitted or {})}, redactor=redact, events=events,
@@ -61,14 +63,17 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
     return "call"
 
 
-def claimed_events(envelope: Envelope, before: dict[str, Any], token: int) -> list[tuple[str, dict[str, Any]]]:
+def claimed_events(envelope: Envelope, before: dict[str, Any], token: int,
+                   read: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The evidence of a fresh claim: the record claimed under this token, the preconditions passed."""
     return [("idempotency_claimed", {"key": envelope.idempotency_key, "fencing_token": token}),
-            _preconditions_passed(envelope, before)]
+            _preconditions_passed(envelope, before, read)]
 
 
-def _preconditions_passed(envelope: Envelope, before: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    return "preconditions_passed", {"before": before} if envelope.evidence.record_precondition_snapshot else {}
+def _preconditions_passed(envelope: Envelope, before: dict[str, Any],
+                          read: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    evidence = {"before": before} if envelope.evidence.record_precondition_snapshot else {}
+    return "preconditions_passed", {**evidence, **({"target_read": read} if read else {})}
 
 
 def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord, token: int, events: list,

@@ -47,6 +47,8 @@ class CallReport:
     sandbox_violation: dict[str, Any] | None = None
     #: Why the server runs unsandboxed, when the servers file disabled its sandbox.
     unsandboxed: str | None = None
+    #: The MCP session and JSON-RPC request id of the call (worker/request_ids.py).
+    request: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class Reading:
         return {"source": self.source, "server": self.server, "identity": "read", "tool": self.tool,
                 "finding": o.finding.value, "reads": o.reads, "failed_reads": o.failed_reads,
                 "last_error": o.last_error, "latency_ms": round(self.seconds * 1000), "after": o.after,
-                "timeline": o.kept, **({"condition_errors": o.condition_errors} if o.condition_errors else {})}
+                "timeline": o.kept, **o.requests(), **({"condition_errors": o.condition_errors} if o.condition_errors else {})}
 
 
 @dataclass(frozen=True)

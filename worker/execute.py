@@ -269,6 +269,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         stages.enter("proofline.precondition_read")
         try:
             before = read_target(rt, server, contract, envelope)
+            target_read = rt.mcp.last_request  # the read's MCP request, for its evidence
         except (TargetReadFailed, McpUnavailable) as exc:
             return _transient_before(rt, envelope, red, events, exc, dispatch)
         except ConditionError as exc:
@@ -291,7 +292,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
 
         try:
             step, token = _lease_and_claim(rt, envelope, red, locks, events, failures, before,
-                                           int(facts["fencing_token"]))
+                                           int(facts["fencing_token"]), target_read)
         except TenantQuotaExceeded as exc:  # the claim transaction rolled back: nothing was written
             locked = False
             return _quota_wait(rt, envelope, exc, delivery)
@@ -423,7 +424,8 @@ def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redact
 
 
 def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Locks, events: list,
-                     failures: list[dict[str, str]], before: dict[str, Any], token: int) -> tuple[str, int]:
+                     failures: list[dict[str, str]], before: dict[str, Any], token: int,
+                     read: dict[str, Any] | None = None) -> tuple[str, int]:
     """The claim stage under ``token`` (drawn when the locks were taken): the run's budget, the
     lease, the claim and the pre-call evidence, in one transaction. Returns the next step and the
     token. A first delivery with nothing else to check is one statement (``proofline_claim``)."""
@@ -438,7 +440,7 @@ def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Lock
             replay_window_seconds=settings.replay_window_seconds,
             lease=lease_arguments(envelope.action_id, locks.target, actor, settings.lease_ttl_seconds, locks, token),
             recovery_data={"before": before}, redactor=red, actor=actor,
-            events=[*events, lease_event, *claimed_events(envelope, before, token)])
+            events=[*events, lease_event, *claimed_events(envelope, before, token, read)])
         if claimed:
             return "call", token
         # The key has a record (a redelivery): nothing was written; dispatch on it below.
@@ -452,7 +454,7 @@ def _lease_and_claim(rt: Runtime, envelope: Envelope, red: Redactor, locks: Lock
         # The admitted amount is recorded by the guarded move to executing (no separate update).
         admitted = {"amount_cents": budget["amount_cents"]} if budget and "admitted" not in budget else {}
         step = claim_txn(cur, envelope, red, events, failures, before, token, actor, settings.replay_window_seconds,
-                          admitted)
+                          admitted, read)
         if step != "call":
             release_lease_txn(cur, envelope.action_id, token)
             cur.execute(*unlock_sql(locks))

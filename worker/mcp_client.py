@@ -37,7 +37,7 @@ from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable
 from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
-from worker import calls, sandbox
+from worker import calls, request_ids, sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_audit import Auditor
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
@@ -226,6 +226,8 @@ class _Session:
         self._action_id = action_id
         self.base_dir = base_dir
         self.name, self.role, self.environment = name, role, environment
+        #: This session's own id, recorded with every request id minted on it (worker/request_ids.py).
+        self.session_id = request_ids.new_session_id()
         self.max_message_bytes = max_message_bytes
         self.client: Client | None = None
         self.error: BaseException | None = None
@@ -384,6 +386,8 @@ class McpSessions:
         self.action_id: str | None = None
         #: The in-flight action's contract narrowing of its servers' request policies (or None).
         self.request_policy: ServerRequestPolicy | None = None
+        #: The session and JSON-RPC request id(s) of the last :meth:`run` (worker/request_ids.py).
+        self.last_request: dict[str, Any] = {}
 
     @contextmanager
     def acting_for(self, action_id: str) -> Iterator[None]:
@@ -469,17 +473,20 @@ class McpSessions:
         ``cancel_handle``, another thread may cancel the call; the SDK then sends the server
         ``notifications/cancelled`` and this raises :class:`CallCancelled`.
         """
+        self.last_request = {}  # nothing sent yet: a refused session leaves no stale ids behind
         session = self._session(server, role)
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
         self._collect(session, in_flight=False)
+        before = request_ids.counter(client)
         try:
             if cancel_handle is None:
                 return self._portal.call(fn, client)
             cancel_handle.portal = self._portal
             return self._portal.call(_cancellable, fn, client, cancel_handle)
         finally:
+            self.last_request = request_ids.minted(session.session_id, before, request_ids.counter(client))
             self._collect(session, in_flight=True)
 
     def tool_hashes(self, server: Server, max_age: float, role: Role = "write") -> tuple[dict[str, str], str | None]:

@@ -268,6 +268,25 @@ def checkpoint_task() -> dict[str, Any]:
         return {"skipped": exc.code}
 
 
+@app.task(name="proofline.prune", base=SweepTask, ignore_result=True)
+def prune_task() -> dict[str, Any]:
+    """Prune what retention allows (ledger/retention.py), as the pruning role: without
+    ``pruner_database_url`` the task refuses, since no runtime role may remove anything."""
+    from ledger.retention import prune
+    from ledger.store import connect
+    from proofline.errors import ConfigurationError
+
+    settings = get_settings()
+    url = reveal(settings.pruner_database_url)
+    if not url:
+        exc = ConfigurationError("prune_interval_seconds is set but pruner_database_url is not")
+        log.error("prune refused", extra={"event": "prune_refused", "reason_code": exc.code, "detail": exc.detail})
+        return {"refused": exc.code}
+    with connect(url, application_name=f"proofline-prune-{settings.worker_id}", connect_timeout=10) as conn:
+        done = prune(conn, settings, actor=settings.worker_id)
+    return {k: v for k, v in done.items() if k != "heads"}
+
+
 init_sentry(get_settings())
 install_log_scrubbing()
 install_telemetry()

@@ -61,13 +61,14 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
         except BaseException as exc:  # noqa: BLE001 - every failure is classified, none escapes unrecorded
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
+            request = rt.mcp.last_request  # before discard: the ids minted on the session that broke
             sent = _sent(exc)
             # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
             # evidence on this action.
             violation = rt.mcp.discard(server, "write") if sent else None
             return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
                               progress=tuple(progress.kept), progress_total=progress.total,
-                              sandbox_violation=violation, unsandboxed=unsandboxed)
+                              sandbox_violation=violation, unsandboxed=unsandboxed, request=request)
     faultpoints.hit("after_send")
     return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
-                      progress_total=progress.total, unsandboxed=unsandboxed)
+                      progress_total=progress.total, unsandboxed=unsandboxed, request=rt.mcp.last_request)

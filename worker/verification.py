@@ -26,6 +26,8 @@ from worker.runtime import Runtime
 from worker.servers import Server
 
 READS_KEPT = 5
+#: Request ids kept per observation (one per read; a long poll keeps its first ones).
+REQUESTS_KEPT = 50
 
 
 @dataclass
@@ -40,6 +42,22 @@ class Observation:
     condition_errors: list[dict[str, str]] = field(default_factory=list)
     #: The execute task's first read only: the ``before`` snapshot as the ledger stores it.
     before: Any = None
+    #: The MCP session of the reads and the JSON-RPC request id of each (worker/request_ids.py).
+    mcp_connection: str | None = None
+    request_ids: list[int] = field(default_factory=list)
+
+    def requests(self) -> dict[str, Any]:
+        """What a read's evidence records of the requests it sent (bounded like the timeline)."""
+        return {"mcp_connection": self.mcp_connection, "mcp_request_ids": self.request_ids} if self.mcp_connection else {}
+
+    def sent(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Note one read's request (``McpSessions.last_request``); returns it for the timeline."""
+        if "mcp_connection" in request:
+            self.mcp_connection = request["mcp_connection"]
+        rid = request.get("mcp_request_id")
+        if rid is not None and len(self.request_ids) < REQUESTS_KEPT:
+            self.request_ids.append(rid)
+        return {"mcp_request_id": rid} if rid is not None else {}
 
 
 def judge(verification: Verification, variables: dict[str, Any], *, settled: bool,
@@ -92,6 +110,7 @@ def poll(rt: Runtime, server: Server, contract: Contract, read: ReadPath, v: Ver
     compiled = contract.compiled()
     while True:
         settled = time.monotonic() - started >= v.consistency_delay_seconds
+        rt.mcp.last_request = {}
         try:
             arguments = build_arguments(read.arguments, base, compiled)
             with tracing.span("proofline.verification_read", **{"proofline.tool": read.tool}):
@@ -110,16 +129,19 @@ def poll(rt: Runtime, server: Server, contract: Contract, read: ReadPath, v: Ver
                 raise
             if not isinstance(exc, ProoflineError):
                 rt.mcp.discard(server, "read")
+            obs.sent(rt.mcp.last_request)
             obs.failed_reads += 1
             obs.last_error = repr(exc)[:300]
             finding = None
         else:
+            request = obs.sent(rt.mcp.last_request)
             obs.reads += 1
             obs.after = after
             finding = judge(v, {**base, "after": after}, settled=settled, errors=obs.condition_errors,
                             compiled=compiled)
             if len(obs.kept) < READS_KEPT or finding != VerificationFinding.tolerated:
-                obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value})
+                obs.kept.append({"t_ms": round((time.monotonic() - started) * 1000), "finding": finding.value,
+                                 **request})
             if finding in (VerificationFinding.expected, VerificationFinding.prohibited, VerificationFinding.absent):
                 obs.finding = finding
                 return obs
@@ -143,7 +165,7 @@ def finding_evidence(envelope: Envelope, contract: Contract, obs: Observation,
         "verification_key": verification_key(envelope), "finding": obs.finding.value, "reads": obs.reads,
         "failed_reads": obs.failed_reads, "last_error": obs.last_error, "timeline": obs.kept,
         "after": obs.after, "prior_outcome": prior.value if prior else None,
-        "read_tool": contract.verification_read.tool, "identity": "read",
+        "read_tool": contract.verification_read.tool, "identity": "read", **obs.requests(),
     }
     if obs.condition_errors:
         evidence["condition_errors"] = obs.condition_errors

@@ -30,6 +30,7 @@ from ledger.states import (
     KillSwitchScope,
     Outcome,
     RecheckStatus,
+    RetentionClass,
     VerificationFinding,
 )
 from proofline.envelope import build_envelope
@@ -157,6 +158,15 @@ def test_recheck_status_check_equals_python_enum(admin):
         [row] = cur.fetchall()
     labels = re.findall(r"'([a-z_]+)'::text", row["def"])
     assert sorted(labels) == sorted(m.value for m in RecheckStatus)
+
+
+@pytest.mark.parametrize("name", ["actions_retention_known", "message_deliveries_retention_known"])
+def test_retention_checks_equal_python_enum(admin, name):
+    """Retention classes are text guarded by a CHECK on each table that has one."""
+    with admin.cursor() as cur:
+        cur.execute("SELECT pg_get_constraintdef(c.oid) AS def FROM pg_constraint c WHERE c.conname = %s", (name,))
+        [row] = cur.fetchall()
+    assert sorted(re.findall(r"'([a-z_]+)'::text", row["def"])) == sorted(m.value for m in RetentionClass)
 
 
 def _schema_diff(admin_url: str, target: MetaData) -> list[Any]:

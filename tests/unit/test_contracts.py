@@ -313,3 +313,13 @@ def test_a_result_nested_too_deeply_is_refused_by_extraction_without_recursing()
     with pytest.raises(ExtractionFailed, match=f"deeper than {MAX_NESTING}"):
         extract(CallToolResult(content=[], structured_content=nested), Extraction())
     assert nesting_within({"a": [{"b": 1}]}, limit=3) and not nesting_within({"a": [{"b": [1]}]}, limit=3)
+
+
+def test_contract_retention_classes_are_the_ledger_classes():
+    from typing import get_args
+
+    from ledger.states import RetentionClass
+    from proofline.contracts import Contract
+
+    allowed = get_args(Contract.model_fields["retention_class"].annotation)
+    assert set(allowed) == {c.value for c in RetentionClass}
