@@ -231,9 +231,9 @@ class EvidenceCapture(_Model):
     result: bool = False
     #: The reads of the target: the precondition read and the verification reads.
     reads: bool = False
-    #: The retention class each capture is stored under (the retention policy's name for how long
-    #: it is kept): lower-case letters, digits and dashes, e.g. ``audit-1y``.
-    retention: str = Field(default="audit-1y", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+    #: The retention class each capture is stored under (``ledger.states.RetentionClass``; how long
+    #: each class lasts is a setting, and ``proofline ledger prune`` removes captures past it).
+    retention: Literal["short", "standard", "audit", "legal_hold"] = "audit"
 
     @property
     def enabled(self) -> bool:
@@ -272,7 +272,7 @@ class Contract(_Model):
     #: value wherever it reappears (ledger/redact.py).
     sensitive_fields: tuple[str, ...] = ()
     #: Raw arguments, results and reads captured encrypted for the auditor (redaction still applies
-    #: everywhere else): ``{arguments: true, result: true, reads: true, retention: audit-1y}``.
+    #: everywhere else): ``{arguments: true, result: true, reads: true, retention: audit}``.
     evidence_capture: EvidenceCapture = EvidenceCapture()
     #: CEL over ``args`` (and ``envelope``, ``target``) giving the amount of money this action moves,
     #: in cents; checked against the envelope's ``authority_budget.max_amount_cents``, per action and

@@ -63,7 +63,7 @@ def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     shutil.copytree(ROOT / "contracts", contracts)
     doc = yaml.safe_load((contracts / "ticket.create.yaml").read_text())
     doc["sensitive_fields"] = ["args.title"]
-    doc["evidence_capture"] = {"arguments": True, "result": True, "reads": True, "retention": "audit-1y"}
+    doc["evidence_capture"] = {"arguments": True, "result": True, "reads": True, "retention": "audit"}
     (contracts / "ticket.create.yaml").write_text(yaml.safe_dump(doc))
     # A restart is verified in the verification task (it has an independent source): its reads only.
     doc = yaml.safe_load((contracts / "service.restart.yaml").read_text())
@@ -158,14 +158,14 @@ def test_evidence_is_captured_for_one_action_type_and_not_another(vault: Stack, 
     kept = rows(vault, t.action_id)
     assert sorted(row["kind"] for row in kept) == sorted(
         [CaptureKind.arguments, CaptureKind.result, CaptureKind.precondition_read, CaptureKind.verification_read])
-    assert {row["retention"] for row in kept} == {"audit-1y"}
+    assert {row["retention"] for row in kept} == {"audit"}
     assert rows(vault, r.action_id) == [] and captured_events(vault, r.action_id) == []
     # The ledger names each capture by digest and key: what was captured is proven, not held.
     [event] = captured_events(vault, t.action_id)
     assert {c["capture_id"]: c["sha256"] for c in event["captures"]} == {
         row["capture_id"]: row["plaintext_sha256"] for row in kept}
     key_id = read_private(auditor_key_file(vault)).key_id
-    assert {c["key_id"] for c in event["captures"]} == {key_id} and event["retention"] == "audit-1y"
+    assert {c["key_id"] for c in event["captures"]} == {key_id} and event["retention"] == "audit"
     revalidated = next(e for e in vault.timeline(t.action_id) if e["event"] == "revalidated")["evidence"]
     assert revalidated["evidence_capture"]["key_id"] == key_id
     assert "evidence_capture" not in next(e for e in vault.timeline(r.action_id) if e["event"] == "revalidated")[
