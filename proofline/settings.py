@@ -241,6 +241,9 @@ class Settings(BaseSettings):
     #: Retries of one delivery (database away, unexpected error, target busy) before it is recorded
     #: as abandoned and left to the reconciler.
     task_retry_limit: int = 50
+    #: A failed precondition read (or prepare) is tried again after the envelope's backoff doubled
+    #: per retry of the delivery, with jitter, never longer than this.
+    precheck_backoff_cap_seconds: float = Field(default=30.0, gt=0, le=600)
     #: The reconciler closes a still-published action this long after its deadline.
     deadline_grace_seconds: float = 60.0
     #: Prefork pool processes of ``proofline worker`` when ``--concurrency`` is not given: twice the

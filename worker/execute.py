@@ -46,7 +46,7 @@ from proofline.keys import load_keyring
 from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import faultpoints, quota, sandbox_events
+from worker import faultpoints, quota, read_waits, sandbox_events
 from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
@@ -83,6 +83,7 @@ from worker.validate import (
     refusal_chain_id,
     revalidate_live,
     revalidate_static,
+    tool_switches,
     validate_envelope,
 )
 from worker.verification import decides_in_place, read_in_place
@@ -97,8 +98,8 @@ SELECT clock_timestamp() AS now,
        (SELECT array_agg(identity) FROM revoked_identities WHERE identity = ANY(%s)) AS revoked,
        (SELECT json_agg(json_build_object('scope', scope, 'value', value, 'set_by', set_by, 'reason', reason))
           FROM kill_switches WHERE cleared_at IS NULL AND (scope = 'global'
-            OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = %s)
-            OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = %s))) AS kills,
+            OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = ANY(%s))
+            OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = ANY(%s)))) AS kills,
        (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id,
                                              published_at
                                       FROM actions WHERE action_id = %s) a) AS action,
@@ -190,8 +191,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     stages.enter("proofline.lease")
     try:
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
-            [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
-            envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid,
+            [envelope.requester, envelope.workload_identity], envelope.action_type, tool_switches(envelope),
+            envelope.tenant, tool_switches(envelope, f"@{envelope.tenant}"), aid,
             settings.tenant_max_executing, envelope.tenant, aid), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
@@ -530,16 +531,18 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
 
 def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: list, exc: ProoflineError,
                       dispatch: Dispatch) -> dict[str, Any]:
-    """Nothing was sent: retry the same envelope later while the deadline allows."""
+    """Nothing was sent: retry the same envelope later while the deadline allows, backing off
+    (worker/read_waits.py); then close it before any side effect, with every cause counted."""
     remaining = envelope.deadline.timestamp() - time.time()
-    if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
-        with store.transaction(rt.conn) as cur:
-            store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
-                                    [*events, ("precheck_unavailable", exc.as_evidence())], red)
-        _unlock_now(rt, envelope)
-        raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
-    return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
-                                Outcome.failed_before_side_effect, dispatch)
+    wait = read_waits.wait_or_close(rt.conn, envelope, red, events, exc, rt.settings.worker_id,
+                                    rt.settings.precheck_backoff_cap_seconds, remaining)
+    if wait.decision == "close":
+        return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", wait.evidence, exc.code,
+                                    Outcome.failed_before_side_effect, dispatch)
+    _unlock_now(rt, envelope)
+    if wait.decision == "yield":  # another delivery's retry of this action is due: one chain of retries
+        return TaskSummary("ignored", exc.code, envelope.action_id).as_dict()
+    raise RetryLater(wait.seconds, exc.code)
 
 
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,
