@@ -622,7 +622,7 @@ def test_compensation_failure(stack: Stack) -> None:
         assert len(attempts) == 2 and all(c["outcome"] == Outcome.failed_before_side_effect.value for c in attempts)
         assert sent_and_applied(stack, comp.idempotency_key) == (2, 0)
         switches = {(s["scope"], s["value"]) for s in list_switches(stack.conn)}
-        assert ("tool_tenant", "create_ticket@acme") in switches
+        assert ("tool_tenant", "sor:create_ticket@acme") in switches  # this server's tool only
         # The ticket is still open: the failed compensation applied nothing.
         assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "open"
         # Automation is blocked for that tool and tenant: a new action does not start.
@@ -641,7 +641,7 @@ def test_compensation_failure(stack: Stack) -> None:
         assert stack.action(steps[0].action_id).reason_code == "operator_compensated"
         assert "operator_intervention" in stack.events(steps[0].action_id)
     finally:
-        clear_switch(stack.operator, KillSwitchScope.tool_tenant, "create_ticket@acme", "oncall@example.com",
+        clear_switch(stack.operator, KillSwitchScope.tool_tenant, "sor:create_ticket@acme", "oncall@example.com",
                      "resolved")
 
 
