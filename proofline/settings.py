@@ -260,6 +260,10 @@ class Settings(BaseSettings):
     #: Actions of one tenant executing at once (0 = unlimited). One over it waits (``tenant_quota_wait``)
     #: and is delivered again shortly; it is never dropped.
     tenant_max_executing: int = Field(default=0, ge=0)
+    #: Fair turns within an execute shard (worker/fairness.py): an action of a tenant that already has
+    #: this many executing yields its turn (requeued at the shard's tail, ``tenant_fair_wait``) while
+    #: another tenant with fewer executing waits on the same shard. 0 turns it off.
+    tenant_fair_share: int = Field(default=1, ge=0)
 
     @property
     def servers_base_dir(self) -> Path:

@@ -40,13 +40,14 @@ from proofline.errors import (
     RevalidationFailed,
     StaleLease,
     TargetReadFailed,
+    TenantFairWait,
     TenantQuotaExceeded,
 )
 from proofline.keys import load_keyring
 from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import faultpoints, quota, read_waits, sandbox_events
+from worker import fairness, faultpoints, quota, read_waits, sandbox_events
 from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
@@ -103,7 +104,7 @@ SELECT clock_timestamp() AS now,
        (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id,
                                              published_at
                                       FROM actions WHERE action_id = %s) a) AS action,
-""" + quota.COUNT_SQL
+""" + quota.COUNT_SQL + ",\n" + fairness.WAITING_SQL
 
 class RetryLater(Exception):
     """Ask Celery to deliver this message again after ``countdown`` seconds (same envelope, same key)."""
@@ -193,7 +194,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
             [envelope.requester, envelope.workload_identity], envelope.action_type, tool_switches(envelope),
             envelope.tenant, tool_switches(envelope, f"@{envelope.tenant}"), aid,
-            settings.tenant_max_executing, envelope.tenant, aid), hold=True)
+            settings.tenant_max_executing, envelope.tenant, aid,
+            *fairness.params(envelope, settings.tenant_fair_share, settings.tenant_shards)), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -233,7 +235,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             _unlock_now(rt, envelope)
             dispatch.verify(aid, envelope.tenant)
             return TaskSummary("verifying", "redelivered", aid).as_dict()
-        waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing"))
+        waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing")) or \
+            fairness.yields(envelope, settings.tenant_fair_share, facts.get("fair_waiting"))
         if waiting is not None:
             locked = False
             return _quota_wait(rt, envelope, waiting, delivery)
@@ -472,13 +475,14 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
 
 
 def _quota_wait(rt: Runtime, envelope: Envelope, exc: TenantQuotaExceeded, delivery: dict[str, Any]) -> dict[str, Any]:
-    """Over the tenant's quota: release both locks first (another worker may take the target), record
-    the wait, and deliver the same envelope again after the short busy-target backoff."""
+    """Over the tenant's quota, or yielding its turn (worker/fairness.py): release both locks first
+    (another worker may take the target), record the wait, and deliver the same envelope again after
+    the short busy-target backoff (a turn yielded: at once, at the tail of its shard)."""
     _unlock_now(rt, envelope)
     with store.transaction(rt.conn) as cur:
-        store.append_event_txn(cur, envelope.action_id, "tenant_quota_wait", rt.settings.worker_id,
+        store.append_event_txn(cur, envelope.action_id, exc.code, rt.settings.worker_id,
                                {**exc.as_evidence(), **delivery})
-    raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
+    raise RetryLater(0 if isinstance(exc, TenantFairWait) else envelope.retry_policy.backoff_seconds, exc.code)
 
 
 def _conflict(rt: Runtime, envelope: Envelope, red: Redactor, events: list, detail: str) -> dict[str, Any]:
