@@ -60,22 +60,33 @@ def test_tenants_land_on_their_own_shards() -> None:
     assert shard_of(NOISY, 1) == 0
 
 
-def test_one_tenants_burst_does_not_starve_another(fair_stack: Stack) -> None:
-    stack = fair_stack
-    # The noisy tenant's burst is all queued before any worker runs.
+def queued_burst(stack: Stack, workers: str) -> tuple[list[Envelope], list[str]]:
+    """The noisy tenant's burst, all queued before any worker runs; then the workers start."""
     burst = [ticket(stack, NOISY) for _ in range(BURST)]
     for env in burst:
         stack.publish(env)
-    ids = [e.action_id for e in burst]
-    start_workers(stack, name="f", beat=False)
+    start_workers(stack, name=workers, beat=False)
+    return burst, [e.action_id for e in burst]
+
+
+def single_behind(stack: Stack, tenant: str, ids: list[str]) -> tuple[Any, int]:
+    """One action of ``tenant`` published behind the queued burst: its row once settled, and how
+    much of the burst had settled by then."""
+    # The burst is queued (nearly all of it still waiting) when the single action arrives.
+    assert settled(stack, ids) < BURST // 4
+    single = ticket(stack, tenant)
+    stack.publish(single)
+    row = stack.wait_settled(single.action_id, timeout=120)
+    done = settled(stack, ids)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    return row, done
+
+
+def test_one_tenants_burst_does_not_starve_another(fair_stack: Stack) -> None:
+    stack = fair_stack
+    burst, ids = queued_burst(stack, "f")
     try:
-        # The burst is queued (nearly all of it still waiting) when the quiet tenant's one action arrives.
-        assert settled(stack, ids) < BURST // 4
-        quiet = ticket(stack, QUIET)
-        stack.publish(quiet)
-        row = stack.wait_settled(quiet.action_id, timeout=120)
-        done_when_quiet_settled = settled(stack, ids)
-        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+        row, done_when_quiet_settled = single_behind(stack, QUIET, ids)
         # Behind one FIFO queue it would have settled after the whole burst; with tenant shards it
         # waits for about one turn of the rotation.
         assert done_when_quiet_settled < BURST // 2, done_when_quiet_settled
@@ -111,22 +122,14 @@ def test_the_databases_shard_is_the_publishers(fair_stack: Stack) -> None:
 
 def test_a_single_action_behind_a_burst_on_its_own_shard_goes_first(fair_stack: Stack) -> None:
     """Two tenants on one shard share a FIFO queue: before fair turns (worker/fairness.py) the
-    single action waited for the whole burst ahead of it (150: 15.6 s, all 150 first). Now every
-    burst action that is not yet executing yields its turn to it (requeued at the tail), recorded."""
+    single action waited for the whole burst ahead of it (150: 15.6 s, all 150 first). Now a burst
+    action whose tenant has its share in flight yields its turn to it (requeued at the tail), recorded."""
     stack = fair_stack
     quiet = same_shard_as(NOISY)
-    burst = [ticket(stack, NOISY) for _ in range(BURST)]
-    for env in burst:
-        stack.publish(env)
-    ids = [e.action_id for e in burst]
-    start_workers(stack, name="s", beat=False)
+    burst, ids = queued_burst(stack, "s")
     try:
-        assert settled(stack, ids) < BURST // 4
-        single = ticket(stack, quiet)
-        stack.publish(single)
-        row = stack.wait_settled(single.action_id, timeout=120)
-        done_when_single_settled = settled(stack, ids)
-        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+        row, done_when_single_settled = single_behind(stack, quiet, ids)
+        single = stack.action(row.action_id)
         # Finished before more than 80 % of the burst (behind the FIFO: after all of it).
         assert done_when_single_settled < BURST // 5, done_when_single_settled
         wait_for(lambda: settled(stack, ids) == BURST, 240, interval=0.5, what="the burst to settle")
@@ -140,7 +143,7 @@ def test_a_single_action_behind_a_burst_on_its_own_shard_goes_first(fair_stack: 
         # Every turn given is on the record, naming who it was given to; nothing ran twice.
         assert yielded and {(y["reason_code"], y["waiting_tenant"], y["share"]) for y in yielded} == {
             ("tenant_fair_wait", quiet, "1")}
-        assert all(stack.effects(e.idempotency_key) == 1 for e in [*burst, single])
+        assert all(stack.effects(key) == 1 for key in [*(e.idempotency_key for e in burst), single.idempotency_key])
         assert "tenant_fair_wait" not in stack.events(single.action_id)
     finally:
         stop_workers(stack)
