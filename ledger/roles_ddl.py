@@ -126,11 +126,13 @@ BEGIN
     NEW.cancel_requested_at := clock_timestamp();
     cancelling := true;
   END IF;
-  -- The reconciler's bookkeeping (next check, redrive count) is not a transition.
+  -- Bookkeeping is not a transition: the reconciler's (next check, redrive count) and the
+  -- worker's count of failed precondition reads (worker/read_waits.py).
   moved := NEW.status IS DISTINCT FROM OLD.status OR NEW.outcome IS DISTINCT FROM OLD.outcome
     OR NEW.finding IS DISTINCT FROM OLD.finding OR NEW.reason_code IS DISTINCT FROM OLD.reason_code
     OR NEW.result IS DISTINCT FROM OLD.result OR NEW.recovery_kind IS DISTINCT FROM OLD.recovery_kind
-    OR (NEW.recovery_data - 'redrives') IS DISTINCT FROM (OLD.recovery_data - 'redrives');
+    OR (NEW.recovery_data - 'redrives' - 'read_failures') IS DISTINCT FROM
+       (OLD.recovery_data - 'redrives' - 'read_failures');
   IF moved THEN
     IF NOT EXISTS (
         SELECT 1 FROM action_transitions t
@@ -274,11 +276,12 @@ DECLARE
   v text;
   engaged boolean;
 BEGIN
-  SELECT tool, tenant, status INTO a FROM actions WHERE action_id = p_action_id;
+  SELECT server, tool, tenant, status INTO a FROM actions WHERE action_id = p_action_id;
   IF NOT FOUND OR a.status <> 'recovery' THEN
     RAISE EXCEPTION 'containment refused: action % is not in recovery', p_action_id USING ERRCODE = 'PL004';
   END IF;
-  v := a.tool || '@' || a.tenant;
+  -- Scoped by server (migration 0020): another server's tool of the same name keeps running.
+  v := a.server || ':' || a.tool || '@' || a.tenant;
   INSERT INTO kill_switches (scope, value, set_by, reason) VALUES ('tool_tenant', v, p_by, p_reason)
     ON CONFLICT (scope, value) WHERE cleared_at IS NULL DO NOTHING RETURNING true INTO engaged;
   IF engaged THEN

@@ -117,11 +117,11 @@ class KillSwitchScope(str, Enum):
     global_ = "global"
     #: One action type (contract).
     action_type = "action_type"
-    #: One MCP tool.
+    #: One MCP tool of one server (value ``server:tool``; ``*:tool`` on every server).
     tool = "tool"
     #: One tenant.
     tenant = "tenant"
-    #: One tool for one tenant (value ``tool@tenant``): what containment sets.
+    #: One tool for one tenant (value ``server:tool@tenant``, ``*:`` for every server): what containment sets.
     tool_tenant = "tool_tenant"
 
 

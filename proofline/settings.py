@@ -276,6 +276,9 @@ class Settings(BaseSettings):
     #: Retries of one delivery (database away, unexpected error, target busy) before it is recorded
     #: as abandoned and left to the reconciler.
     task_retry_limit: int = 50
+    #: A failed precondition read (or prepare) is tried again after the envelope's backoff doubled
+    #: per retry of the delivery, with jitter, never longer than this.
+    precheck_backoff_cap_seconds: float = Field(default=30.0, gt=0, le=600)
     #: The reconciler closes a still-published action this long after its deadline.
     deadline_grace_seconds: float = 60.0
     #: Prefork pool processes of ``proofline worker`` when ``--concurrency`` is not given: twice the
@@ -292,6 +295,10 @@ class Settings(BaseSettings):
     #: Actions of one tenant executing at once (0 = unlimited). One over it waits (``tenant_quota_wait``)
     #: and is delivered again shortly; it is never dropped.
     tenant_max_executing: int = Field(default=0, ge=0)
+    #: Fair turns within an execute shard (worker/fairness.py): an action of a tenant that already has
+    #: this many executing yields its turn (requeued at the shard's tail, ``tenant_fair_wait``) while
+    #: another tenant with fewer executing waits on the same shard. 0 turns it off.
+    tenant_fair_share: int = Field(default=1, ge=0)
 
     @property
     def servers_base_dir(self) -> Path:

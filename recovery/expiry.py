@@ -16,6 +16,7 @@ from typing import Any
 from ledger import store
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.errors import DeadlineExpiredUnexecuted
+from worker.read_waits import summary
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +60,33 @@ def close_overdue_txn(cur: Any, actor: str, grace_seconds: float, limit: int = 2
     for row in list(cur.fetchall()):
         evidence = _evidence(cur, row, grace_seconds)
         record = store.get_idempotency_txn(cur, row["idempotency_key"])
+        # Its precondition read kept failing (worker/read_waits.py) and its last retry never came
+        # back before the deadline: it ends as the read's failure, with the expiry as evidence.
+        read_failed = last_read_failure(row["recovery_data"])
         if record is not None and record.status in (IdempotencyStatus.in_progress, IdempotencyStatus.unknown):
             # A claim without a known result: nothing is proven either way; an operator decides.
             status, outcome = ActionStatus.escalated, Outcome.unknown_outcome
-        elif record is not None:
+        elif record is not None or read_failed:
             status, outcome = ActionStatus.closed, Outcome.failed_before_side_effect
         else:
             status, outcome = ActionStatus.closed, Outcome.not_started
         store.append_event_txn(cur, row["action_id"], DeadlineExpiredUnexecuted.code, actor, evidence)
         store.transition_txn(cur, row["action_id"], [ActionStatus.published, ActionStatus.proposed], status,
                              outcome=outcome,
-                             reason_code=DeadlineExpiredUnexecuted.code)
+                             reason_code=read_failed if record is None and read_failed else DeadlineExpiredUnexecuted.code)
         closed.append(row["action_id"])
         log.error("action expired unexecuted", extra={
             "event": "deadline_expired_unexecuted", "action_id": row["action_id"],
             "deliveries": evidence["deliveries"]["deliveries"], "redrives": evidence["redrives"],
             "last_refusal": (evidence["last_refusal"] or {}).get("reason_code")})
     return closed
+
+
+def last_read_failure(recovery_data: dict[str, Any] | None) -> str | None:
+    """The reason code of the precondition read failure counted last on the action, if any."""
+    failures = ((recovery_data or {}).get("read_failures") or {}).get("causes") or {}
+    rows = [v for v in failures.values() if isinstance(v, dict) and v.get("reason_code")]
+    return str(max(rows, key=lambda v: str(v.get("last_at", "")))["reason_code"]) if rows else None
 
 
 def _evidence(cur: Any, row: dict[str, Any], grace_seconds: float) -> dict[str, Any]:
@@ -93,6 +104,7 @@ def _evidence(cur: Any, row: dict[str, Any], grace_seconds: float) -> dict[str, 
         "redrives": int((row["recovery_data"] or {}).get("redrives", 0)),
         "deliveries": deliveries, "last_refusal": dict(refusal) if refusal else None,
         "last_event": dict(last) if last else None, "by": "reconciler",
+        "read_failures": summary(((row["recovery_data"] or {}).get("read_failures") or {}).get("causes")),
     }
 
 

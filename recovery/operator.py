@@ -32,34 +32,57 @@ def known_tenants(conn: Any) -> set[str]:
         return {r["tenant"] for r in cur.fetchall()}
 
 
+def scoped_tool(value: str) -> str:
+    """A tool switch's value in its scoped form ``SERVER:TOOL`` (``@TENANT`` kept): the old
+    tool-only form means that tool on every server, ``*:TOOL``."""
+    value = value.strip()
+    return value if ":" in value.partition("@")[0] else "*:" + value
+
+
 def check_switch(scope: KillSwitchScope, value: str, *, action_types: Iterable[str], tools: Iterable[str],
-                 tenants: Iterable[str] | None) -> str:
+                 tenants: Iterable[str] | None, servers: Iterable[str] | None = None) -> str:
     """The switch's value as it will be matched, or :class:`KillSwitchInvalid` naming why it would
-    block nothing. ``tenants=None`` accepts any tenant name (one the ledger has not seen yet)."""
+    block nothing. ``tenants=None`` accepts any tenant name (one the ledger has not seen yet),
+    ``servers=None`` any server name. Tool switches are scoped by server (``SERVER:TOOL``, ``*`` for
+    every server); a bare ``TOOL`` is accepted and means ``*:TOOL``."""
     value = value.strip()
     if scope == KillSwitchScope.global_:
         if value:
             raise KillSwitchInvalid(f"--scope global takes no value (got {value!r})")
         return ""
     if not value:
-        example = {"tool_tenant": "create_ticket@acme", "action_type": "ticket.create", "tool": "create_ticket",
-                   "tenant": "acme"}[scope.value]
+        example = {"tool_tenant": "sor:create_ticket@acme", "action_type": "ticket.create",
+                   "tool": "sor:create_ticket", "tenant": "acme"}[scope.value]
         raise KillSwitchInvalid(f"--scope {scope.value} needs a value, e.g. --value {example}")
     if scope == KillSwitchScope.tool_tenant:
+        value = scoped_tool(value)
         tool, at, tenant = value.partition("@")
-        if not at or not tool or not tenant or "@" in tenant:
-            raise KillSwitchInvalid(f"--scope tool_tenant needs TOOL@TENANT, got {value!r}")
-        _known("tool", tool, tools)
+        if not at or not tool.partition(":")[2] or not tenant or "@" in tenant:
+            raise KillSwitchInvalid(f"--scope tool_tenant needs [SERVER:]TOOL@TENANT, got {value!r}")
+        _known_tool(tool, tools, servers)
         if tenants is not None:
             _known("tenant", tenant, tenants)
         return value
     if scope == KillSwitchScope.action_type:
         _known("action type", value, action_types)
     elif scope == KillSwitchScope.tool:
-        _known("tool", value, tools)
+        value = scoped_tool(value)
+        if "@" in value:
+            raise KillSwitchInvalid(f"--scope tool takes [SERVER:]TOOL (for one tenant: --scope tool_tenant), "
+                                    f"got {value!r}")
+        _known_tool(value, tools, servers)
     elif tenants is not None:
         _known("tenant", value, tenants)
     return value
+
+
+def _known_tool(scoped: str, tools: Iterable[str], servers: Iterable[str] | None) -> None:
+    server, _, tool = scoped.partition(":")
+    if not server or not tool:
+        raise KillSwitchInvalid(f"a tool switch is SERVER:TOOL or TOOL, got {scoped!r}", value=scoped)
+    _known("tool", tool, tools)
+    if server != "*" and servers is not None:
+        _known("server", server, servers)
 
 
 def _known(kind: str, value: str, known: Iterable[str]) -> None:
@@ -71,12 +94,18 @@ def _known(kind: str, value: str, known: Iterable[str]) -> None:
 
 
 def set_switch(conn: Any, scope: KillSwitchScope, value: str, by: str, why: str) -> bool:
+    """Engage a switch (a tool switch in its scoped form: a bare ``TOOL`` means ``*:TOOL``)."""
+    if scope in (KillSwitchScope.tool, KillSwitchScope.tool_tenant):
+        value = scoped_tool(value)
     with store.transaction(conn) as cur:
         return set_kill_switch_txn(cur, scope, "" if scope == KillSwitchScope.global_ else value, by, why)
 
 
 def clear_switch(conn: Any, scope: KillSwitchScope, value: str, by: str, why: str) -> bool:
-    value = "" if scope == KillSwitchScope.global_ else value
+    """Clear an engaged switch; a tool switch may be named in the old tool-only form (``*:TOOL``)."""
+    value = "" if scope == KillSwitchScope.global_ else value.strip()
+    if scope in (KillSwitchScope.tool, KillSwitchScope.tool_tenant):
+        value = scoped_tool(value)
     with store.transaction(conn) as cur:
         cur.execute("""UPDATE kill_switches SET cleared_at = clock_timestamp(), cleared_by = %s
                        WHERE scope = %s AND value = %s AND cleared_at IS NULL RETURNING id""", (by, scope.value, value))

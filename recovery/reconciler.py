@@ -64,8 +64,12 @@ RETURNING a.action_id, a.tenant, a.status, a.kind, a.envelope, a.key_id, a.signa
 
 #: (name, condition on a / l, what to do)
 SWEEPS = (
+    # An action waiting out a failed precondition read has its retry on the way (worker/read_waits.py):
+    # re-sent only once that retry is overdue, or a second chain of retries would read it again.
     ("not_started", "a.status = 'published' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) "
-                    "AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp())",
+                    "AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp()) "
+                    "AND COALESCE((a.recovery_data->'read_failures'->>'due')::timestamptz "
+                    "< clock_timestamp() - make_interval(secs => %(stale)s), true)",
      "execute"),
     ("lease_expired", "a.status = 'executing' AND l.released_at IS NULL AND l.expires_at < clock_timestamp()",
      "execute"),

@@ -141,7 +141,7 @@ def _decide_txn(cur: Any, rt: Runtime, action: store.ActionRow, envelope: Envelo
                             "facts": facts.as_evidence(), "policy": contract.recovery.model_dump(mode="json",
                                                                                                  exclude_none=True)})
     if decision.contain:
-        value = f"{action.tool}@{action.tenant}"
+        value = f"{envelope.server.name}:{action.tool}@{action.tenant}"
         store.contain_txn(cur, action_id, actor, f"containment for {action_id}: {decision.reason}")
         store.append_event_txn(cur, action_id, "contained", actor, {"kill_switch": f"tool_tenant:{value}"})
     if decision.kind == RecoveryKind.retry:

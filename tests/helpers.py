@@ -33,6 +33,14 @@ def evidence_of(stack: Stack, action_id: str, event: str) -> list[dict[str, Any]
     return [e["evidence"] for e in stack.timeline(action_id) if e["event"] == event]
 
 
+def failed_reads(stack: Stack, action_id: str) -> int:
+    """How many precondition reads of an action failed so far: repeats of one cause are counted on
+    the action, not recorded as events (worker/read_waits.py)."""
+    row = stack.action(action_id)
+    causes = ((row.recovery_data if row else {}) or {}).get("read_failures", {}).get("causes", {})
+    return sum(int(c.get("count", 0)) for c in causes.values())
+
+
 def new_account(stack: Stack, balance: int = 100_000) -> str:
     name = f"acct-{uid()}"
     sor.put_account(stack.sor_db, name, "acme", balance)

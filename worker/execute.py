@@ -40,13 +40,13 @@ from proofline.errors import (
     RevalidationFailed,
     StaleLease,
     TargetReadFailed,
+    TenantFairWait,
     TenantQuotaExceeded,
 )
-from proofline.keys import load_keyring
 from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import capture, faultpoints, quota, sandbox_events
+from worker import capture, fairness, faultpoints, quota, read_waits, sandbox_events
 from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
@@ -74,16 +74,17 @@ from worker.preflight import (
 )
 from worker.record_call import FirstRead, result_evidence, write_result_txn
 from worker.results import result_limit
+from worker.revalidation_reads import StoredAt, check_recovery_parent, recovery_tool_hashes
 from worker.runtime import Runtime
 from worker.servers import Server
 from worker.summary import TaskSummary
 from worker.tool_call import call_tool
 from worker.validate import (
-    check_parent_link,
     claimed_fields,
     refusal_chain_id,
     revalidate_live,
     revalidate_static,
+    tool_switches,
     validate_envelope,
 )
 from worker.verification import decides_in_place, read_in_place
@@ -98,12 +99,12 @@ SELECT clock_timestamp() AS now,
        (SELECT array_agg(identity) FROM revoked_identities WHERE identity = ANY(%s)) AS revoked,
        (SELECT json_agg(json_build_object('scope', scope, 'value', value, 'set_by', set_by, 'reason', reason))
           FROM kill_switches WHERE cleared_at IS NULL AND (scope = 'global'
-            OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = %s)
-            OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = %s))) AS kills,
+            OR (scope = 'action_type' AND value = %s) OR (scope = 'tool' AND value = ANY(%s))
+            OR (scope = 'tenant' AND value = %s) OR (scope = 'tool_tenant' AND value = ANY(%s)))) AS kills,
        (SELECT row_to_json(a) FROM (SELECT status, idempotency_key, cancel_requested_at, kind, parent_action_id,
                                              published_at
                                       FROM actions WHERE action_id = %s) a) AS action,
-""" + quota.COUNT_SQL
+""" + quota.COUNT_SQL + ",\n" + fairness.WAITING_SQL
 
 class RetryLater(Exception):
     """Ask Celery to deliver this message again after ``countdown`` seconds (same envelope, same key)."""
@@ -159,7 +160,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         try:
             stored = StoredAt(rt, message)
             envelope, contract = validate_envelope(message, settings, rt.contract, stored_at=stored)
-            parent_link = _check_parent_link(rt, envelope) if envelope.recovers is not None else None
+            parent_link = check_recovery_parent(rt, envelope) if envelope.recovers is not None else None
         except (EnvelopeRefused, psycopg.Error, ConfigurationError):
             raise  # a worker without its keyring must not refuse good envelopes as malformed
         except Exception as exc:  # noqa: BLE001 - whatever input breaks validation is refused, never retried
@@ -192,9 +193,10 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     stages.enter("proofline.lease")
     try:
         facts = try_lock_and_read(conn, locks, REVALIDATION_SQL, (
-            [envelope.requester, envelope.workload_identity], envelope.action_type, envelope.tool.name,
-            envelope.tenant, f"{envelope.tool.name}@{envelope.tenant}", aid,
-            settings.tenant_max_executing, envelope.tenant, aid), hold=True)
+            [envelope.requester, envelope.workload_identity], envelope.action_type, tool_switches(envelope),
+            envelope.tenant, tool_switches(envelope, f"@{envelope.tenant}"), aid,
+            settings.tenant_max_executing, envelope.tenant, aid,
+            *fairness.params(envelope, settings.tenant_fair_share, settings.tenant_shards)), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -234,7 +236,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             _unlock_now(rt, envelope)
             dispatch.verify(aid, envelope.tenant)
             return TaskSummary("verifying", "redelivered", aid).as_dict()
-        waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing"))
+        waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing")) or \
+            fairness.yields(envelope, settings.tenant_fair_share, facts.get("fair_waiting"))
         if waiting is not None:
             locked = False
             return _quota_wait(rt, envelope, waiting, delivery)
@@ -355,47 +358,6 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
         rt.holding_locks = False
 
 
-class StoredAt:
-    """When the ledger stored this delivery's exact signed message; asked only when its signing key
-    has retired (a rotation's overlap ended), so the common path makes no extra read."""
-
-    def __init__(self, rt: Runtime, message: Any) -> None:
-        self.rt, self.message = rt, message
-        self.evidence: dict[str, Any] | None = None
-
-    def __call__(self) -> datetime | None:
-        with self.rt.conn.cursor() as cur:
-            at = store.stored_message_at(cur, self.message)
-        if at is not None:
-            self.evidence = {"key_id": self.message.get("key_id"), "stored_at": at.isoformat()}
-        return at
-
-
-def _check_parent_link(rt: Runtime, envelope: Envelope) -> dict[str, Any]:
-    """A recovery-signed envelope must derive from a stored, controller-signed parent (one read)."""
-    with rt.conn.cursor() as cur:
-        parent = store.get_action(cur, envelope.recovers)
-    keyring = load_keyring(rt.settings.keyring_file, rt.settings.environment)
-    return check_parent_link(envelope, parent, keyring, rt.contract)
-
-
-def recovery_tool_hashes(rt: Runtime, contract: Contract, server_name: str,
-                         hashes: dict[str, str]) -> dict[str, str]:
-    """The live contract hashes of the tools this action's recovery actions would call on the same
-    server, as read now; recorded with the revalidation so recovery never has to list tools itself."""
-    tools: dict[str, str] = {}
-    for spec in (contract.recovery.compensation, contract.recovery.rollback, contract.recovery.forward):
-        if spec is None:
-            continue
-        try:
-            derived = rt.contract(spec.action_type)
-        except ProoflineError:
-            continue  # a broken recovery contract is refused when recovery needs it, with its reason
-        if derived.server == server_name and derived.tool in hashes:
-            tools[derived.tool] = hashes[derived.tool]
-    return tools
-
-
 def _plan_route(rt: Runtime, envelope: Envelope, contract: Contract, red: Redactor, events: list,
                 decision: Decision, before: dict[str, Any], server: Server, dispatch: Dispatch) -> dict[str, Any] | None:
     """Prepare the plan: record it and stop (simulate), record it and wait for an approver
@@ -479,13 +441,14 @@ def _lease_busy(rt: Runtime, envelope: Envelope, exc: LeaseBusy, delivery: dict[
 
 
 def _quota_wait(rt: Runtime, envelope: Envelope, exc: TenantQuotaExceeded, delivery: dict[str, Any]) -> dict[str, Any]:
-    """Over the tenant's quota: release both locks first (another worker may take the target), record
-    the wait, and deliver the same envelope again after the short busy-target backoff."""
+    """Over the tenant's quota, or yielding its turn (worker/fairness.py): release both locks first
+    (another worker may take the target), record the wait, and deliver the same envelope again after
+    the short busy-target backoff (a turn yielded: at once, at the tail of its shard)."""
     _unlock_now(rt, envelope)
     with store.transaction(rt.conn) as cur:
-        store.append_event_txn(cur, envelope.action_id, "tenant_quota_wait", rt.settings.worker_id,
+        store.append_event_txn(cur, envelope.action_id, exc.code, rt.settings.worker_id,
                                {**exc.as_evidence(), **delivery})
-    raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
+    raise RetryLater(0 if isinstance(exc, TenantFairWait) else envelope.retry_policy.backoff_seconds, exc.code)
 
 
 def _conflict(rt: Runtime, envelope: Envelope, red: Redactor, events: list, detail: str) -> dict[str, Any]:
@@ -538,16 +501,18 @@ def closed_hook(rt: Runtime, envelope: Envelope, status: ActionStatus, outcome: 
 
 def _transient_before(rt: Runtime, envelope: Envelope, red: Redactor, events: list, exc: ProoflineError,
                       dispatch: Dispatch) -> dict[str, Any]:
-    """Nothing was sent: retry the same envelope later while the deadline allows."""
+    """Nothing was sent: retry the same envelope later while the deadline allows, backing off
+    (worker/read_waits.py); then close it before any side effect, with every cause counted."""
     remaining = envelope.deadline.timestamp() - time.time()
-    if remaining > envelope.retry_policy.backoff_seconds + envelope.timeout_seconds:
-        with store.transaction(rt.conn) as cur:
-            store.append_events_txn(cur, envelope.action_id, rt.settings.worker_id,
-                                    [*events, ("precheck_unavailable", exc.as_evidence())], red)
-        _unlock_now(rt, envelope)
-        raise RetryLater(envelope.retry_policy.backoff_seconds, exc.code)
-    return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", exc.as_evidence(), exc.code,
-                                Outcome.failed_before_side_effect, dispatch)
+    wait = read_waits.wait_or_close(rt.conn, envelope, red, events, exc, rt.settings.worker_id,
+                                    rt.settings.precheck_backoff_cap_seconds, remaining)
+    if wait.decision == "close":
+        return _close_before_effect(rt, envelope, red, events, "precheck_unavailable", wait.evidence, exc.code,
+                                    Outcome.failed_before_side_effect, dispatch)
+    _unlock_now(rt, envelope)
+    if wait.decision == "yield":  # another delivery's retry of this action is due: one chain of retries
+        return TaskSummary("ignored", exc.code, envelope.action_id).as_dict()
+    raise RetryLater(wait.seconds, exc.code)
 
 
 def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Classification, report: CallReport,

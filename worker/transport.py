@@ -26,16 +26,20 @@ from worker import wire
 QUARANTINE_PREFIX = wire.QUARANTINE_PREFIX
 #: kombu's own document nests four or five levels; headers a few more.
 MAX_DOCUMENT_DEPTH = 64
+#: kombu's document holds the body base64-encoded (a third larger) with headers and properties:
+#: past this, no body in it could be one the wire decoder accepts.
+MAX_DOCUMENT_BYTES = 4 * wire.MAX_BODY_BYTES
 
 
 # The task id a damaged document still names, so its refusal can be traced to what was sent.
 _TASK_ID = re.compile(rb'"id":\s*"([0-9A-Za-z._:-]{1,64})"')
 
 
-def _quarantine(raw: bytes | str, queue: str) -> dict[str, Any]:
+def _quarantine(raw: bytes | str, queue: str, body: bytes | None = None) -> dict[str, Any]:
     data = raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "surrogatepass")
     named = _TASK_ID.search(data)  # headers follow the (base64) body in kombu's document
-    body = QUARANTINE_PREFIX + data[: wire.MAX_BODY_BYTES + 1]
+    if body is None:
+        body = QUARANTINE_PREFIX + data[: wire.MAX_BODY_BYTES + 1]
     tag = str(uuid.uuid4())
     return {
         "body": base64.b64encode(body).decode(), "content-type": wire.CONTENT_TYPE, "content-encoding": "binary",
@@ -48,10 +52,14 @@ def _quarantine(raw: bytes | str, queue: str) -> dict[str, Any]:
 
 
 def guarded_document(raw: bytes | str, queue: str) -> dict[str, Any]:
-    """kombu's message document, or a quarantine message standing in for it."""
+    """kombu's message document, or a quarantine message standing in for it. The size is checked
+    before anything decodes the document, and an oversize one is refused with its true size."""
     try:
+        if len(raw) > MAX_DOCUMENT_BYTES:
+            data = raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "surrogatepass")
+            return _quarantine(data, queue, wire.oversize_body(data, MAX_DOCUMENT_BYTES))
         text = bytes_to_str(raw)
-        if len(text) > 4 * wire.MAX_BODY_BYTES or wire.max_depth(text, MAX_DOCUMENT_DEPTH) > MAX_DOCUMENT_DEPTH:
+        if wire.max_depth(text, MAX_DOCUMENT_DEPTH) > MAX_DOCUMENT_DEPTH:
             return _quarantine(raw, queue)
         doc = json.loads(text)
         props = doc.get("properties") if isinstance(doc, dict) else None

@@ -132,6 +132,12 @@ def check_parent_link(envelope: Envelope, parent_row: ActionRow | None, keyring:
             "parent_action_type": parent.action_type}
 
 
+def tool_switches(envelope: Envelope, suffix: str = "") -> list[str]:
+    """The values of the tool kill switches that cover this envelope's tool (``suffix``: its
+    ``@tenant`` for the per-tenant scope): this server's tool, and that tool on every server."""
+    return [f"{envelope.server.name}:{envelope.tool.name}{suffix}", f"*:{envelope.tool.name}{suffix}"]
+
+
 def revalidate_static(envelope: Envelope, settings: Settings, now: datetime, revoked: list[str],
                       kill_switches: list[dict[str, Any]]) -> dict[str, Any]:
     """Checks that need no MCP call; ``now`` is the database clock."""

@@ -31,6 +31,9 @@ EXCERPT_CHARS = 200
 #: Marks a body standing in for a broker document kombu could not read (worker/transport.py);
 #: never valid JSON (NUL first), so it can only ever be refused.
 QUARANTINE_PREFIX = b"\x00proofline:unreadable-broker-document:"
+#: Marks a body standing in for a broker document too large to read at all: the prefix, then
+#: ``<size>:<sha256>:`` of the whole document, then its first bytes (worker/transport.py).
+OVERSIZE_PREFIX = b"\x00proofline:oversize-broker-document:"
 
 # Strings are consumed whole (escapes included), so brackets inside them are not counted.
 _TOKENS = re.compile(r'"(?:[^"\\]++|\\.)*+"|[\[\]{}]', re.S)
@@ -103,6 +106,8 @@ def loads(data: bytes | str) -> tuple[list[Any], dict[str, Any], dict[str, Any]]
 def _loads(data: bytes | str) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
     if isinstance(data, memoryview | bytearray):
         data = bytes(data)
+    if isinstance(data, bytes) and data.startswith(OVERSIZE_PREFIX):
+        return [oversize_refusal(data)], {}, dict(_EMBED)
     if isinstance(data, bytes) and data.startswith(QUARANTINE_PREFIX):
         return [refused("message_undecodable", "the broker document carrying this message was unreadable",
                         data)], {}, dict(_EMBED)
@@ -125,6 +130,19 @@ def _loads(data: bytes | str) -> tuple[list[Any], dict[str, Any], dict[str, Any]
             and isinstance(body[1], dict) and isinstance(body[2], dict | type(None))):
         return [refused("message_malformed", "body is not [args, kwargs, embed]", data)], {}, dict(_EMBED)
     return body[0], body[1], dict(_EMBED)
+
+
+def oversize_body(document: bytes, limit: int) -> bytes:
+    """The stand-in body for a broker document of more than ``limit`` bytes: its true size and
+    digest travel with a bounded excerpt, never the document."""
+    return OVERSIZE_PREFIX + f"{len(document)}:{limit}:{digest(document)}:".encode() + document[: EXCERPT_CHARS * 4]
+
+
+def oversize_refusal(data: bytes) -> RefusedBody:
+    """The refusal of an oversize stand-in body (:func:`oversize_body`), with the document's own size."""
+    size, limit, sha, head = data[len(OVERSIZE_PREFIX):].split(b":", 3)
+    return RefusedBody("message_too_large", f"broker document is {int(size)} bytes; the limit is {int(limit)}",
+                       sha.decode("ascii"), int(size), excerpt(head))
 
 
 def dumps(body: Any) -> str:

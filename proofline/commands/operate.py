@@ -46,7 +46,8 @@ def _switch_options(command):
     """--scope, --value, --by and --why: what every kill switch change records."""
     for option in reversed([
         click.option("--scope", type=click.Choice(SCOPES), required=True),
-        click.option("--value", default="", help="an action type, a tool, a tenant, or tool@tenant"),
+        click.option("--value", default="", help="an action type, server:tool (*:tool or a bare tool: every "
+                     "server), a tenant, or server:tool@tenant"),
         click.option("--by", "who", required=True),
         click.option("--why", required=True),
     ]):
@@ -76,7 +77,8 @@ def engage_switch(conn, scope: str, value: str, who: str, why: str, *, any_tenan
 
     kind = KillSwitchScope(scope)
     loaded = load_contracts(settings().contracts_dir)
-    known = {"action_types": [*loaded.contracts, *loaded.broken], "tools": [c.tool for c in loaded.contracts.values()]}
+    known = {"action_types": [*loaded.contracts, *loaded.broken], "tools": [c.tool for c in loaded.contracts.values()],
+             "servers": [c.server for c in loaded.contracts.values()]}
     value = check_switch(kind, value, tenants=None, **known)  # its shape first
     if not any_tenant and kind in (KillSwitchScope.tenant, KillSwitchScope.tool_tenant):
         check_switch(kind, value, tenants=known_tenants(conn), **known)

@@ -499,6 +499,13 @@ class TenantQuotaExceeded(ProoflineError):
     code = "tenant_quota_wait"
 
 
+class TenantFairWait(TenantQuotaExceeded):
+    """The tenant has its fair share executing while another tenant waits on the same execute shard
+    with fewer: this action yields its turn (requeued at the shard's tail at once), never dropped."""
+
+    code = "tenant_fair_wait"
+
+
 # The other parts of the one namespace (they subclass the classes above).
 from proofline.errors.authority import *  # noqa: E402,F403
 from proofline.errors.evidence_store import *  # noqa: E402,F403

@@ -44,8 +44,9 @@ class BrokerUnavailable(ProoflineError):
 
 
 class KillSwitchInvalid(ProoflineError):
-    """A kill switch's scope and value would block nothing (no value, an unknown name, a
-    ``tool_tenant`` value without ``@tenant``): it is refused instead of being shown as engaged."""
+    """A kill switch's scope and value would block nothing (no value, an unknown tool, server,
+    action type or tenant, a ``tool_tenant`` value without ``@tenant``): it is refused instead of
+    being shown as engaged."""
 
     code = "kill_switch_invalid"
 

@@ -3,6 +3,7 @@ holds at execution start. Real Postgres, Redis, Celery worker processes and the 
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,22 +60,33 @@ def test_tenants_land_on_their_own_shards() -> None:
     assert shard_of(NOISY, 1) == 0
 
 
-def test_one_tenants_burst_does_not_starve_another(fair_stack: Stack) -> None:
-    stack = fair_stack
-    # The noisy tenant's burst is all queued before any worker runs.
+def queued_burst(stack: Stack, workers: str) -> tuple[list[Envelope], list[str]]:
+    """The noisy tenant's burst, all queued before any worker runs; then the workers start."""
     burst = [ticket(stack, NOISY) for _ in range(BURST)]
     for env in burst:
         stack.publish(env)
-    ids = [e.action_id for e in burst]
-    start_workers(stack, name="f", beat=False)
+    start_workers(stack, name=workers, beat=False)
+    return burst, [e.action_id for e in burst]
+
+
+def single_behind(stack: Stack, tenant: str, ids: list[str]) -> tuple[Any, int]:
+    """One action of ``tenant`` published behind the queued burst: its row once settled, and how
+    much of the burst had settled by then."""
+    # The burst is queued (nearly all of it still waiting) when the single action arrives.
+    assert settled(stack, ids) < BURST // 4
+    single = ticket(stack, tenant)
+    stack.publish(single)
+    row = stack.wait_settled(single.action_id, timeout=120)
+    done = settled(stack, ids)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    return row, done
+
+
+def test_one_tenants_burst_does_not_starve_another(fair_stack: Stack) -> None:
+    stack = fair_stack
+    burst, ids = queued_burst(stack, "f")
     try:
-        # The burst is queued (nearly all of it still waiting) when the quiet tenant's one action arrives.
-        assert settled(stack, ids) < BURST // 4
-        quiet = ticket(stack, QUIET)
-        stack.publish(quiet)
-        row = stack.wait_settled(quiet.action_id, timeout=120)
-        done_when_quiet_settled = settled(stack, ids)
-        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+        row, done_when_quiet_settled = single_behind(stack, QUIET, ids)
         # Behind one FIFO queue it would have settled after the whole burst; with tenant shards it
         # waits for about one turn of the rotation.
         assert done_when_quiet_settled < BURST // 2, done_when_quiet_settled
@@ -83,6 +95,56 @@ def test_one_tenants_burst_does_not_starve_another(fair_stack: Stack) -> None:
             cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND outcome = %s",
                         (ids, Outcome.completed_verified.value))
             assert cur.fetchone()["n"] == BURST
+    finally:
+        stop_workers(stack)
+
+
+def same_shard_as(tenant: str) -> str:
+    """A tenant name whose actions travel on ``tenant``'s execute shard."""
+    return next(name for name in (f"{QUIET}-{i}" for i in itertools.count())
+                if shard_of(name, SHARDS) == shard_of(tenant, SHARDS))
+
+
+def test_the_databases_shard_is_the_publishers(fair_stack: Stack) -> None:
+    """worker/fairness.py finds waiting tenants on a shard in SQL: its shard must be shards.py's."""
+    from worker.fairness import _BITS, _SHARD
+
+    tenants = [NOISY, QUIET, "acme", "", "ünïcødé-tenant", *(f"t{i}" for i in range(200))]
+    sql = f"SELECT {_SHARD} AS shard FROM (SELECT %s::text AS tenant) w CROSS JOIN LATERAL (SELECT {_BITS} AS v) s"
+    for shards in (1, 3, SHARDS, 256):
+        with fair_stack.conn.cursor() as cur:
+            got = []
+            for tenant in tenants:
+                cur.execute(sql, (shards, tenant))
+                got.append(int(cur.fetchone()["shard"]))
+        assert got == [shard_of(t, shards) for t in tenants], shards
+
+
+def test_a_single_action_behind_a_burst_on_its_own_shard_goes_first(fair_stack: Stack) -> None:
+    """Two tenants on one shard share a FIFO queue: before fair turns (worker/fairness.py) the
+    single action waited for the whole burst ahead of it (150: 15.6 s, all 150 first). Now a burst
+    action whose tenant has its share in flight yields its turn to it (requeued at the tail), recorded."""
+    stack = fair_stack
+    quiet = same_shard_as(NOISY)
+    burst, ids = queued_burst(stack, "s")
+    try:
+        row, done_when_single_settled = single_behind(stack, quiet, ids)
+        single = stack.action(row.action_id)
+        # Finished before more than 80 % of the burst (behind the FIFO: after all of it).
+        assert done_when_single_settled < BURST // 5, done_when_single_settled
+        wait_for(lambda: settled(stack, ids) == BURST, 240, interval=0.5, what="the burst to settle")
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT evidence FROM ledger_events WHERE action_id = ANY(%s) AND event = 'tenant_fair_wait'",
+                        (ids,))
+            yielded = [r["evidence"] for r in cur.fetchall()]
+            cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND outcome = %s",
+                        (ids, Outcome.completed_verified.value))
+            assert cur.fetchone()["n"] == BURST
+        # Every turn given is on the record, naming who it was given to; nothing ran twice.
+        assert yielded and {(y["reason_code"], y["waiting_tenant"], y["share"]) for y in yielded} == {
+            ("tenant_fair_wait", quiet, "1")}
+        assert all(stack.effects(key) == 1 for key in [*(e.idempotency_key for e in burst), single.idempotency_key])
+        assert "tenant_fair_wait" not in stack.events(single.action_id)
     finally:
         stop_workers(stack)
 

@@ -29,7 +29,7 @@ from tests.containment.helpers import (
     worker_log,
     worker_starts,
 )
-from tests.helpers import LosingBroker, ticket_env, uid
+from tests.helpers import LosingBroker, evidence_of, ticket_env, uid
 from worker import faultpoints, wire
 from worker.validate import MAX_MESSAGE_BYTES
 
@@ -265,16 +265,11 @@ def test_a_read_outage_is_retried_past_three_and_the_envelope_never_logged(stack
     try:
         published = stack.publish(env)
 
-        # The reconciler re-sends the still-published action while its first delivery retries, and
-        # the copy that finds the target's lock taken steps aside (lease_busy), so the six retries
-        # may be on the first delivery or on a re-sent one: count per delivery (task id).
+        # Repeats of one cause are counted, not recorded (worker/read_waits.py): the count names
+        # the delivery and its attempt that counted last.
         def retries() -> int:
-            per_delivery: dict[str, int] = {}
-            for e in stack.timeline(env.action_id):
-                if e["event"] == "validated":
-                    task_id = e["evidence"].get("task_id")
-                    per_delivery[task_id] = max(per_delivery.get(task_id, 0), e["evidence"].get("retries", 0))
-            return max(per_delivery.values(), default=0)
+            wait = (stack.action(env.action_id).recovery_data or {}).get("read_failures") or {}
+            return int(wait.get("attempt", 0)) - 1
 
         wait_for(lambda: retries() >= 6, 40, what="six retries of one delivery")
         assert published["task_id"]
@@ -350,3 +345,58 @@ def broker_refusal(stack: Stack, doc: bytes) -> dict | None:
                     "evidence->>'message_digest' = %s", (digest,))
         row = cur.fetchone()
     return row["evidence"] if row else None
+
+
+# --- reads that fail keep failing cheaply (worker/read_waits.py) --------------------------------
+
+
+def test_a_read_that_keeps_failing_backs_off_records_one_event_and_closes_as_documented(stack: Stack) -> None:
+    """Regression: an unparseable precondition read was retried every ``backoff_seconds`` (fixed)
+    for the whole deadline, three events each time (771 in ten minutes), and the action closed
+    ``not_started / deadline_expired_unexecuted``. Now the wait doubles (with jitter), one event is
+    stored per distinct cause with its count, and the worker closes the action
+    ``failed_before_side_effect / target_read_failed`` when the next wait would pass the deadline."""
+    from proofline_kit.sor import store as sor
+
+    # This module's ticket.close contract cannot parse its precondition read (``_contracts``).
+    ticket = sor.put_ticket(stack.sor_db, "acme", "to close", "ops")
+    version = sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"]
+    env = stack.envelope("ticket.close", arguments={"ticket_id": ticket, "expected_version": version},
+                         target={"type": "ticket", "id": ticket, "expected_version": version},
+                         deadline_in=timedelta(seconds=30), timeout_seconds=3, retry_policy={"backoff_seconds": 1})
+    start = stack.witness.mark()
+    stack.publish(env)
+    row = stack.wait_settled(env.action_id, timeout=60)
+    assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.failed_before_side_effect,
+                                                          "target_read_failed"), row
+    read_tool = yaml.safe_load((ROOT / "contracts" / "ticket.close.yaml").read_text())["precondition_read"]["tool"]
+    reads = sorted(c.at for c in stack.witness.calls(tool=read_tool, since=start))
+    # A fixed 1 s backoff reads some 15 times in 30 s, evenly; doubling from 1 s (whole-second
+    # countdowns, the upper half drawn at random), 5 or 6 times, each wait longer.
+    assert 4 <= len(reads) <= 7, reads
+    gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
+    assert gaps[-1] >= 2 * gaps[0] and gaps[-1] >= 4, gaps
+    waits = evidence_of(stack, env.action_id, "precheck_unavailable")
+    assert len(waits) == 2, waits  # the cause's first failure, and the closing record
+    first, closing = waits
+    assert first["count"] == 1 and first["cause"] == closing["cause"] and "cannot read" in first["detail"]
+    assert closing["count"] == len(reads)
+    assert [(c["cause"], c["count"]) for c in closing["read_failures"]] == [(first["cause"], len(reads))]
+    # Stored: the first failure's stages and the closing ones (a re-send by the reconciler while
+    # the first delivery waited in a busy queue adds its own ``redriven`` / ``redelivery_ignored``).
+    events = stack.events(env.action_id)
+    assert events.count("validated") == 2 and events.count("revalidated") == 2, events
+    assert "tool_called" not in stack.events(env.action_id) and stack.effects(env.idempotency_key) == 0
+
+
+def test_a_five_megabyte_raw_message_is_refused_as_too_large_with_its_true_size(stack: Stack) -> None:
+    """Regression: the Redis document was cut to the wire limit before it was read, so a 5 MB
+    message was recorded ``message_undecodable`` with ``message_bytes: 278567``."""
+    body = wire.dumps([[{"envelope": {"blob": "x" * (5 * 1024 * 1024)}}], {}, {}]).encode()
+    task_id = push(stack, body)
+    refusal = wait_refusal(stack, task_id, timeout=40)
+    assert refusal["reason_code"] == "message_too_large", refusal
+    # The document kombu stored holds the body base64-encoded: larger than the body itself.
+    assert refusal["message_bytes"] > len(body) and str(refusal["message_bytes"]) in refusal["detail"]
+    good_action_settles(stack)
+    assert worker_starts(stack) == 1

@@ -21,7 +21,7 @@ from proofline.controller import publish_message
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import Stack, wait_for
-from tests.helpers import LosingBroker, evidence_of, run_of, run_settled, ticket_env
+from tests.helpers import LosingBroker, evidence_of, failed_reads, run_of, run_settled, ticket_env
 from worker.dispatch import CeleryDispatch
 
 
@@ -66,7 +66,7 @@ def test_target_read_down_sends_nothing_and_retries_the_same_envelope(stack: Sta
     sor.set_read_outage(stack.sor_db, True, role="writer")  # the precondition read; verification's is up
     try:
         stack.publish(env)
-        wait_for(lambda: len(evidence_of(stack, env.action_id, "precheck_unavailable")) >= 2, 30,
+        wait_for(lambda: failed_reads(stack, env.action_id) >= 2, 30,
                  what="two refused precondition reads")
         assert "tool_called" not in stack.events(env.action_id)
         # The reads really reached the writer and were answered with an error; no write was sent.

@@ -148,7 +148,7 @@ def test_kill_switch_values_are_validated_and_a_valid_one_blocks(stack: Stack) -
         assert "set" in text(proofline(stack, "kill", "set", "--scope", "tenant", "--value", newcomer,
                                        "--any-tenant", *who))
         engaged = as_json(proofline(stack, "--json", "kill", "list"))["kill_switches"]
-        assert {(r["scope"], r["value"]) for r in engaged} >= {("tool_tenant", value), ("tenant", newcomer)}
+        assert {(r["scope"], r["value"]) for r in engaged} >= {("tool_tenant", "*:" + value), ("tenant", newcomer)}
         blocked = _publish(stack, tenant)
         row = stack.wait_settled(blocked)
         assert (row.outcome, row.reason_code) == (Outcome.not_started, "kill_switch_engaged")

@@ -185,13 +185,13 @@ def test_worker_cannot_change_immutable_columns(conns, column, value):
 
 
 def test_worker_cannot_touch_kill_switches_or_revocations(conns):
-    assert set_switch(conns["operator"], KillSwitchScope.tool, "issue_refund-w", "secops", "drill")
+    assert set_switch(conns["operator"], KillSwitchScope.tool, "sor:issue_refund-w", "secops", "drill")
     with store.transaction(conns["operator"]) as cur:
         store.revoke_identity_txn(cur, "agent:leaked", "secops", "leaked")
     worker = conns["runtime"]
     refused(worker, lambda cur: cur.execute("UPDATE kill_switches SET cleared_at = now(), cleared_by = 'mallory' "
-                                            "WHERE value = 'issue_refund-w'"), Denied)
-    refused(worker, lambda cur: cur.execute("DELETE FROM kill_switches WHERE value = 'issue_refund-w'"), Denied)
+                                            "WHERE value = 'sor:issue_refund-w'"), Denied)
+    refused(worker, lambda cur: cur.execute("DELETE FROM kill_switches WHERE value = 'sor:issue_refund-w'"), Denied)
     refused(worker, lambda cur: cur.execute("INSERT INTO kill_switches (scope, value, set_by, reason) "
                                             "VALUES ('global', '', 'mallory', 'dos')"), Denied)
     refused(worker, lambda cur: cur.execute("DELETE FROM revoked_identities WHERE identity = 'agent:leaked'"), Denied)
@@ -199,7 +199,7 @@ def test_worker_cannot_touch_kill_switches_or_revocations(conns):
                                             "WHERE identity = 'agent:leaked'"), Denied)
     refused(worker, lambda cur: store.revoke_identity_txn(cur, "secops", "mallory", "lockout"), Denied)
     with conns["reader"].cursor() as cur:
-        cur.execute("SELECT count(*) AS n FROM kill_switches WHERE value = 'issue_refund-w' AND cleared_at IS NULL")
+        cur.execute("SELECT count(*) AS n FROM kill_switches WHERE value = 'sor:issue_refund-w' AND cleared_at IS NULL")
         assert cur.fetchone()["n"] == 1
         cur.execute("SELECT count(*) AS n FROM revoked_identities WHERE identity = 'agent:leaked'")
         assert cur.fetchone()["n"] == 1
@@ -344,9 +344,9 @@ def test_containment_engages_only_for_an_action_in_recovery(conns):
     with store.transaction(conns["worker"]) as cur:
         assert store.contain_txn(cur, env["action_id"], "w1", "contain") is True
         assert store.contain_txn(cur, env["action_id"], "w1", "contain") is False  # already active
-    chain = "killswitch:tool_tenant:create_ticket@acme"
+    chain = "killswitch:tool_tenant:sor:create_ticket@acme"
     assert [e["event"] for e in store.timeline(conns["reader"].cursor(), chain)][-1] == "kill_switch_set"
-    assert clear_switch(conns["operator"], KillSwitchScope.tool_tenant, "create_ticket@acme", "ops", "done")
+    assert clear_switch(conns["operator"], KillSwitchScope.tool_tenant, "sor:create_ticket@acme", "ops", "done")
 
 
 def test_operator_sets_and_clears_kill_switches_and_resolves(conns):

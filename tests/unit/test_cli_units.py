@@ -18,7 +18,7 @@ from proofline.settings import Settings
 from worker.summary import flower_state, parse_line, task_line
 from worker.task_request import shown
 
-KNOWN = {"action_types": ["ticket.create"], "tools": ["create_ticket"], "tenants": ["acme"]}
+KNOWN = {"action_types": ["ticket.create"], "tools": ["create_ticket"], "tenants": ["acme"], "servers": ["sor"]}
 
 
 @pytest.mark.parametrize(("scope", "value", "says"), [
@@ -29,6 +29,12 @@ KNOWN = {"action_types": ["ticket.create"], "tools": ["create_ticket"], "tenants
     (S.tool_tenant, "create_ticket@acme@x", "TOOL@TENANT"),
     (S.tool_tenant, "crate_ticket@acme", "no tool 'crate_ticket'"),
     (S.tool_tenant, "create_ticket@umbrella", "no tenant 'umbrella'"),
+    (S.tool_tenant, "ticketing:create_ticket@acme", "no server 'ticketing'"),
+    (S.tool_tenant, "sor:@acme", "TOOL@TENANT"),
+    (S.tool, "sor:", "SERVER:TOOL"),
+    (S.tool, ":create_ticket", "SERVER:TOOL"),
+    (S.tool, "ticketing:create_ticket", "no server 'ticketing'"),
+    (S.tool, "sor:create_ticket@acme", "tool_tenant"),
     (S.action_type, "ticket.crate", "no action type 'ticket.crate'"),
     (S.tenant, "umbrella", "--any-tenant"),
     (S.global_, "acme", "takes no value"),
@@ -43,7 +49,13 @@ def test_a_switch_that_would_block_nothing_is_refused(scope, value, says):
 def test_valid_switches_keep_their_value():
     from recovery.operator import check_switch
 
-    assert check_switch(S.tool_tenant, " create_ticket@acme ", **KNOWN) == "create_ticket@acme"
+    # Tool switches are scoped by server; the old tool-only form means the tool on every server.
+    assert check_switch(S.tool_tenant, " create_ticket@acme ", **KNOWN) == "*:create_ticket@acme"
+    assert check_switch(S.tool_tenant, "sor:create_ticket@acme", **KNOWN) == "sor:create_ticket@acme"
+    assert check_switch(S.tool, "create_ticket", **KNOWN) == "*:create_ticket"
+    assert check_switch(S.tool, " sor:create_ticket", **KNOWN) == "sor:create_ticket"
+    assert check_switch(S.tool, "*:create_ticket", **KNOWN) == "*:create_ticket"
+    assert check_switch(S.tool, "ticketing:create_ticket", **{**KNOWN, "servers": None}) == "ticketing:create_ticket"
     assert check_switch(S.global_, "", **KNOWN) == ""
     assert check_switch(S.tenant, "umbrella", **{**KNOWN, "tenants": None}) == "umbrella"
 
