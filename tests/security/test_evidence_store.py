@@ -67,7 +67,7 @@ def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (contracts / "ticket.create.yaml").write_text(yaml.safe_dump(doc))
     # A restart is verified in the verification task (it has an independent source): its reads only.
     doc = yaml.safe_load((contracts / "service.restart.yaml").read_text())
-    doc["evidence_capture"] = {"reads": True, "retention": "audit-30d"}
+    doc["evidence_capture"] = {"reads": True, "retention": "short"}
     (contracts / "service.restart.yaml").write_text(yaml.safe_dump(doc))
     stack = build_stack("stdio", tmp, extra_env={
         "PROOFLINE_CONTRACTS_DIR": str(contracts), "PROOFLINE_TASK_EVENTS": "true",
@@ -198,7 +198,7 @@ def test_the_verification_task_captures_each_read_of_each_source(vault: Stack) -
                       20, what="the execute task's and the verification task's evidence_captured events")
     kinds = [[c["kind"] for c in e["captures"]] for e in events]
     assert kinds == [["precondition_read"], ["verification_read", "verification_read"]]
-    assert {r["retention"] for r in rows(vault, env.action_id)} == {"audit-30d"}
+    assert {r["retention"] for r in rows(vault, env.action_id)} == {"short"}
     out = show(vault, env.action_id, env=auditor_env(vault))
     assert out.returncode == 0, out.stderr
     reads = [c["value"] for c in json.loads(out.stdout)["captures"] if c["kind"] == "verification_read"]
