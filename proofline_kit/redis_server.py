@@ -10,6 +10,7 @@ workers' broker URL names it) and fails loudly if that port was taken in between
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import redis
 
@@ -19,11 +20,21 @@ ATTEMPTS = 5
 
 
 class RedisServer(OwnedServer):
-    """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``."""
+    """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``.
+    ``databases`` is how many numbered databases it has (Redis's default is 16)."""
+
+    def __init__(self, workdir: Path, databases: int = 16) -> None:
+        super().__init__(workdir)
+        self.databases = databases
+
+    @property
+    def base_url(self) -> str:
+        """The server without a database number (what ``claim_redis_db`` takes)."""
+        return f"redis://127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{self.base_url}/0"
 
     def start(self) -> RedisServer:
         if self.port is not None:  # a restart: the same port, or a clear failure
@@ -39,7 +50,7 @@ class RedisServer(OwnedServer):
 
     def _launch(self, port: int) -> bool:
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--dir", str(self.workdir)]
+                "--databases", str(self.databases), "--daemonize", "no", "--dir", str(self.workdir)]
         with open(self.workdir / "redis.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)

@@ -36,7 +36,6 @@ from proofline_kit.processes import start_process, stop_process, wait_for, wait_
 from proofline_kit.resources import (
     ADMIN_URL,
     RABBITMQ_URL,
-    REDIS_URL,
     RabbitVhost,
     RedisClaim,
     claim_redis_db,
@@ -366,8 +365,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     processes: list[subprocess.Popen] = []
     claim = vhost = None
     if broker == "redis":
-        claim = claim_redis_db(redis_url or REDIS_URL, range(redis_db, redis_db + 1) if redis_db is not None
-                               else range(1, 16))
+        claim = claim_redis_db(redis_url, range(redis_db, redis_db + 1) if redis_db is not None else None)
     elif rabbitmq_url is None:
         vhost = create_vhost(RABBITMQ_URL)
 
