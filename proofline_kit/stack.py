@@ -174,14 +174,16 @@ class Stack:
         with self.conn.cursor() as cur:
             return store.timeline(cur, action_id)
 
-    def wait_settled(self, action_id: str, timeout: float = 40.0) -> store.ActionRow:
+    # The default waits are long: they end at the event, and only a failure waits them out; a
+    # loaded host (parallel test workers, other sessions) can take a minute to pick a message up.
+    def wait_settled(self, action_id: str, timeout: float = 120.0) -> store.ActionRow:
         def settled() -> store.ActionRow | None:
             row = self.action(action_id)
             return row if row is not None and row.status in SETTLED else None
 
         return wait_for(settled, timeout, what=f"{action_id} to settle (now {self.action(action_id)})")
 
-    def wait_event(self, action_id: str, event: str, timeout: float = 30.0) -> None:
+    def wait_event(self, action_id: str, event: str, timeout: float = 90.0) -> None:
         wait_for(lambda: event in self.events(action_id), timeout, what=f"{event} on {action_id}")
 
     def refusals(self) -> list[dict[str, Any]]:
