@@ -99,12 +99,11 @@ from proofline.contracts import contract_for
 from proofline.controller import describe_server, publish_many
 from proofline.settings import ROOT, Settings, get_settings
 from proofline.shards import sharded_queues
-from proofline_kit.resources import CLAIM_KEY, claim_redis_db, release_redis_db
+from proofline_kit.resources import CLAIM_KEY, claim_redis_db, redis_url, release_redis_db
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import witness_stdio_servers
 from tests.conftest import (
     ADMIN_URL,
-    REDIS_URL,
     Stack,
     build_stack,
     start_process,
@@ -1002,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="proofline-bench-"))
     # Both Redis databases are claimed (proofline_kit.resources): another bench or test run on this
     # machine never shares one, which would mix their tasks and completion lists.
-    bare_claim = claim_redis_db(REDIS_URL, range(args.baseline_redis_db, args.baseline_redis_db + 1)
+    bare_claim = claim_redis_db(redis_url(), range(args.baseline_redis_db, args.baseline_redis_db + 1)
                                 if args.baseline_redis_db is not None else range(15, 0, -1))
     bare_db = bare_claim.number
     full_db = args.redis_db
@@ -1034,8 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.warm_full(probe, worker)
         quiet_since = time.monotonic()
         if args.servers is None:
-            bench.results["baseline"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=False)
-        bench.results["baseline_same_calls"] = bench.run_baseline(f"{REDIS_URL}/{bare_db}", same_calls=True)
+            bench.results["baseline"] = bench.run_baseline(f"{redis_url()}/{bare_db}", same_calls=False)
+        bench.results["baseline_same_calls"] = bench.run_baseline(f"{redis_url()}/{bare_db}", same_calls=True)
         bench.results["full"] = bench.run_full(worker, probe, quiet_since)
         if args.open_loop_actions > 0:
             saturation = bench.results["full"]["actions_per_second"]

@@ -32,6 +32,11 @@ from proofline.errors import ConditionError
 BUDGET_SECONDS = 2.0
 #: Address-space limit of the helper process.
 MEMORY_BYTES = 1024 * 1024 * 1024
+#: How long a new helper may take to start (an interpreter and the CEL library: seconds on a loaded
+#: host). Its start is not part of any evaluation's budget: the budget bounds the evaluation only.
+STARTUP_SECONDS = 60.0
+#: The line a helper writes once it can evaluate.
+READY = b'{"ready": true}\n'
 
 
 class _Helper:
@@ -43,15 +48,31 @@ class _Helper:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proofline.cel_watchdog", str(MEMORY_BYTES)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        self.started = False
 
     def ask(self, source: str, variables: dict[str, Any], budget: float) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        if not self.started:
+            try:
+                if self._line(STARTUP_SECONDS) != READY:
+                    raise _HelperGone("the evaluator process did not announce itself")
+            except _OverBudget:
+                raise _HelperGone(f"the evaluator process did not start within {STARTUP_SECONDS:.0f}s") from None
+            self.started = True
         line = json.dumps([source, variables], default=str).encode() + b"\n"
         try:
             self.proc.stdin.write(line)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise _HelperGone(f"the evaluator process is gone: {exc!r}") from None
+        reply = json.loads(self._line(budget))
+        if "error" in reply:
+            raise ConditionError(f"cannot evaluate {source[:200]!r}: {reply['error'][:300]}")
+        return reply["value"]
+
+    def _line(self, budget: float) -> bytes:
+        """The helper's next line, within ``budget`` seconds."""
+        assert self.proc.stdout is not None
         deadline = time.monotonic() + budget
         chunks: list[bytes] = []
         fd = self.proc.stdout.fileno()
@@ -65,11 +86,7 @@ class _Helper:
                 raise _HelperGone(f"the evaluator process died (exit {self.proc.poll()})")
             chunks.append(chunk)
             if chunk.endswith(b"\n"):
-                break
-        reply = json.loads(b"".join(chunks))
-        if "error" in reply:
-            raise ConditionError(f"cannot evaluate {source[:200]!r}: {reply['error'][:300]}")
-        return reply["value"]
+                return b"".join(chunks)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -118,6 +135,8 @@ def serve(memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     from proofline.conditions import evaluate_here
 
+    sys.stdout.buffer.write(READY)  # imported: what follows is evaluation only
+    sys.stdout.flush()
     for line in sys.stdin.buffer:
         try:
             source, variables = json.loads(line)

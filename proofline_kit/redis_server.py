@@ -21,15 +21,22 @@ ATTEMPTS = 5
 
 class RedisServer(OwnedServer):
     """``start()`` / ``kill()`` (SIGKILL: everything it held is gone) / ``start()`` again / ``stop()``.
-    With a ``password`` the server refuses every client that does not give it (``requirepass``)."""
+    With a ``password`` the server refuses every client that does not give it (``requirepass``);
+    ``databases`` is how many numbered databases it has (Redis's default is 16)."""
 
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, password: str | None = None, databases: int = 16) -> None:
         super().__init__(workdir)
         self.password = password
+        self.databases = databases
+
+    @property
+    def base_url(self) -> str:
+        """The server without a database number (what ``claim_redis_db`` takes)."""
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
+        return f"{self.base_url}/0"
 
     def start(self) -> RedisServer:
         if self.port is not None:  # a restart: the same port, or a clear failure
@@ -45,7 +52,8 @@ class RedisServer(OwnedServer):
 
     def _launch(self, port: int) -> bool:
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--dir", str(self.workdir), *(["--requirepass", self.password] if self.password else [])]
+                "--databases", str(self.databases), "--daemonize", "no", "--dir", str(self.workdir),
+                *(["--requirepass", self.password] if self.password else [])]
         with open(self.workdir / "redis.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_connect_timeout=0.2)

@@ -24,7 +24,11 @@ import redis
 from ledger.migrate import upgrade
 
 ADMIN_URL = os.environ.get("PROOFLINE_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("PROOFLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+#: The variable naming the Redis server stacks claim databases on; the test session sets it to a
+#: private ``redis-server`` of its own (tests/conftest.py), so parallel sessions never share one.
+REDIS_URL_VARIABLE = "PROOFLINE_TEST_REDIS_URL"
+#: The shared server, when nothing names another.
+SHARED_REDIS_URL = "redis://127.0.0.1:6379"
 #: The RabbitMQ node the tests create virtual hosts on (``rabbitmqctl`` must reach it: run as root
 #: or as the rabbitmq user).
 RABBITMQ_URL = os.environ.get("PROOFLINE_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
@@ -35,6 +39,12 @@ RABBITMQ_SCRIPTS = Path(os.environ.get("PROOFLINE_TEST_RABBITMQ_SCRIPTS", "/usr/
 DB_ROLES = {"controller": "proofline_controller", "worker": "proofline_worker", "recovery": "proofline_recovery",
             "operator": "proofline_operator", "reader": "proofline_reader", "runtime": "proofline_runtime",
             "auditor": "proofline_auditor"}
+
+
+def redis_url() -> str:
+    """The Redis server (no database number) claims are made on, read at each claim: a session that
+    starts its own server after this module was imported is still the one claimed from."""
+    return os.environ.get(REDIS_URL_VARIABLE, SHARED_REDIS_URL)
 
 
 def with_database(url: str, dbname: str, user: str | None = None) -> str:
@@ -83,8 +93,24 @@ class RedisClaim:
     token: str
 
 
-def claim_redis_db(base_url: str = REDIS_URL, candidates: range = range(1, 16)) -> RedisClaim:
-    """The first candidate database that is free (no claim key) and empty, claimed for this process."""
+def database_count(base_url: str) -> int:
+    """How many databases the server has (``CONFIG GET databases``; 16, Redis's default, when the
+    server does not say)."""
+    client = redis.Redis.from_url(base_url)
+    try:
+        return int(client.config_get("databases").get("databases", 16))
+    except (redis.ResponseError, ValueError):  # CONFIG renamed or disabled on a managed server
+        return 16
+    finally:
+        client.close()
+
+
+def claim_redis_db(base_url: str | None = None, candidates: range | None = None) -> RedisClaim:
+    """The first candidate database (by default every one but 0 that ``base_url``, or
+    :func:`redis_url`, has) that is free (no claim key) and empty, claimed for this process."""
+    base_url = base_url or redis_url()
+    if candidates is None:
+        candidates = range(1, database_count(base_url))
     token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
     for number in candidates:
         url = f"{base_url}/{number}"

@@ -36,7 +36,6 @@ from proofline_kit.processes import start_process, stop_process, wait_for, wait_
 from proofline_kit.resources import (
     ADMIN_URL,
     RABBITMQ_URL,
-    REDIS_URL,
     RabbitVhost,
     RedisClaim,
     claim_redis_db,
@@ -175,14 +174,16 @@ class Stack:
         with self.conn.cursor() as cur:
             return store.timeline(cur, action_id)
 
-    def wait_settled(self, action_id: str, timeout: float = 40.0) -> store.ActionRow:
+    # The default waits are long: they end at the event, and only a failure waits them out; a
+    # loaded host (parallel test workers, other sessions) can take a minute to pick a message up.
+    def wait_settled(self, action_id: str, timeout: float = 120.0) -> store.ActionRow:
         def settled() -> store.ActionRow | None:
             row = self.action(action_id)
             return row if row is not None and row.status in SETTLED else None
 
         return wait_for(settled, timeout, what=f"{action_id} to settle (now {self.action(action_id)})")
 
-    def wait_event(self, action_id: str, event: str, timeout: float = 30.0) -> None:
+    def wait_event(self, action_id: str, event: str, timeout: float = 90.0) -> None:
         wait_for(lambda: event in self.events(action_id), timeout, what=f"{event} on {action_id}")
 
     def refusals(self) -> list[dict[str, Any]]:
@@ -366,8 +367,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
     processes: list[subprocess.Popen] = []
     claim = vhost = None
     if broker == "redis":
-        claim = claim_redis_db(redis_url or REDIS_URL, range(redis_db, redis_db + 1) if redis_db is not None
-                               else range(1, 16))
+        claim = claim_redis_db(redis_url, range(redis_db, redis_db + 1) if redis_db is not None else None)
     elif rabbitmq_url is None:
         vhost = create_vhost(RABBITMQ_URL)
 

@@ -7,6 +7,7 @@ tests import from here are re-exported."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -14,14 +15,16 @@ import pytest
 
 from proofline.settings import ROOT
 from proofline_kit.processes import start_process, stop_process, wait_for, wait_port
+from proofline_kit.redis_server import RedisServer
 from proofline_kit.resources import (
     ADMIN_URL,
     CLAIM_KEY,
     DB_ROLES,
-    REDIS_URL,
+    REDIS_URL_VARIABLE,
     claim_redis_db,
     create_database,
     drop_database,
+    redis_url,
     release_redis_db,
     role_urls,
     with_database,
@@ -36,8 +39,8 @@ from proofline_kit.stack import (
     teardown_stack,
 )
 
-__all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "REDIS_URL", "ROOT", "SETTLED", "Stack", "VERIFY_TASK",
-           "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "release_redis_db",
+__all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "ROOT", "SETTLED", "Stack", "VERIFY_TASK",
+           "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "redis_url", "release_redis_db",
            "role_urls", "start_process", "start_workers", "stop_process", "teardown_stack", "wait_for", "wait_port",
            "with_database"]
 
@@ -50,12 +53,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (the README's command) a test file runs on one xdist worker, so
+    the stacks its module-scoped fixtures build are built once; a test marked ``xdist_group`` keeps
+    the group it names. Without xdist the marks change nothing."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 #: ``indirect`` parameters of ``stack`` for a test of broker behaviour: the same deployment on each
 #: broker (Redis is the default stack's, so the suite builds it once).
 ON_EACH_BROKER = [pytest.param("stdio" if name == "redis" else f"stdio/{name}", id=name) for name in BROKERS]
 #: The default stack with every verification sent to the verification task
 #: (``PROOFLINE_INLINE_VERIFICATION=false``), for tests of that task's own stages.
 VERIFY_TASK = pytest.param("stdio+verify-task", id="verify-task")
+
+
+#: Databases of the session's own redis-server: a process under xdist holds a few stacks at once,
+#: and tests that build their own stacks claim more.
+SESSION_REDIS_DATABASES = 64
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of this test process's own (each xdist worker has one), on a port it could
+    bind, that every stack of the session claims its database on: parallel workers, and other test
+    sessions on the machine, never compete for the shared server's fifteen databases. Set
+    ``PROOFLINE_TEST_REDIS_URL`` to claim on a server of your choosing instead."""
+    if os.environ.get(REDIS_URL_VARIABLE):
+        yield redis_url()
+        return
+    server = RedisServer(tmp_path_factory.mktemp("session-redis"), databases=SESSION_REDIS_DATABASES).start()
+    os.environ[REDIS_URL_VARIABLE] = server.base_url
+    try:
+        yield server.base_url
+    finally:
+        os.environ.pop(REDIS_URL_VARIABLE, None)
+        server.stop()
 
 
 @pytest.fixture(scope="session", params=["stdio"])

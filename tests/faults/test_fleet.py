@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,7 @@ def test_two_nodes_with_two_beats_redrive_each_action_once(tmp_path, broker: str
             log = Path(s.workdir) / f"worker-{node}0.log"
             return "Sending due task proofline-reconcile" in log.read_text(errors="replace")
 
-        wait_for(lambda: beat_sent("n1") and beat_sent("n2"), 10, what="both beats to have sent a sweep")
+        wait_for(lambda: beat_sent("n1") and beat_sent("n2"), 60, what="both beats to have sent a sweep")
     finally:
         teardown_stack(s)
 
@@ -176,7 +175,9 @@ def test_two_nodes_share_the_load_and_a_node_killed_mid_flight_loses_and_duplica
 
 def received_sweeps(s: Stack, node: str) -> int:
     log = Path(s.workdir) / f"worker-{node}0.log"
-    return log.read_text(errors="replace").count("Task proofline.reconcile[")  # one line per received copy
+    # One "received" line per copy (its "succeeded" line names the task too, and is not counted).
+    return sum(1 for line in log.read_text(errors="replace").splitlines()
+               if "Task proofline.reconcile[" in line and "] received" in line)
 
 
 def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_holder_dies(tmp_path) -> None:
@@ -212,7 +213,9 @@ def test_the_sweep_runs_once_per_period_across_two_beats_and_moves_when_its_hold
             [holder] = admin.execute(HOLDER_SQL, (lock_name("reconcile"),)).fetchall()
         assert int(holder["application_name"].rsplit("-", 1)[1]) in descendants(n1.pid), holder
         held_after = sweep_runs(s)[-1]["run_id"]
-        time.sleep(1.5)  # a period and a half: n2's copies arrive and must not run
+        # Two more copies reach n2 (two periods' worth, however late its beat is) and must not run.
+        n2_before = received_sweeps(s, "n2")
+        wait_for(lambda: received_sweeps(s, "n2") >= n2_before + 2, 60, what="two more sweep copies at n2")
         assert sweep_runs(s, held_after) == []
         kill_node(n1)
         wait_for(lambda: len(sweep_runs(s, held_after)) >= 3, 60, what="n2 to take the sweep over")

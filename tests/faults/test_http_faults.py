@@ -31,10 +31,11 @@ def calls_recorded(stack: Stack, action_id: str) -> list[dict]:
 
 @PROXIED
 def test_reset_after_the_request_loses_the_response_not_the_effect(stack: Stack) -> None:
-    env = refund_env(stack, new_account(stack), timeout_seconds=5)
+    env = refund_env(stack, new_account(stack), timeout_seconds=8)
     resets = stack.proxy.stats()["resets_sent"]
-    # The server holds its answer for a second, so the reset lands while the call is open.
-    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=1.0)
+    # The server holds its answer for three seconds, so the reset, armed once the witness has seen
+    # the request, lands while the call is open (even when this process is slow to arm it).
+    sor.set_fault(stack.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
     try:
         stack.publish(env)
         wait_for(lambda: stack.witness.count(key=env.idempotency_key) == 1, 30, what="the request at the server")
@@ -80,9 +81,10 @@ def test_refused_connections_send_nothing_and_the_same_envelope_runs_later(stack
 def test_request_held_past_its_timeout_never_reaches_the_server(stack: Stack) -> None:
     env = refund_env(stack, new_account(stack), timeout_seconds=1.5)
     start = stack.witness.mark()
-    # The precondition read is slow at the server; while it runs, the network starts holding
-    # every request back, so the call that follows the read is held before the server sees it.
-    sor.set_fault(stack.sor_db, "get_account", "delay", remaining=1, delay_seconds=2.0)
+    # The precondition read is slow at the server (3 s, inside the read's 5 s timeout); while it
+    # runs, the network starts holding every request back, so the call that follows the read is
+    # held before the server sees it.
+    sor.set_fault(stack.sor_db, "get_account", "delay", remaining=1, delay_seconds=3.0)
     try:
         stack.publish(env)
         wait_for(lambda: stack.witness.count(tool="get_account", server="sor", since=start) >= 1, 30,

@@ -23,6 +23,9 @@ from proofline_kit.sor import store as sor
 from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import new_account, refund_env
 
+#: How long the server holds the call before it applies it and answers.
+HELD_SECONDS = 6.0
+
 
 def test_frozen_worker_past_its_lease_cannot_write_late(tmp_path) -> None:
     s = build_stack("stdio", tmp_path)
@@ -31,10 +34,12 @@ def test_frozen_worker_past_its_lease_cannot_write_late(tmp_path) -> None:
         start_workers(s, name="a")
         start_workers(s, name="b", beat=False)
         env = refund_env(s, new_account(s), timeout_seconds=8)
-        # The server takes a while to apply the call, so the worker is frozen with the call open.
-        sor.set_fault(s.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
+        # The server takes a while to apply the call (six seconds: room for this process to see the
+        # call and freeze its sender on a loaded machine), so the worker is frozen with the call open.
+        sor.set_fault(s.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=HELD_SECONDS)
         s.publish(env)
-        wait_for(lambda: s.witness.count(key=env.idempotency_key) == 1, 30, what="the call at the server")
+        # The first call waits for the worker's sandboxed sessions to start: seconds each when loaded.
+        wait_for(lambda: s.witness.count(key=env.idempotency_key) == 1, 120, what="the call at the server")
         with psycopg.connect(s.admin_url) as admin:
             owner, first_token = admin.execute("SELECT owner_pid, fencing_token FROM leases WHERE action_id = %s",
                                                (env.action_id,)).fetchone()
@@ -42,7 +47,8 @@ def test_frozen_worker_past_its_lease_cannot_write_late(tmp_path) -> None:
         frozen = owner
 
         # Another holder takes over and settles the action from the system of record.
-        row = s.wait_settled(env.action_id, timeout=90)
+        # The new holder starts its own read sessions first (the system of record's and the audit's).
+        row = s.wait_settled(env.action_id, timeout=180)
         assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified), row.reason_code
         timeline = s.timeline(env.action_id)
         takeover = [e["evidence"] for e in timeline if e["event"] == "reconcile_required"]
@@ -53,7 +59,7 @@ def test_frozen_worker_past_its_lease_cannot_write_late(tmp_path) -> None:
 
         os.kill(owner, signal.SIGCONT)
         frozen = None
-        wait_for(lambda: "stale_write_refused" in s.events(env.action_id), 60, what="the late write to be refused")
+        wait_for(lambda: "stale_write_refused" in s.events(env.action_id), 120, what="the late write to be refused")
         refused = [e for e in s.timeline(env.action_id) if e["event"] == "stale_write_refused"]
         assert len(refused) == 1 and refused[0]["evidence"]["reason_code"] == StaleLease.code
         assert refused[0]["evidence"]["observed"]["outcome"] in (Outcome.completed_unverified.value,

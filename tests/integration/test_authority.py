@@ -124,7 +124,7 @@ def with_approvals(stack: Stack, env, *approvals: dict):
     return env.model_copy(update={"approvals": tuple(approvals)})
 
 
-def wait_status(stack: Stack, action_id: str, status: ActionStatus, timeout: float = 40.0):
+def wait_status(stack: Stack, action_id: str, status: ActionStatus, timeout: float = 120.0):
     return wait_for(lambda: (row := stack.action(action_id)) is not None and row.status == status and row, timeout,
                     what=f"{action_id} to be {status.value} (now {stack.action(action_id)})")
 

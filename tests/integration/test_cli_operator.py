@@ -11,11 +11,15 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
+from proofline_kit.stack import disarm_fault_points
 from tests.conftest import Stack, wait_for
 from tests.integration.cli_run import as_json, assert_error, environment, proofline, text
+from worker import faultpoints
 
 STAMP = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3} UTC")
 
@@ -115,15 +119,23 @@ def test_status_never_prints_none_and_follow_streams_until_the_action_settles(st
     assert "None" not in report and "finding expected" in report and STAMP.search(report)
     done = as_json(proofline(stack, "--json", "status", action_id, "--follow"))
     assert done["status"] == "closed" and done["timeline"][-1]["event"] == "final_state"
-    # Following one that does not settle in time ends with its own exit code.
-    sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=4)
+    # Following one that does not settle in time ends with its own exit code. Its worker is held
+    # before the call until the command has given up, however long the command takes to start.
+    held = faultpoints.fired(stack.faultpoints, "before_send")
+    faultpoints.arm(stack.faultpoints, "before_send", remaining=1, action="hold", seconds=120)
     slow = _publish(stack, tenant)
-    late = proofline(stack, "--json", "status", slow, "--follow", "--timeout", "0.5")
+    try:
+        wait_for(lambda: faultpoints.fired(stack.faultpoints, "before_send") > held, 120,
+                 what="the worker to be held before its call")
+        late = proofline(stack, "--json", "status", slow, "--follow", "--timeout", "0.5")
+    finally:
+        disarm_fault_points(stack.faultpoints)
     assert late.returncode == 15 and late.stdout == ""
     assert json.loads(late.stderr)["error"] == "follow_timed_out"
     assert stack.wait_settled(slow).outcome == Outcome.completed_verified
 
 
+@pytest.mark.timeout(600)  # a dozen commands, each an interpreter's start: minutes on a loaded host
 def test_kill_switch_values_are_validated_and_a_valid_one_blocks(stack: Stack) -> None:
     tenant = _tenant()
     first = _publish(stack, tenant)

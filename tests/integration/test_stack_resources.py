@@ -1,4 +1,4 @@
-"""What a stack borrows from the shared Redis: only a database that is free and empty, and it
+"""What a stack borrows from a Redis server (the session's own, or a shared one): only a database that is free and empty, and it
 flushes only a database it still holds the claim on. Somebody else's keys are never touched."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from proofline_kit.resources import CLAIM_KEY, REDIS_URL, claim_redis_db, release_redis_db
+from proofline_kit.resources import CLAIM_KEY, claim_redis_db, redis_url, release_redis_db
 
 
 @pytest.fixture
@@ -52,12 +52,26 @@ def test_release_flushes_only_while_the_claim_is_ours() -> None:
 
 
 def test_two_claims_never_share_a_database() -> None:
-    first = claim_redis_db(REDIS_URL)
+    first = claim_redis_db(redis_url())
     try:
-        second = claim_redis_db(REDIS_URL)
+        second = claim_redis_db(redis_url())
         try:
             assert first.number != second.number
         finally:
             release_redis_db(second)
     finally:
         release_redis_db(first)
+
+
+def test_the_sessions_own_server_has_more_databases_than_a_shared_one_lends(session_redis: str) -> None:
+    """Each test process (each xdist worker) claims on a redis-server of its own, with more
+    databases than the fifteen a default server lends: twenty claims at once all succeed."""
+    assert redis_url() == session_redis != "redis://127.0.0.1:6379"
+    claims = []
+    try:
+        for _ in range(20):
+            claims.append(claim_redis_db())
+        assert len({c.number for c in claims}) == 20 and max(c.number for c in claims) > 15
+    finally:
+        for claim in claims:
+            release_redis_db(claim)

@@ -72,7 +72,10 @@ def test_the_third_party_chapter_runs_as_written(tmp_path: Path) -> None:
         from worker.server_stderr import suppressed
         for _ in range(3):
             describe_server(get_settings(), "shop")
-        time.sleep(0.5)
+        # The stderr readers count on their own threads: wait until all three blocks are in.
+        deadline = time.monotonic() + 60
+        while suppressed("shop", "write")[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         print(*suppressed("shop", "write"))
     """)
     ran = subprocess.run([sys.executable, "-c", probe], cwd=guide, capture_output=True, text=True, timeout=120,

@@ -9,7 +9,6 @@ import gzip
 import json
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -110,15 +109,20 @@ class TaskEvents:
     def __init__(self, stack: Stack) -> None:
         self.received: list[dict[str, Any]] = []
         self.sent: list[dict[str, Any]] = []
+        self.probes: list[dict[str, Any]] = []
         self.stack = stack
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        time.sleep(1.0)  # subscribed before anything is published
+        # Subscribed before anything is published: a probe event of our own, sent until it comes back.
+        with stack.app.events.default_dispatcher() as dispatcher:
+            wait_for(lambda: dispatcher.send("proofline-probe") or self.probes, 60, interval=0.2,
+                     what="the event receiver to be subscribed")
 
     def _run(self) -> None:
         with self.stack.app.connection_for_read() as conn:
             self.recv = self.stack.app.events.Receiver(conn, handlers={"task-received": self.received.append,
-                                                                        "task-sent": self.sent.append})
+                                                                        "task-sent": self.sent.append,
+                                                                        "proofline-probe": self.probes.append})
             self.recv.capture(limit=None, timeout=None, wakeup=False)
 
     def stop(self) -> None:
