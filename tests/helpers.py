@@ -54,6 +54,16 @@ def refund_env(stack: Stack, account: str, amount: int = 1200, **kw: Any) -> Env
                           target={"type": "account", "id": account, "expected_version": version}, **kw)
 
 
+def refund_under_fault(stack: Stack, env: Envelope, mode: str, remaining: int) -> Any:
+    """Publish ``env`` with the system of record's ``issue_refund`` fault ``mode`` armed; the settled row."""
+    sor.set_fault(stack.sor_db, "issue_refund", mode, remaining=remaining)
+    try:
+        stack.publish(env)
+        return stack.wait_settled(env.action_id, timeout=60)
+    finally:
+        sor.clear_faults(stack.sor_db, "issue_refund")
+
+
 def restart_env(stack: Stack, **kw: Any) -> Envelope:
     """A restart of a service of its own (created for the test), at its current generation."""
     name = f"svc-{uid()}"

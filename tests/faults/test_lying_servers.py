@@ -15,17 +15,7 @@ from __future__ import annotations
 from ledger.states import ActionStatus, Outcome
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack
-from tests.helpers import evidence_of, new_account, refund_env
-
-
-def refund_under_fault(stack: Stack, env, mode: str, remaining: int):
-    """Publish ``env`` with the system of record's ``issue_refund`` fault ``mode`` armed; the settled row."""
-    sor.set_fault(stack.sor_db, "issue_refund", mode, remaining=remaining)
-    try:
-        stack.publish(env)
-        return stack.wait_settled(env.action_id, timeout=60)
-    finally:
-        sor.clear_faults(stack.sor_db, "issue_refund")
+from tests.helpers import evidence_of, new_account, refund_env, refund_under_fault
 
 
 def test_a_lie_is_caught_by_verification_and_the_refund_is_paid_once(stack: Stack) -> None:

@@ -489,3 +489,14 @@ def test_a_proposal_nobody_decides_expires_with_its_deadline(auth: Authority) ->
     assert (row.status, row.outcome, row.reason_code) == (ActionStatus.closed, Outcome.not_started,
                                                           "deadline_expired_unexecuted")
     assert auth.stack.witness.count(key=env.idempotency_key) == 0
+
+
+def test_an_approval_whose_statement_was_edited_after_signing_is_refused(auth: Authority) -> None:
+    """The approver signed another intent; the statement is swapped for this action's intent and the
+    signature kept. Everything the statement says matches: only the signature check stands."""
+    auth.policy()
+    env = close_env(auth.stack)
+    other = env.model_copy(update={"arguments_hash": "0" * 64})
+    signed = approval(auth, other)
+    edited = {**signed, "approval": statement_for(env, approver="alice@example.com").model_dump(mode="json")}
+    refused_with(auth, with_approvals(auth.stack, env, edited), "approval_signature_invalid")

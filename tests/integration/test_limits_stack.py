@@ -20,6 +20,7 @@ from proofline.controller import prepare, signed_message
 from proofline.errors import ContractInvalid
 from proofline_kit.sor import store as sor
 from tests.conftest import ROOT, Stack, build_stack, start_workers, teardown_stack, wait_for
+from tests.helpers import refund_under_fault
 
 TABLES = ("ledger_events", "actions", "idempotency_records")
 
@@ -259,6 +260,19 @@ def test_the_authority_budget_holds_across_a_run(stack: Stack) -> None:
 
 
 # --- a broken contract file on the workers -------------------------------------------------------
+
+
+def test_the_call_budget_ends_retries_the_retry_policy_would_still_allow(stack: Stack) -> None:
+    """The approval allows one call; the retry policy three. The call fails before any side effect
+    every time: the action closes after that one call, as retries exhausted by the budget."""
+    env = refund(stack, new_account(stack), 1200, authority_budget={"max_calls": 1},
+                 retry_policy={"max_attempts": 3, "backoff_seconds": 0})
+    row = refund_under_fault(stack, env, "fail_before_commit", remaining=-1)
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.failed_before_side_effect), row.reason_code
+    assert event(stack, env.action_id, "retries_exhausted")["attempts"] == 1
+    assert "retry_scheduled" not in stack.events(env.action_id)
+    assert stack.witness.count(key=env.idempotency_key) == 1
+    assert stack.effects(env.idempotency_key) == 0
 
 
 @pytest.fixture(scope="module")
