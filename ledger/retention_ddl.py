@@ -164,7 +164,9 @@ END $$;
 INSERT INTO ledger_event_rights (event, roles) VALUES ('{PRUNE_EVENT}', ARRAY[]::text[]),
   ('{HOLD_EVENT}', ARRAY[]::text[]) ON CONFLICT DO NOTHING;
 INSERT INTO retention_tables (table_name, age_column, class_column, condition)
-VALUES ('message_deliveries', 'last_at', 'retention_class', 'unsettled = 0');
+VALUES ('message_deliveries', 'last_at', 'retention_class', 'unsettled = 0'),
+       -- the protected evidence store (migration 0018): each capture by the class its contract gave it
+       ('evidence_captures', 'captured_at', 'retention', 'true');
 """
 
 DOWNGRADE = f"""

@@ -121,5 +121,23 @@ def test_rabbitmq_guide(stack: Stack, tmp_path: Path) -> None:
     assert "ok    broker      reachable at amqp://proofline:**@127.0.0.1:5672/proofline" in out, out
 
 
+def test_retention_and_export_guide(stack: Stack, tmp_path: Path) -> None:
+    """ACTION is a verified action; the pruner role's URL is the stack database's."""
+    from proofline_kit.resources import with_database
+
+    envelope = stack.envelope("ticket.create", tenant="acme", target={"type": "ticket_queue", "id": "acme-ops"},
+                              arguments={"tenant": "acme", "title": f"kept {uuid.uuid4().hex[:8]}", "owner": "ops"})
+    stack.publish(envelope)
+    assert stack.wait_settled(envelope.action_id).outcome == Outcome.completed_verified
+    name = stack.admin_url.rsplit("/", 1)[1]
+    out = run_guide(stack, "retention-and-export.md", tmp_path, ACTION=envelope.action_id,
+                    PROOFLINE_PRUNER_DATABASE_URL=with_database(stack.admin_url, name, user="proofline_pruner"))
+    assert '"actions"' in out, out  # the manifest's counts
+    folder = tmp_path / "retention-and-export"
+    assert {p.name for p in (folder / "export").iterdir()} >= {"actions.parquet", "events.parquet", "manifest.json"}
+    held = [e for e in stack.timeline(envelope.action_id) if e["event"] == "retention_set"]
+    assert [e["evidence"].get("retention_class") for e in held][-1:] == ["standard"], held
+
+
 GUIDE_TESTS = {"controller-sdk.md", "upgrades.md", "backup-restore.md", "key-rotation.md", "incident-response.md",
-               "console.md", "scaling-out.md", "rabbitmq.md"}
+               "console.md", "scaling-out.md", "rabbitmq.md", "retention-and-export.md"}
