@@ -223,7 +223,8 @@ def test_doctor_runs_the_same_checks_and_passes_what_is_closed(folder: Path, clo
     assert found["db-auth"]["ok"] and "a wrong password is refused for 1 role URL" in found["db-auth"]["detail"], found
     assert not found["environment"]["ok"] and "runs as root" in found["environment"]["detail"]
     assert not found["key-files"]["ok"] and "can read the approver key" in found["key-files"]["detail"]
-    assert "(and 3 more)" in found["key-files"]["detail"]  # the controller, ledger and recovery keys
+    # ... and the controller, ledger, recovery and auditor (private) keys
+    assert "(and 4 more)" in found["key-files"]["detail"], found["key-files"]["detail"]
     # Outside production the same findings are reported, never failed.
     found = doctor_checks(run_cli(["doctor", "--json", "--role", "execute"],
                                   production(folder, PROOFLINE_ENVIRONMENT="staging"), folder))

@@ -81,6 +81,7 @@ def test_key_files_modes_refusals_and_development_keys(tmp_path: Path) -> None:
 
 def test_the_capture_policy_is_off_by_default_and_its_retention_class_is_checked() -> None:
     assert not EvidenceCapture().enabled and EvidenceCapture(reads=True).enabled
-    assert EvidenceCapture(result=True, retention="legal-hold-7y").retention == "legal-hold-7y"
+    assert EvidenceCapture(result=True).retention == "audit"  # the ledger's retention classes
+    assert EvidenceCapture(result=True, retention="legal_hold").retention == "legal_hold"
     with pytest.raises(ValueError):
         EvidenceCapture(arguments=True, retention="Forever!")
