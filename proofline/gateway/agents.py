@@ -41,6 +41,11 @@ class Agent(BaseModel):
     action_types: tuple[str, ...] = Field(min_length=1)
 
 
+def agent_slug(name: str) -> str:
+    """The agent's name as it appears in its action ids (``gw-<slug>-...``)."""
+    return "".join(c if c.isalnum() else "-" for c in name)[:40]
+
+
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -67,6 +72,11 @@ def _load(path: Path, stamp: int) -> dict[str, Agent]:
         agents = {name: Agent(name=name, **spec) for name, spec in (raw.get("agents") or {}).items()}
     except (yaml.YAMLError, ValidationError, TypeError, AttributeError) as exc:
         raise ConfigurationError(f"gateway agents file {path}: {exc}"[:800], file=str(path)) from None
+    # Action ids carry the agent's slug and prove ownership of an action: no two agents may share one.
+    slugs = [agent_slug(a.name) for a in agents.values()]
+    if len(set(slugs)) != len(slugs):
+        raise ConfigurationError(f"gateway agents file {path}: two agent names differ only in punctuation",
+                                 file=str(path))
     digests = [a.token_sha256 for a in agents.values()]
     if len(set(digests)) != len(digests):
         raise ConfigurationError(f"gateway agents file {path}: two agents share a token", file=str(path))

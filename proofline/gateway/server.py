@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from proofline.client import Client
 from proofline.errors import ProoflineError, WaitTimedOut
 from proofline.gateway import tools
-from proofline.gateway.agents import Agent, authenticate, load_agents
+from proofline.gateway.agents import Agent, agent_slug, authenticate, load_agents
 from proofline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Gateway:
             return tools.refusal("unknown_action", f"no action {action_id!r} of this agent")
 
     def _owns(self, agent: Agent, action_id: str) -> bool:
-        return action_id.startswith(f"gw-{_agent_slug(agent)}-")
+        return action_id.startswith(f"gw-{agent_slug(agent.name)}-")
 
     def _publish_and_wait(self, agent: Agent, action_type: str, args: dict[str, Any],
                           request_id: Any, key: str | None) -> types.CallToolResult:
@@ -129,15 +129,11 @@ class Gateway:
         return tools.outcome_result(result, self.console_url)
 
 
-def _agent_slug(agent: Agent) -> str:
-    return "".join(c if c.isalnum() else "-" for c in agent.name)[:40]
-
-
 def _action_id(agent: Agent, key: str | None) -> str:
     """The action's id: derived from the agent's idempotency key when it gives one (a retried call is
     the same action, published once), else new for every call."""
     tail = hashlib.sha256(f"{agent.name}\0{key}".encode()).hexdigest()[:32] if key else uuid.uuid4().hex
-    return f"gw-{_agent_slug(agent)}-{tail}"
+    return f"gw-{agent_slug(agent.name)}-{tail}"
 
 
 class BearerOnly:
