@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from proofline.settings import ROOT
 
 
@@ -25,6 +27,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(interval)
+
+
+def gone(proc: psutil.Process) -> bool:
+    """Exited or a zombie; a process reaped between the two looks (psutil raises then) counts as gone."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def start_process(argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:

@@ -550,7 +550,7 @@ def _record_result(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Clas
             raise RetryLater(envelope.retry_policy.backoff_seconds, verdict.reason_code)
         closed_hook(rt, envelope, ActionStatus.closed, verdict.outcome, dispatch)
         return TaskSummary("closed", verdict.reason_code, aid, verdict.outcome.value).as_dict()
-    faultpoints.hit("after_ledger")
+    faultpoints.hit("after_ledger", aid)
     if verified:
         assert first is not None
         metrics.VERIFICATION_SECONDS.labels(envelope.action_type, first.obs.finding.value).observe(first.seconds)

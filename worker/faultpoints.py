@@ -41,10 +41,11 @@ class FaultPointRaised(RuntimeError):
     """Raised by a fault point armed with ``raise``: stands in for an unforeseen defect."""
 
 
-def hit(point: str) -> None:
+def hit(point: str, action_id: str | None = None) -> None:
     """Maybe act at ``point``: ``kill`` (SIGKILL this process), ``stop`` (freeze for a while) or
-    ``raise`` (:class:`FaultPointRaised`). Disabled, it is one cached lookup and one attribute test
-    (``python -m ops.faultpoint_bench`` measures it)."""
+    ``raise`` (:class:`FaultPointRaised`). A point armed for one action fires only where the
+    caller names that action, so work left over from elsewhere cannot take its shot. Disabled, it
+    is one cached lookup and one attribute test (``python -m ops.faultpoint_bench`` measures it)."""
     settings = get_settings()
     if not settings.fault_points_enabled or settings.fault_points_file is None:
         return
@@ -59,6 +60,8 @@ def hit(point: str) -> None:
             return
         spec = points.get(point)
         if not spec or spec.get("remaining", 0) == 0:
+            return
+        if spec.get("action_id") and spec["action_id"] != action_id:
             return
         if spec["remaining"] > 0:
             spec["remaining"] -= 1
@@ -94,8 +97,9 @@ def _hold(path: Path, point: str, shot: int, bound: float) -> None:
         time.sleep(HOLD_POLL_SECONDS)
 
 
-def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", seconds: float = 0.0) -> None:
-    """Test helper: arm one point (other points in the file are kept)."""
+def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", seconds: float = 0.0,
+        action_id: str | None = None) -> None:
+    """Test helper: arm one point (other points in the file are kept), for every action or one."""
     if point not in POINTS:
         raise ValueError(f"unknown fault point {point!r}")
     if action not in ACTIONS:
@@ -109,7 +113,7 @@ def arm(path: Path, point: str, remaining: int = 1, action: str = "kill", second
         fired_so_far = points.get(point, {}).get("fired", 0)
         # Earlier shots count as released: only the shots of this arming wait for release().
         points[point] = {"remaining": remaining, "action": action, "seconds": seconds, "fired": fired_so_far,
-                         "released": fired_so_far}
+                         "released": fired_so_far, "action_id": action_id}
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(points))

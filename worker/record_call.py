@@ -79,7 +79,7 @@ def write_result_txn(rt: Runtime, envelope: Envelope, red: Redactor, verdict: Cl
     aid, actor = envelope.action_id, rt.settings.worker_id
     proves = first is not None and first.proves
     if proves:
-        faultpoints.hit("before_verify_commit")
+        faultpoints.hit("before_verify_commit", aid)
     retry = False
     if verdict.outcome == Outcome.failed_before_side_effect:
         remaining = envelope.deadline.timestamp() - time.time()

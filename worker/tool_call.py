@@ -51,7 +51,7 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
         if not heartbeat.valid():
             # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))
-        faultpoints.hit("before_send")
+        faultpoints.hit("before_send", envelope.action_id)
         try:
             trace_meta = {**tracing.carrier(), **(plan_meta or {})}  # read here: the call runs on the session's thread
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
@@ -69,6 +69,6 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
             return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
                               progress=tuple(progress.kept), progress_total=progress.total,
                               sandbox_violation=violation, unsandboxed=unsandboxed, request=request)
-    faultpoints.hit("after_send")
+    faultpoints.hit("after_send", envelope.action_id)
     return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
                       progress_total=progress.total, unsandboxed=unsandboxed, request=rt.mcp.last_request)

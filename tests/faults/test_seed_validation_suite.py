@@ -67,11 +67,12 @@ def calls_of(stack: Stack, action_id: str) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def held(stack: Stack, point: str) -> Iterator[int]:
-    """Arm ``point`` to hold the next worker that reaches it; yields the firing count to wait for.
-    Released (and disarmed) on the way out, whatever happened."""
+def held(stack: Stack, point: str, action_id: str) -> Iterator[int]:
+    """Arm ``point`` to hold the next worker that reaches it with ``action_id`` (work left over from
+    an earlier test cannot take the shot); yields the firing count to wait for. Released (and
+    disarmed) on the way out, whatever happened."""
     shot = fired(stack.faultpoints, point) + 1
-    arm(stack.faultpoints, point, remaining=1, action="hold", seconds=60)
+    arm(stack.faultpoints, point, remaining=1, action="hold", seconds=60, action_id=action_id)
     try:
         yield shot
     finally:
@@ -107,7 +108,7 @@ def test_duplicate_delivery_with_the_same_idempotency_key(stack: Stack) -> None:
     record stand between the duplicates and more refunds."""
     env = refund(stack, new_account(stack))
     message = stack.message(env)
-    with held(stack, "before_send") as shot:
+    with held(stack, "before_send", env.action_id) as shot:
         publish_concurrently(stack, env, 2)
         wait_held(stack, "before_send", shot)
         # One delivery has claimed the key and is about to send; nothing reached the tool yet.
@@ -188,7 +189,7 @@ def test_timeout_before_downstream_receipt(stack: Stack) -> None:
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=1.0)
     try:
-        with held(stack, "before_send") as shot:
+        with held(stack, "before_send", env.action_id) as shot:
             stack.publish(env)
             wait_held(stack, "before_send", shot)  # revalidated and claimed; the request is next
             stack.proxy.set_mode("delay", seconds=600, direction="request")
@@ -225,7 +226,7 @@ def test_timeout_after_downstream_receipt(stack: Stack) -> None:
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=2.0)
     try:
-        with held(stack, "before_send") as shot:
+        with held(stack, "before_send", env.action_id) as shot:
             stack.publish(env)
             wait_held(stack, "before_send", shot)
             stack.proxy.set_mode("blackhole", forward_close=False)
@@ -255,7 +256,7 @@ def test_lost_response_after_successful_mutation(stack: Stack) -> None:
     account = new_account(stack)
     env = refund(stack, account, timeout_seconds=1.0)
     sor.set_fault(stack.sor_db, "issue_refund", "drop_response", remaining=1, delay_seconds=30)
-    with held(stack, "after_ledger") as shot:
+    with held(stack, "after_ledger", env.action_id) as shot:
         stack.publish(env)
         wait_held(stack, "after_ledger", shot)
         assert calls_of(stack, env.action_id)[0]["outcome"] == Outcome.unknown_outcome.value
@@ -356,7 +357,7 @@ def test_concurrent_action_against_the_same_target(stack: Stack) -> None:
     account = new_account(stack)
     first = refund(stack, account, amount=1000)
     second = refund(stack, account, amount=2000)
-    with held(stack, "before_send") as shot:
+    with held(stack, "before_send", first.action_id) as shot:
         stack.publish(first)
         wait_held(stack, "before_send", shot)
         stack.publish(second)
@@ -384,7 +385,7 @@ def test_task_record_expiration(stack: Stack) -> None:
     sor.set_operation_ttl(stack.sor_db, 1.0)
     start = stack.witness.mark()
     try:
-        with held(stack, "after_ledger") as shot:
+        with held(stack, "after_ledger", env.action_id) as shot:
             stack.publish(env)
             wait_held(stack, "after_ledger", shot)
             operation = calls_of(stack, env.action_id)[0]["downstream_operation_id"]

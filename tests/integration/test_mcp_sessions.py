@@ -7,10 +7,10 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from ledger.states import ActionStatus, Outcome
+from proofline_kit.processes import gone
 from proofline_kit.sor import store as sor
 from tests.conftest import CANARY_SECRET, Stack, wait_for
 from tests.helpers import sor_processes
@@ -58,8 +58,7 @@ def test_a_dead_stdio_session_is_replaced(stack: Stack) -> None:
     run_one(stack, ticket(stack))
     for proc in sor_processes(stack):
         proc.kill()
-    wait_for(lambda: not sor_processes(stack) or all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-                                                     for p in sor_processes(stack)), 10, what="servers gone")
+    wait_for(lambda: not sor_processes(stack) or all(gone(p) for p in sor_processes(stack)), 10, what="servers gone")
     # The next actions find their session dead and open a new one; nothing is lost. A dead session
     # noticed only once a request was sent is an unknown outcome, which verification settles by
     # reading (and recovery retries with the same key when the effect proves absent).

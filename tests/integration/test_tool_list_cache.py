@@ -13,11 +13,11 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 
-import psutil
 import pytest
 
 from ledger.states import Outcome
 from proofline.envelope import Envelope
+from proofline_kit.processes import gone
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, build_stack, start_workers, stop_process, teardown_stack, wait_for
 from tests.helpers import sor_processes, ticket_env
@@ -98,8 +98,8 @@ def restart_writer(stack: Stack, variant: int | None) -> None:
     assert servers, "the worker should hold a stdio writer session"
     for proc in servers:
         proc.send_signal(signal.SIGTERM)  # not a sandbox limit's signal: no violation recorded
-    wait_for(lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in servers), 10,
-             what="the writer to exit")
+    wait_for(lambda: all(gone(p) for p in servers), 10, what="the writer to exit")
+
 
 
 def test_a_server_restarted_with_a_changed_schema_is_caught(one_process: Stack) -> None:

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from proofline.errors import ConfigurationError
+from proofline_kit.processes import gone
 from tests.conftest import Stack, wait_for
 from tests.security import test_sandbox
 from tests.security.test_sandbox import (
@@ -271,7 +272,7 @@ def test_the_tracers_death_takes_the_server_with_it(world: dict[str, Any]) -> No
         tracers, servers = traced()
         assert len(tracers) == 1 and len(servers) == 1
         tracers[0].kill()
-        wait_for(lambda: not servers[0].is_running() or servers[0].status() == psutil.STATUS_ZOMBIE, 30,
+        wait_for(lambda: gone(servers[0]), 30,
                  what="the server to die with its tracer")
         with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a closed connection
             run_tool(m, server, "write", "status", {})
