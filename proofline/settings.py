@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     reconcile_interval_seconds: float = 10.0
     #: A published action not started (or a recovery not decided) after this long is re-driven.
     redrive_after_seconds: float = 60.0
+    #: ...unless its queue still holds messages (a backlog, not a loss) and it is younger than
+    #: this: the longest a message lost behind a backlog goes unnoticed.
+    redrive_backlog_max_seconds: float = Field(default=900.0, ge=0)
     #: A verification with no progress for this long is started again.
     verify_stall_seconds: float = 180.0
     #: A post-condition re-check sent to a worker and not finished after this long (the worker

@@ -33,7 +33,7 @@ from ledger import heartbeat, store
 from proofline.errors import ProoflineError
 from proofline.settings import Settings
 from proofline.telemetry import tracing
-from recovery import recheck_sweep
+from recovery import backlog, recheck_sweep
 from recovery.expiry import close_overdue_txn, prune_deliveries_txn
 from recovery.settle import after_settle
 from recovery.sweep_gate import SweepRun, Swept, run_once
@@ -69,7 +69,9 @@ SWEEPS = (
     ("not_started", "a.status = 'published' AND a.updated_at < clock_timestamp() - make_interval(secs => %(stale)s) "
                     "AND (l.action_id IS NULL OR l.released_at IS NOT NULL OR l.expires_at < clock_timestamp()) "
                     "AND COALESCE((a.recovery_data->'read_failures'->>'due')::timestamptz "
-                    "< clock_timestamp() - make_interval(secs => %(stale)s), true)",
+                    "< clock_timestamp() - make_interval(secs => %(stale)s), true) "
+                    # Still behind other messages in its queue (recovery/backlog.py): late, not lost.
+                    "AND a.action_id <> ALL(%(deferred)s::text[])",
      "execute"),
     ("lease_expired", "a.status = 'executing' AND l.released_at IS NULL AND l.expires_at < clock_timestamp()",
      "execute"),
@@ -88,6 +90,8 @@ SWEEPS = (
                   "WHERE n.status = 'pending')", "settle"),
 )
 
+NOT_STARTED = next(condition for name, condition, _ in SWEEPS if name == "not_started")
+
 
 @dataclass
 class Taken:
@@ -104,14 +108,21 @@ class Taken:
 
 def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_seconds: float, limit: int = 200,
          deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0,
-         recheck_claim_seconds: float = 300.0) -> Taken:
-    """Everything a sweep writes, inside the caller's transaction; nothing is sent."""
+         recheck_claim_seconds: float = 300.0, depths: backlog.QueueDepths | None = None,
+         backlog_max_seconds: float = 900.0, shards: int = 1) -> Taken:
+    """Everything a sweep writes, inside the caller's transaction; nothing is sent. With
+    ``depths`` (the broker's queue depths), published actions still behind a backlog are left
+    for a later sweep (``recovery/backlog.py``)."""
     taken = Taken(counts={})
     taken.expired = close_overdue_txn(cur, actor, deadline_grace_seconds, limit)
     taken.counts["deadline_expired"] = len(taken.expired)
     taken.counts["deliveries_pruned"] = prune_deliveries_txn(cur, delivery_retention_seconds)
-    claimed = _claim_all(cur, {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
-                               "verify_stale": verify_stale_seconds})
+    params = {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
+              "verify_stale": verify_stale_seconds, "deferred": [], "backlog_max": backlog_max_seconds}
+    if depths is not None:
+        params["deferred"] = backlog.deferred_txn(cur, depths, NOT_STARTED, params, shards)
+        taken.counts["redrives_deferred_backlog"] = len(params["deferred"])
+    claimed = _claim_all(cur, params)
     for (name, _, action), rows in zip(SWEEPS, claimed, strict=True):
         for row in rows:
             row["trace"] = _trace_of(cur, row["action_id"])
@@ -163,12 +174,15 @@ def send(conn: Any, dispatch: Dispatch, actor: str, taken: Taken) -> None:
 
 def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, verify_stale_seconds: float,
           limit: int = 200, deadline_grace_seconds: float = 60.0,
-          delivery_retention_seconds: float = 2 * 3600.0) -> dict[str, int]:
-    """One sweep now, ungated (``proofline reconcile``): one transaction, then :func:`send`."""
+          delivery_retention_seconds: float = 2 * 3600.0, backlog_max_seconds: float = 900.0,
+          shards: int = 1) -> dict[str, int]:
+    """One sweep now, ungated (``proofline reconcile``): one transaction, then :func:`send`. It
+    leaves a backlog alone as the periodic sweep does."""
     with store.transaction(conn) as cur:
         taken = take(cur, actor, stale_seconds=stale_seconds, verify_stale_seconds=verify_stale_seconds, limit=limit,
                      deadline_grace_seconds=deadline_grace_seconds,
-                     delivery_retention_seconds=delivery_retention_seconds)
+                     delivery_retention_seconds=delivery_retention_seconds, depths=dispatch.queue_depths,
+                     backlog_max_seconds=backlog_max_seconds, shards=shards)
     send(conn, dispatch, actor, taken)
     return taken.counts
 
@@ -186,7 +200,8 @@ def sweep_once(conn: psycopg.Connection[dict[str, Any]], dispatch: Dispatch, set
                      deadline_grace_seconds=settings.deadline_grace_seconds,
                      # Longer than any deadline plus its grace: older counts can explain nothing still open.
                      delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds,
-                     recheck_claim_seconds=settings.recheck_claim_seconds)
+                     recheck_claim_seconds=settings.recheck_claim_seconds, depths=dispatch.queue_depths,
+                     backlog_max_seconds=settings.redrive_backlog_max_seconds, shards=settings.tenant_shards)
         heartbeat.beat_txn(cur, actor, taken.counts)
         return Swept(taken.counts, then=lambda: send(conn, dispatch, actor, taken))
 

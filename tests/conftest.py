@@ -23,6 +23,8 @@ from proofline_kit.resources import (
     REDIS_URL_VARIABLE,
     claim_redis_db,
     create_database,
+    create_vhost,
+    delete_vhost,
     drop_database,
     redis_url,
     release_redis_db,
@@ -92,6 +94,24 @@ def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         os.environ.pop(REDIS_URL_VARIABLE, None)
         server.stop()
+
+
+@pytest.fixture(params=BROKERS)
+def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A broker of the test's own with nothing on it, on each broker in turn: a claimed Redis
+    database, or a fresh RabbitMQ virtual host; emptied and given up afterwards."""
+    if request.param == "redis":
+        claim = claim_redis_db()
+        try:
+            yield claim.url
+        finally:
+            release_redis_db(claim)
+    else:
+        vhost = create_vhost()
+        try:
+            yield vhost.url
+        finally:
+            delete_vhost(vhost)
 
 
 @pytest.fixture(scope="session", params=["stdio"])

@@ -73,6 +73,8 @@ class Dispatch(Protocol):
 
     def revoke(self, task_id: str) -> None: ...
 
+    def queue_depths(self, queues: list[str]) -> dict[str, int]: ...
+
     def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None: ...
 
 
@@ -134,3 +136,25 @@ class CeleryDispatch:
 
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)
+
+    def queue_depths(self, queues: list[str]) -> dict[str, int]:
+        """Messages ready in each queue, by a passive declare on the broker (list lengths on Redis,
+        message counts on AMQP); a queue nobody declared yet holds none. Raises when the broker
+        cannot be reached: the caller decides what an unknown depth means."""
+        from kombu.exceptions import ChannelError
+
+        depths: dict[str, int] = {}
+        with self.app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1, timeout=5)
+            for queue in queues:
+                channel = conn.channel()  # a refused passive declare closes its channel: one each
+                try:
+                    depths[queue] = int(channel.queue_declare(queue, passive=True).message_count)
+                except ChannelError:
+                    depths[queue] = 0
+                finally:
+                    try:
+                        channel.close()
+                    except Exception:  # noqa: BLE001 - a channel the broker closed already
+                        pass
+        return depths

@@ -74,7 +74,8 @@ def reconcile() -> None:
     s = settings()
     with connect() as conn:
         counts = sweep(conn, dispatcher(), "cli:reconcile", stale_seconds=s.redrive_after_seconds,
-                       verify_stale_seconds=s.verify_stall_seconds)
+                       verify_stale_seconds=s.verify_stall_seconds, backlog_max_seconds=s.redrive_backlog_max_seconds,
+                       shards=s.tenant_shards)
     emit(counts, lambda: "\n".join(f"{name:<24} {n}" for name, n in counts.items())
          + ("" if any(counts.values()) else "\nnothing to re-drive"))
 

@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import redis
 from kombu import Connection
 
 from proofline.settings import Settings
 from proofline.telemetry.ledger_metrics import LedgerCollector
-from proofline_kit.resources import claim_redis_db, create_vhost, delete_vhost, release_redis_db
-from tests.conftest import BROKERS
 from worker import broker as broker_options
-
-
-@pytest.fixture(params=BROKERS)
-def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "redis":
-        claim = claim_redis_db()
-        try:
-            yield claim.url
-        finally:
-            release_redis_db(claim)
-    else:
-        vhost = create_vhost()
-        try:
-            yield vhost.url
-        finally:
-            delete_vhost(vhost)
 
 
 def test_depth_counts_what_waits_and_zero_for_an_undeclared_queue(broker_url: str) -> None:
