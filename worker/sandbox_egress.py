@@ -80,6 +80,8 @@ def parse_entry(entry: object) -> Destination:
     if not isinstance(entry, str):
         raise bad("expected a string HOST:PORT")
     text = entry.strip()
+    if "/" in text:
+        raise bad("expected HOST:PORT, not a URL or a path")
     if text.startswith("["):
         host, close, rest = text[1:].partition("]")
         if not close or not rest.startswith(":"):
@@ -156,14 +158,16 @@ def routes(policy: EgressPolicy) -> list[Route]:
     free address of ``127.100.0.0/16`` (one per name; a port already taken there is skipped)."""
     dests = policy.destinations()
     taken = {(d.host, d.port) for d in dests if d.loopback}
+    ports = {d.port for d in dests}
     names: dict[str, str] = {}
     out: list[Route] = []
+    n = 0
     for i, d in enumerate(dests):
         listen = d.host
         if not d.loopback:
             if d.host not in names:
-                n = len(names) + 1
-                while any((str(NAMED_BASE + n), p) in taken for p in {x.port for x in dests}):
+                n += 1
+                while any((str(NAMED_BASE + n), p) in taken for p in ports):
                     n += 1
                 names[d.host] = str(NAMED_BASE + n)
             listen = names[d.host]
