@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from worker import egress_relay
 
@@ -118,7 +118,9 @@ class EgressPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    allow: tuple[str, ...]
+    allow: tuple[str, ...] = Field(min_length=1, max_length=MAX_ENTRIES, description=(
+        "TCP destinations, each HOST:PORT or [ADDRESS]:PORT; an IP address must be a loopback one "
+        "(127.0.0.0/8, ::1), a remote host is named by its DNS name"))
 
     @field_validator("allow", mode="before")
     @classmethod

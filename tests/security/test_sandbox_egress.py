@@ -21,13 +21,14 @@ from typing import Any
 import psutil
 import pytest
 
+from ledger.states import Outcome
 from proofline.settings import ROOT
 from proofline_kit.processes import gone
 from tests.conftest import Stack, wait_for
 from tests.security import test_sandbox
 from tests.security.test_sandbox import hostile_spec, open_sessions, publish_hostile
 from tests.security.test_sandbox_audit import run_tool, violations_of
-from worker.mcp_client import McpSessions, sandbox_violations
+from worker.mcp_client import sandbox_violations
 
 world = test_sandbox.world
 
@@ -201,7 +202,7 @@ def test_through_a_real_worker_an_allowed_destination_is_reached_and_verified(
     s, allowed, _ = egress_stack
     aid = publish_hostile(s, "exchange", exchange(allowed, "ticket-1"))
     row = s.wait_settled(aid)
-    assert row.outcome == "completed_verified", s.events(aid)
+    assert row.outcome == Outcome.completed_verified, s.events(aid)
     assert s.action(aid).result["values"] == {"ok": True, "reply": "allowed:ticket-1"}
     finished = next(e for e in s.timeline(aid) if e["event"] == "verification_finished")["evidence"]
     assert finished["after"] == {"ok": True, "reply": "allowed:ticket-1"}
@@ -222,7 +223,9 @@ def test_through_a_real_worker_a_destination_not_allowed_is_a_violation(
     # Classified: the call returned (the server's own error inside its result), and the
     # verification read, refused the same way, did not find what the contract expects.
     assert s.action(aid).result["values"]["ok"] is False
-    assert row.outcome != "completed_verified" and row.outcome is not None
+    assert row.outcome == Outcome.completed_unverified, s.events(aid)
+    finished = next(e for e in s.timeline(aid) if e["event"] == "verification_finished")["evidence"]
+    assert finished["finding"] != "expected" and finished["after"]["ok"] is False
     names = [e["event"] for e in s.timeline(aid)]
     assert names.index("tool_called") < names.index("sandbox_violation")
     assert str(ROOT) not in json.dumps(found)
