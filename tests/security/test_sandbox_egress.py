@@ -173,6 +173,39 @@ def test_a_server_that_kills_its_relay_reaches_nothing_new(world: dict[str, Any]
     assert allowed.accepted == 1
 
 
+def loopback_name() -> str | None:
+    """A name of this machine that its resolver maps to a loopback address (often its host name)."""
+    name = socket.gethostname()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError:
+        return None
+    return name if addresses and all(a.startswith("127.") for a in addresses) else None
+
+
+@pytest.mark.skipif(loopback_name() is None, reason="this host's name does not resolve to loopback")
+def test_a_named_host_is_reached_by_its_name_through_the_sandboxs_own_hosts_file(
+        world: dict[str, Any], peers: tuple[Peer, Peer]) -> None:
+    """The name resolves inside to the sandbox's own address for it (127.100.0.1), and outside, by
+    the worker's resolver, to the peer (tests only reach loopback, so the name is one of this host's)."""
+    allowed, _ = peers
+    name = loopback_name()
+    m = open_sessions(world, hostile=hostile_spec(world["tools"], network={"allow": [f"{name}:{allowed.port}"]}))
+    server = world["servers"]["hostile"]
+    try:
+        by_name = run_tool(m, server, "write", "exchange", {"host": name, "port": allowed.port, "message": "named"})
+        assert m.take_audit() == []
+        inside = run_tool(m, server, "write", "peek", {"path": "/etc/hosts"})
+        by_address = run_tool(m, server, "write", "exchange", exchange(allowed))  # the name was allowed, not this
+        found = m.take_audit()
+    finally:
+        m.close()
+    assert by_name == {"ok": True, "reply": "allowed:named"}
+    assert f"127.100.0.1 {name}" in inside["data"].splitlines()
+    assert not by_address["ok"] and allowed.accepted == 1
+    assert {(f["kind"], f["address"]) for f in found} == {("network_denied", f"127.0.0.1:{allowed.port}")}
+
+
 # --- through a real worker -------------------------------------------------------------------------
 
 #: An exchange whose verification read (the read identity, which inherits the allowlist) repeats
