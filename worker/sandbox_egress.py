@@ -238,7 +238,9 @@ class Forwarder:
         nsswitch = os.path.join(self.directory, "nsswitch.conf")
         Path(nsswitch).write_text("hosts: files\n")
         self.plan = EgressPlan(self.routes, sockets, hosts, nsswitch)
+        #: Connections relayed to a destination so far (for tests and logs).
         self.connections = 0
+        self._count = threading.Lock()
         self._listeners: dict[socket.socket, Route] = {}
         for route in self.routes:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -278,7 +280,8 @@ class Forwarder:
                 inside.close()
                 return
             outside.settimeout(None)
-            self.connections += 1
+            with self._count:
+                self.connections += 1
             egress_relay.pump(inside, outside)
         finally:
             self._slots.release()

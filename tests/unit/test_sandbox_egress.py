@@ -144,3 +144,30 @@ def test_ca_certificates_are_bound_only_for_named_hosts() -> None:
     exists = {"/etc/ssl"}.__contains__
     assert "/etc/ssl" not in plan(("127.0.0.1:1",)).bwrap_args(exists=exists)
     assert ["--ro-bind", "/etc/ssl", "/etc/ssl"] == plan(("api.example.com:443",)).bwrap_args(exists=exists)[-3:]
+
+
+def _hx(text: str) -> str:
+    return "".join(f"\\x{b:02x}" for b in text.encode())
+
+
+def test_the_audit_excuses_the_allowed_addresses_only() -> None:
+    """A non-blocking connect to an allowed address fails with EINPROGRESS (strace prints it, the
+    audit must not count it); the same connect anywhere else is the attempt the allowlist forbids."""
+    from worker.sandbox import Roots
+    from worker.sandbox_audit import classify, parse
+
+    allowed = Roots(allowed=tuple(r.inside for r in routes(EgressPolicy(allow=("127.0.0.1:8443", "[::1]:9000",
+                                                                             "api.example.com:443")))))
+    assert allowed.allowed == ("127.0.0.1:8443", "::1:9000", "127.100.0.1:443")
+
+    def v4(port: int, address: str = "127.0.0.1") -> dict:
+        return parse(f'7 connect(3<\\x73>, {{sa_family=AF_INET, sin_port=htons({port}), sin_addr=inet_addr("'
+                     f'{_hx(address)}")}}, 16) = -1 EINPROGRESS (Operation now in progress)')
+
+    v6 = parse('7 connect(3, {sa_family=AF_INET6, sin6_port=htons(9000), sin6_flowinfo=htonl(0), '
+               f'inet_pton(AF_INET6, "{_hx("::1")}", &sin6_addr), sin6_scope_id=0}}, 28) = -1 EINPROGRESS (x)')
+    assert classify(v4(8443), allowed) is None and classify(v6, allowed) is None
+    assert classify(v4(443, "127.100.0.1"), allowed) is None
+    assert classify(v4(8444), allowed)["address"] == "127.0.0.1:8444"
+    assert classify(v4(443), allowed)["kind"] == "network_denied"  # the name's port, not on 127.0.0.1
+    assert classify(v4(8443), Roots())["kind"] == "network_denied"  # no allowlist: nothing is excused
