@@ -226,8 +226,11 @@ def _reason(exc: ValueError) -> str:
     """A validation error as one line per problem (where, then what), without pydantic's boilerplate."""
     if not isinstance(exc, ValidationError):
         return str(exc)
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg'].removeprefix('Value error, ')}"
-                     for e in exc.errors())
+    problems = []
+    for e in exc.errors():
+        where, what = ".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {what}" if where else what)
+    return "; ".join(problems)
 
 
 @lru_cache(maxsize=8)
