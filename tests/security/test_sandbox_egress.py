@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ from proofline.settings import ROOT
 from proofline_kit.processes import gone
 from tests.conftest import Stack, wait_for
 from tests.security import test_sandbox
-from tests.security.test_sandbox import hostile_spec, open_sessions, publish_hostile
+from tests.security.test_sandbox import hostile_spec, open_sessions, publish_hostile, write_servers
 from tests.security.test_sandbox_audit import run_tool, violations_of
 from worker.mcp_client import sandbox_violations
 
@@ -204,6 +206,21 @@ def test_a_named_host_is_reached_by_its_name_through_the_sandboxs_own_hosts_file
     assert f"127.100.0.1 {name}" in inside["data"].splitlines()
     assert not by_address["ok"] and allowed.accepted == 1
     assert {(f["kind"], f["address"]) for f in found} == {("network_denied", f"127.0.0.1:{allowed.port}")}
+
+
+def test_a_worker_refuses_to_start_with_a_malformed_allowlist(world: dict[str, Any]) -> None:
+    """The worker's start check reads the servers file as doctor does: a bad entry stops it, named."""
+    path = write_servers(world["base"], {"api": hostile_spec(world["tools"], network={"allow": ["127.0.0.1:8443",
+                                                                                               "db.internal:99999"]})})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
+    env.update({"PROOFLINE_SERVERS_FILE": str(path),
+                "PROOFLINE_BROKER_URL": "redis://127.0.0.1:1/0"})  # nothing listens: it must never consume
+    proc = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
+                           "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", "egress@%h"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    out = proc.stderr + proc.stdout
+    assert proc.returncode != 0 and "refuses to start" in out, out[-2000:]
+    assert str(path) in out and "server api" in out and "'db.internal:99999'" in out and "1 to 65535" in out
 
 
 # --- through a real worker -------------------------------------------------------------------------
