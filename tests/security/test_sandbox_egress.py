@@ -131,6 +131,7 @@ def test_only_the_allowed_destination_is_reachable_and_the_rest_is_a_violation(
     # Closing the session ends the sandbox, its relay and the forwarder's folder of sockets.
     assert not os.path.exists(folder)
     wait_for(lambda: not relays(), 30, what="the relay to end with its session")
+    assert not [t for t in threading.enumerate() if t.name == "egress-hostile-write"]  # the forwarder's, joined
 
 
 def test_the_relay_dies_with_the_server(world: dict[str, Any], peers: tuple[Peer, Peer]) -> None:
