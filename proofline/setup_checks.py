@@ -259,6 +259,10 @@ def check_servers(settings: Settings) -> str:
         raise Failed(f"{path}: sandbox paths missing under {base}: {', '.join(missing)}",
                      "create them, or fix ro_paths/rw_paths in the servers file")
     note = f"; unsandboxed: {', '.join(f'{k} ({v})' for k, v in unsandboxed.items())}" if unsandboxed else ""
+    egress = [f"{s.name}/{role} to {', '.join(e.sandbox.egress.allow)}" for s in servers.values()
+              for role, e in (("write", s.write), ("read", s.read))
+              if e.transport == "stdio" and e.sandbox.enabled and e.sandbox.egress is not None]
+    note += f"; egress allowed: {'; '.join(egress)[:300]}" if egress else ""
     found = (", bwrap runs" if sandboxed else "") + (", strace found" if sandboxed and strace_available() else "")
     return f"{len(servers)} server(s) in {path}{found}{note}"
 

@@ -40,6 +40,7 @@ from proofline.server_requests import ServerRequestPolicy
 from worker import calls, request_ids, sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_audit import Auditor
+from worker.sandbox_egress import Forwarder
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
@@ -87,11 +88,13 @@ def _alive(pid: int) -> bool:
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
                     environment: str = "development", status_path: str | None = None,
                     max_message_bytes: int | None = None, audit: Auditor | None = None,
-                    watch: Callable[[WatchedTransport], None] | None = None) -> Any:
+                    watch: Callable[[WatchedTransport], None] | None = None,
+                    egress: Forwarder | None = None) -> Any:
     """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials, or
     one whose connection pool is handed to ``watch`` for the tool-list cache), or a stdio command, sandboxed
     unless the servers file disables it with a reason, read through a transport that bounds every
-    message to ``max_message_bytes`` when given."""
+    message to ``max_message_bytes`` when given. A sandbox with an egress allowlist reaches its
+    destinations through ``egress`` (without one it has no network)."""
     if endpoint.transport == "http":
         if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None:
             return _http_transport(endpoint, watch)
@@ -107,7 +110,8 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
     roots: list[sandbox.Roots] = []
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
                             base_dir=base_dir, status_path=status_path, roots=roots,
-                            audit_path=audit.path if audit is not None else None)
+                            audit_path=audit.path if audit is not None else None,
+                            egress=egress.plan if egress is not None else None)
     if audit is not None:
         audit.roots = roots[0]
     # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
@@ -238,6 +242,7 @@ class _Session:
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
         self.auditor: Auditor | None = None
+        self.egress: Forwarder | None = None
         #: This session's tool list (a new session starts empty: a reconnection always lists again).
         self.tools = ToolListCache()
         self.transport: WatchedTransport | None = None
@@ -249,6 +254,8 @@ class _Session:
                 unaudited = sandbox.require_audit(name, role, endpoint.sandbox, environment)
                 fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
                 os.close(fd)
+                if endpoint.sandbox.egress is not None:
+                    self.egress = Forwarder(name, role, endpoint.sandbox.egress)
                 if unaudited is None:
                     self.auditor = Auditor(name, role, on_violation=_audited)
                 else:
@@ -261,7 +268,7 @@ class _Session:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes, audit=self.auditor,
-                                     watch=self._watch)
+                                     watch=self._watch, egress=self.egress)
             governed = self.gate.callbacks(self._action_id) if self.gate is not None else {}
             client = _GovernedClient(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
                                      message_handler=self.tools.notify,
@@ -325,6 +332,8 @@ class _Session:
     def cleanup(self) -> None:
         if self.auditor is not None:
             self.auditor.close()
+        if self.egress is not None:
+            self.egress.close()
         if self.status_path is not None:
             try:
                 os.unlink(self.status_path)

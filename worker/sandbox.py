@@ -26,10 +26,11 @@ from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proofline.errors import ConfigurationError
 from proofline.settings import Environment
+from worker.sandbox_egress import EgressPlan, EgressPolicy
 
 BWRAP = "bwrap"
 STRACE = "strace"
@@ -66,8 +67,9 @@ class SandboxSpec(BaseModel):
     reason: str | None = None
     uid: int = Field(DEFAULT_UID, ge=1, le=2**31)
     gid: int = Field(DEFAULT_GID, ge=1, le=2**31)
-    #: A server without network gets only its own loopback (nothing listens there).
-    network: bool = False
+    #: A server without network gets only its own loopback (nothing listens there); ``true`` shares
+    #: the host's; ``{allow: [HOST:PORT, ...]}`` reaches those destinations only (worker/sandbox_egress.py).
+    network: bool | EgressPolicy = False
     #: Paths bound read-only / read-write (relative ones are relative to the servers file).
     ro_paths: tuple[str, ...] = ()
     rw_paths: tuple[str, ...] = ()
@@ -84,6 +86,26 @@ class SandboxSpec(BaseModel):
     audit: bool | None = None
     #: Why this server runs without auditing; production refuses to drop it silently without one.
     audit_reason: str | None = None
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _network(cls, value: object) -> object:
+        # Parsed here so a bad allowlist is one error naming its entry, not one per union member.
+        if isinstance(value, dict):
+            return EgressPolicy(**value)
+        if not isinstance(value, bool | EgressPolicy):
+            raise ValueError("sandbox.network must be true, false or {allow: [HOST:PORT, ...]}")
+        return value
+
+    @property
+    def host_network(self) -> bool:
+        """Whether the server shares the host's network namespace (``network: true``)."""
+        return self.network is True
+
+    @property
+    def egress(self) -> EgressPolicy | None:
+        """The allowlist, when ``network`` is one."""
+        return self.network if isinstance(self.network, EgressPolicy) else None
 
     @model_validator(mode="after")
     def _reason_is_text(self) -> SandboxSpec:
@@ -215,6 +237,8 @@ class Roots:
     read_only_data: tuple[str, ...] = ()
     cwd: str = "/"
     network: bool = False
+    #: The addresses (``host:port`` as inside the sandbox) its egress allowlist answers on.
+    allowed: tuple[str, ...] = ()
 
     @property
     def bound(self) -> tuple[str, ...]:
@@ -223,13 +247,17 @@ class Roots:
 
 def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
                runtime_paths: Sequence[str], exists=Path.exists, is_symlink=Path.is_symlink,
-               readlink=Path.readlink, roots: list[Roots] | None = None) -> list[str]:
+               readlink=Path.readlink, roots: list[Roots] | None = None,
+               egress: EgressPlan | None = None) -> list[str]:
     """bwrap's arguments (after ``bwrap``) for ``command`` confined by ``spec``.
+
+    With ``egress`` (a running forwarder's plan, for a spec with an allowlist) the forwarder's
+    sockets and the sandbox's own name files are bound; without one such a spec has no network.
 
     ``exists``/``is_symlink``/``readlink`` are injectable so the unit tests describe a filesystem.
     When ``roots`` is a list, the sandbox's :class:`Roots` is appended to it (for the audit)."""
     args = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    if not spec.network:
+    if not spec.host_network:
         args.append("--unshare-net")
     args += ["--uid", str(spec.uid), "--gid", str(spec.gid), "--hostname", "sandbox",
              "--die-with-parent", "--new-session", "--clearenv"]
@@ -246,10 +274,13 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
         elif exists(p):
             args += ["--ro-bind", d, d]
             bound.append(d)
-    extra = SYSTEM_FILES + (NETWORK_FILES if spec.network else ())
+    extra = SYSTEM_FILES + (NETWORK_FILES if spec.host_network else ())
     files = [f for f in extra if exists(Path(f))]
     for f in files:
         args += ["--ro-bind", f, f]
+    if egress is not None:
+        args += egress.bwrap_args(exists=lambda p: exists(Path(p)))
+        files += egress.inside_paths(exists=lambda p: exists(Path(p)))
     for p in runtime_paths:
         if not _covered(p, bound):
             args += ["--ro-bind", p, p]
@@ -273,16 +304,22 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
     if roots is not None:
         roots.append(Roots(read_only=(*bound, *files), writable=tuple(writable), own=own, symlinks=tuple(links),
                            read_only_data=tuple(_resolve(x, base_dir) for x in spec.read_only_data),
-                           cwd=cwd, network=spec.network))
+                           cwd=cwd, network=spec.host_network,
+                           allowed=egress.allowed if egress is not None else ()))
     return args
 
 
 def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
            status_path: str | None = None, runtime_paths: Sequence[str] | None = None,
-           audit_path: str | None = None, roots: list[Roots] | None = None) -> Launch:
+           audit_path: str | None = None, roots: list[Roots] | None = None,
+           egress: EgressPlan | None = None) -> Launch:
     """The launcher for one sandboxed server: ``sh`` sets the rlimits (inherited across exec by
     bwrap and the server; no preexec_fn in the worker), opens the status file on fd 3, then execs
     bwrap. The rlimits are hard limits too, so the server cannot raise them again.
+
+    With ``egress`` the server starts behind the in-sandbox relay (worker/egress_relay.py), which
+    listens on the allowed addresses and then execs it; under audit the relay is set-up, before the
+    marker, like bwrap's own (its relaying, after the marker, is audited).
 
     With ``audit_path``, strace runs outermost (outside the limits and the namespaces: the server
     cannot see, signal or starve it) and writes the server's failed file, network and privileged
@@ -294,8 +331,12 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
     inner = list(command)
     if audit_path is not None:
         inner = [SHELL, "-c", f'cd {AUDIT_MARKER} 2>/dev/null; exec "$@"', "audited", *command]
+    if egress is not None and spec.egress is not None:
+        inner = egress.relay_command(sys.executable, inner)
+    else:
+        egress = None  # a plan without an allowlist (or the reverse) gives no network at all
     bw = bwrap_args(spec, command=inner, env=env, cwd=cwd, base_dir=base_dir, runtime_paths=runtime_paths,
-                    roots=roots)
+                    roots=roots, egress=egress)
     limits = (f"ulimit -v {spec.memory_mb * 1024} && ulimit -t {spec.cpu_seconds} && "
               f"ulimit -n {spec.open_files} && ulimit -p {spec.processes}")
     if status_path is not None:

@@ -24,7 +24,7 @@ Each failed syscall is classified (:func:`classify`); what counts as a violation
   interpreter's own bytecode cache (``__pycache__``) and, for a read identity, ``EROFS`` on the
   writer's data it sees read-only (a program with no read-only mode tries read-write first).
 - ``network_denied``: a failed ``connect``/``sendmsg`` to an IP address, or to an abstract unix
-  socket, when the server has no network.
+  socket, when the server has no network (or one not on its egress allowlist).
 - ``denied_syscall``: any failed :data:`DENIED_SYSCALLS` (ptrace, mount, namespaces, modules, …).
 """
 
@@ -269,7 +269,9 @@ def classify(record: dict[str, Any], roots: Roots, *, exists: Callable[[str], bo
     if name in NETWORK_SYSCALLS:
         family, address = _address(record)
         if family in ("AF_INET", "AF_INET6") or (family == "AF_UNIX" and address and address.startswith("@")):
-            return None if roots.network else {"kind": "network_denied", **base, "address": address}
+            if roots.network or address in roots.allowed:  # allowed: an egress allowlist's (worker/sandbox_egress.py)
+                return None
+            return {"kind": "network_denied", **base, "address": address}
         if family != "AF_UNIX" or not address:
             return None
         candidates = [(address, None)]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from proofline.errors import ConfigurationError, ServersVariableUnset
 from proofline.server_requests import ServerRequestPolicy
@@ -222,6 +222,17 @@ def _client_files(path: Path, files: object) -> dict[str, Any]:
     return found
 
 
+def _reason(exc: ValueError) -> str:
+    """A validation error as one line per problem (where, then what), without pydantic's boilerplate."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = []
+    for e in exc.errors():
+        where, what = ".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {what}" if where else what)
+    return "; ".join(problems)
+
+
 @lru_cache(maxsize=8)
 def load_servers(path: Path) -> dict[str, Server]:
     raw = _parse(Path(path))
@@ -249,7 +260,8 @@ def load_servers(path: Path) -> dict[str, Server]:
                 **({"server_requests": requests} if requests is not None else {}),
             )
         except ValueError as exc:
-            raise ConfigurationError(f"server {name}: {exc}", server=name) from None
+            raise ConfigurationError(f"servers file {path}: server {name}: {_reason(exc)}", server=name,
+                                     file=str(path)) from None
     return servers
 
 

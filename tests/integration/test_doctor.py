@@ -145,3 +145,23 @@ def test_the_packaged_defaults_need_no_checkout(monkeypatch: pytest.MonkeyPatch)
     assert PACKAGED_CONTRACTS_DIR.is_relative_to(ROOT / "proofline")
     assert sorted(p.name for p in PACKAGED_CONTRACTS_DIR.glob("*.yaml"))
     assert settings.servers_base_dir == settings.state_dir
+
+
+def test_doctor_names_a_bad_egress_allowlist_and_lists_a_good_one(stack, tmp_path: Path) -> None:
+    """The servers check loads the file as the worker's start check does (worker/servers.py)."""
+    servers = yaml.safe_load(Path(stack.servers_file).read_text())
+    sandbox = servers["servers"]["sor"].setdefault("sandbox", {})
+    sandbox["network"] = {"allow": ["127.0.0.1:8443", "10.2.3.4:5432"]}
+    bad = Path(stack.servers_file).with_name(f"servers-egress-{uuid.uuid4().hex[:6]}.yaml")  # its paths hold
+    bad.write_text(yaml.safe_dump(servers))
+    env = {**stack.env, "PROOFLINE_SERVERS_FILE": str(bad)}
+    code, checks = doctor(env, tmp_path)
+    assert code == 1 and "servers" in failed(checks)
+    detail = checks["servers"]["detail"]
+    assert str(bad) in detail and "server sor" in detail and "'10.2.3.4:5432'" in detail, detail
+    assert "loopback" in detail and str(bad) in checks["servers"]["fix"]
+    sandbox["network"] = {"allow": ["127.0.0.1:8443"]}
+    bad.write_text(yaml.safe_dump(servers))
+    _, checks = doctor(env, tmp_path)
+    assert checks["servers"]["ok"], checks["servers"]
+    assert "egress allowed: sor/write to 127.0.0.1:8443; sor/read to 127.0.0.1:8443" in checks["servers"]["detail"]

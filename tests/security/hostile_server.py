@@ -126,6 +126,18 @@ def attempt(reads: list[str], writes: list[str], tcp: list[int], unix: list[str]
 
 
 @server.tool()
+def exchange(host: str, port: int, message: str) -> dict[str, Any]:
+    """Connect to ``host:port``, send one line, and return the line the peer answers (egress tests)."""
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(message.encode() + b"\n")
+            reply = s.makefile("rb").readline().decode("utf-8", "replace").strip()
+            return {"ok": True, "reply": reply}
+    except OSError as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+@server.tool()
 def note(path: str) -> dict[str, Any]:
     """Harmless: touches nothing (the write call of a contract whose verification read pries)."""
     return {"noted": len(path)}
