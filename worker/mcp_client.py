@@ -39,6 +39,7 @@ from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
 from worker import calls, request_ids, sandbox
 from worker.bounded_stdio import bounded_stdio_client
+from worker.oauth import Identity
 from worker.sandbox_audit import Auditor
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
 from worker.server_stderr import errlog_for
@@ -87,14 +88,16 @@ def _alive(pid: int) -> bool:
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
                     environment: str = "development", status_path: str | None = None,
                     max_message_bytes: int | None = None, audit: Auditor | None = None,
-                    watch: Callable[[WatchedTransport], None] | None = None) -> Any:
+                    watch: Callable[[WatchedTransport], None] | None = None, auth: Any = None) -> Any:
     """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials, or
     one whose connection pool is handed to ``watch`` for the tool-list cache), or a stdio command, sandboxed
     unless the servers file disables it with a reason, read through a transport that bounds every
-    message to ``max_message_bytes`` when given."""
+    message to ``max_message_bytes`` when given. ``auth`` is the identity's OAuth provider
+    (worker/oauth.py), which the HTTP client authenticates every request with."""
     if endpoint.transport == "http":
-        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None:
-            return _http_transport(endpoint, watch)
+        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None \
+                or auth is not None:
+            return _http_transport(endpoint, watch, auth)
         return endpoint.url
     argv = endpoint.argv()
     cwd = endpoint.working_directory(base_dir)
@@ -156,7 +159,8 @@ class WatchedTransport(httpx2.AsyncHTTPTransport):
         return frozenset(held)
 
 
-def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None) -> Any:
+def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None,
+                    auth: Any = None) -> Any:
     """A streamable-HTTP transport whose client sends this identity's headers (and client
     certificate), read from their files at each connect so a rotated secret is picked up; its
     connection pool is handed to ``watch`` when given."""
@@ -174,7 +178,7 @@ def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None
                 verify.load_cert_chain(endpoint.client_cert_file, endpoint.client_key_file)
             except OSError as exc:
                 raise McpUnavailable(f"cannot load the client certificate: {exc.strerror}") from None
-    credentialed = bool(headers) or verify is not True
+    credentialed = bool(headers) or verify is not True or auth is not None
 
     @asynccontextmanager
     async def transport() -> AsyncIterator[Any]:
@@ -183,7 +187,7 @@ def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None
         if watch is not None:
             watch(pool)
         async with httpx2.AsyncClient(
-            headers=headers, transport=pool, trust_env=not credentialed,
+            headers=headers, transport=pool, trust_env=not credentialed, auth=auth,
             timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT),
         ) as http:
             async with streamable_http_client(endpoint.url or "", http_client=http) as streams:
@@ -220,8 +224,10 @@ class _Session:
 
     def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
                  environment: str = "development", max_message_bytes: int | None = None,
-                 gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None) -> None:
+                 gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None,
+                 auth: Any = None) -> None:
         self.endpoint = endpoint
+        self.auth = auth
         self.gate = gate
         self._action_id = action_id
         self.base_dir = base_dir
@@ -261,7 +267,7 @@ class _Session:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes, audit=self.auditor,
-                                     watch=self._watch)
+                                     watch=self._watch, auth=self.auth)
             governed = self.gate.callbacks(self._action_id) if self.gate is not None else {}
             client = _GovernedClient(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
                                      message_handler=self.tools.notify,
@@ -388,6 +394,29 @@ class McpSessions:
         self.request_policy: ServerRequestPolicy | None = None
         #: The session and JSON-RPC request id(s) of the last :meth:`run` (worker/request_ids.py).
         self.last_request: dict[str, Any] = {}
+        #: OAuth state per (server, identity), kept across reconnections (worker/oauth.py).
+        self._identities: dict[tuple[str, Role], Identity] = {}
+
+    def _identity(self, server: Server, role: Role) -> Identity | None:
+        endpoint = server.write if role == "write" else server.read
+        if endpoint.auth is None:
+            return None
+        with self._lock:
+            held = self._identities.get((server.name, role))
+            if held is None or held.endpoint != endpoint:  # a changed servers file starts afresh
+                from proofline.settings import get_settings
+
+                held = Identity(server.name, role, endpoint, Path(get_settings().state_dir),
+                                lambda event, body: self._note_request(event, body, self.action_id))
+                self._identities[(server.name, role)] = held
+            return held
+
+    def _authorize(self, server: Server, role: Role) -> Identity | None:
+        """Hold a token for the identity that outlives its margin (ServerAuthFailed: nothing was sent)."""
+        identity = self._identity(server, role)
+        if identity is not None:
+            self._portal.call(identity.ensure)
+        return identity
 
     @contextmanager
     def acting_for(self, action_id: str) -> Iterator[None]:
@@ -432,8 +461,10 @@ class McpSessions:
                 session.violation()
                 session.cleanup()
             endpoint = server.write if role == "write" else server.read
+            identity = self._authorize(server, role)
             session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server),
-                               self._gate(server, role, endpoint), lambda: self.action_id)
+                               self._gate(server, role, endpoint), lambda: self.action_id,
+                               identity.provider if identity is not None else None)
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)
@@ -475,6 +506,7 @@ class McpSessions:
         """
         self.last_request = {}  # nothing sent yet: a refused session leaves no stale ids behind
         session = self._session(server, role)
+        self._authorize(server, role)  # a token that expires mid-run is replaced before the request
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
@@ -493,6 +525,7 @@ class McpSessions:
         """The contract hashes of the tools ``server`` lists, and why they were listed now (None when
         they came from the session's cache; see worker/tool_list.py)."""
         session = self._session(server, role)
+        self._authorize(server, role)
         hashes = self._portal.call(session.tool_hashes, max_age)
         return hashes, session.tools.last_miss
 
@@ -539,6 +572,11 @@ class McpSessions:
             except Exception:  # noqa: BLE001 - closing at exit must not raise
                 pass
             session.cleanup()
+        for identity in list(self._identities.values()):
+            try:
+                self._portal.call(identity.close)
+            except Exception:  # noqa: BLE001 - closing at exit must not raise
+                pass
         self._stack.close()
 
 
