@@ -387,6 +387,7 @@ class McpSessions:
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
         self._sessions: dict[tuple[str, Role], _Session] = {}
         self._lock = threading.RLock()
+        self._audit_lock = threading.Lock()
         #: Audit findings not yet written to the ledger, and the action the calls are made for.
         self._audit: list[dict[str, Any]] = []
         self.action_id: str | None = None
@@ -428,7 +429,8 @@ class McpSessions:
             self.action_id = previous
 
     def _note_request(self, event: str, body: dict[str, Any], action_id: str | None) -> None:
-        with self._lock:
+        # Its own lock: the portal's thread reports here while the caller's holds ``_lock``.
+        with self._audit_lock:
             self._audit.append({"_event": event, **body, "in_flight": True, "action_id": action_id})
 
     def _collect(self, session: _Session, in_flight: bool) -> None:
@@ -440,13 +442,13 @@ class McpSessions:
         if session.auditor is None:
             return
         for found in session.auditor.take():
-            with self._lock:
+            with self._audit_lock:
                 self._audit.append({**found, "in_flight": in_flight, "action_id": self.action_id})
 
     def take_audit(self) -> list[dict[str, Any]]:
         """Every audit finding not yet taken, each with the ``action_id`` whose call was in flight
         (None, or ``in_flight`` false, when it happened between calls)."""
-        with self._lock:
+        with self._audit_lock:
             out, self._audit = self._audit, []
         return out
 

@@ -47,6 +47,7 @@ from mcp.client.auth.utils import (
 )
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 from mcp.shared.exceptions import MCPDeprecationWarning
+from pydantic import AnyHttpUrl
 
 from ledger.redact import remember_secret
 from proofline.errors import ServerAuthFailed
@@ -194,7 +195,7 @@ class _ClientCredentials(_Governed, ClientCredentialsOAuthProvider):
             await self._handle_token_response(response)
         except OAuthTokenError as exc:
             raise ServerAuthFailed(f"the authorization server refused the client credentials: "
-                                   f"HTTP {response.status_code}") from exc
+                                   f"HTTP {response.status_code} {_oauth_error(response)}") from exc
 
 
 class _StoredRefresh(_Governed, OAuthClientProvider):
@@ -219,6 +220,22 @@ class _StoredRefresh(_Governed, OAuthClientProvider):
                                        f"(HTTP {response.status_code}); run `proofline servers login`")
         finally:
             os.close(lock_fd)  # closing the descriptor releases the lock
+
+
+def _oauth_error(response: httpx2.Response) -> str:
+    """The ``error`` and ``error_description`` of an OAuth error answer (RFC 6749 §5.2), bounded."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    if not isinstance(body, dict):
+        return ""
+    return f"{str(body.get('error', ''))[:64]}: {str(body.get('error_description', ''))[:200]}"
+
+
+def _issuer(value: str | None) -> str | None:
+    """An issuer as metadata renders it (``http://host:port/`` for a root issuer), so the two compare equal."""
+    return str(AnyHttpUrl(value)) if value else None
 
 
 class Identity:
@@ -246,7 +263,7 @@ class Identity:
                 self.provider: Any = _ClientCredentials(
                     endpoint.url, _Storage(self, None), self.spec.client_id, secret or "",
                     token_endpoint_auth_method=method if method != "none" else "client_secret_basic",
-                    scope=self.spec.scope, issuer=self.spec.issuer)
+                    scope=self.spec.scope, issuer=_issuer(self.spec.issuer))
         else:
             info = OAuthClientInformationFull(
                 client_id=self.spec.client_id, client_secret=secret, redirect_uris=None, scope=self.spec.scope,

@@ -21,6 +21,8 @@ grant; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of 
 from __future__ import annotations
 
 import argparse
+import base64
+import hmac
 import json
 import os
 import secrets
@@ -28,6 +30,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
 from mcp.server.auth.handlers.token import TokenHandler
 from mcp.server.auth.middleware.client_auth import AuthenticationError, ClientAuthenticator
@@ -163,6 +167,22 @@ def load_clients(path: Path) -> dict[str, OAuthClientInformationFull]:
     return clients
 
 
+async def _basic_client(provider: KitProvider, request: Request, form: Any) -> OAuthClientInformationFull | None:
+    """The client a ``client_secret_basic`` header names and proves (RFC 6749 §2.3.1), when the form
+    carries no client_id (which the SDK's authenticator requires)."""
+    header = request.headers.get("authorization", "")
+    if form.get("client_id") or not header.startswith("Basic "):
+        return None
+    try:
+        client_id, _, secret = base64.b64decode(header[6:]).decode().partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    client = await provider.get_client(unquote(client_id))
+    if client is None or not client.client_secret or not hmac.compare_digest(unquote(secret), client.client_secret):
+        return None
+    return client
+
+
 def build_app(provider: KitProvider, issuer: str) -> Starlette:
     """The SDK's authorization-server routes, with the token endpoint taking client credentials too."""
     sdk = create_auth_routes(provider, AnyHttpUrl(issuer),  # type: ignore[arg-type]
@@ -175,10 +195,12 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
         form = await request.form()  # Starlette keeps the parsed form: the SDK's handler reads it again
         if form.get("grant_type") != "client_credentials":
             return await sdk_token.handle(request)
-        try:
-            client = await authenticator.authenticate_request(request)
-        except AuthenticationError as exc:
-            return JSONResponse({"error": "invalid_client", "error_description": exc.message}, 401, NO_STORE)
+        client = await _basic_client(provider, request, form)
+        if client is None:
+            try:  # the SDK's authenticator wants client_id in the form (client_secret_post)
+                client = await authenticator.authenticate_request(request)
+            except AuthenticationError as exc:
+                return JSONResponse({"error": "invalid_client", "error_description": exc.message}, 401, NO_STORE)
         if "client_credentials" not in (client.grant_types or []):
             return JSONResponse({"error": "unauthorized_client"}, 400, NO_STORE)
         allowed = (client.scope or "").split()

@@ -60,7 +60,8 @@ class RequireOAuth:
         resource = self._resource(scope)
         base = resource[: -len(self.path)]
         if scope["path"] in (METADATA_PATH, METADATA_PATH + self.path):
-            doc = ProtectedResourceMetadata(resource=resource, authorization_servers=[self.issuer],  # type: ignore[list-item]
+            # Named exactly as the server's own metadata names itself (a root issuer ends in "/").
+            doc = ProtectedResourceMetadata(resource=resource, authorization_servers=[self.issuer + "/"],  # type: ignore[list-item]
                                             scopes_supported=[self.scope], bearer_methods_supported=["header"])
             await _send(send, 200, doc.model_dump_json(exclude_none=True).encode(), b"application/json")
             return
