@@ -189,7 +189,19 @@ class _Governed:
 
 
 class _ClientCredentials(_Governed, ClientCredentialsOAuthProvider):
+    def _reload_secret(self) -> None:
+        # Read at every fetch: a secret rotated in its file is used from the next token on.
+        spec = self.identity.spec
+        secret = read_secret_file(spec.client_secret_file, "client secret") if spec.client_secret_file else None
+        self._fixed_client_info = self._fixed_client_info.model_copy(update={"client_secret": secret})
+        self.context.client_info = self._fixed_client_info
+
+    async def _perform_authorization(self) -> httpx2.Request:
+        self._reload_secret()
+        return await super()._perform_authorization()
+
     async def fetch(self, http: httpx2.AsyncClient) -> None:
+        self._reload_secret()
         response = await http.send(await self._exchange_token_client_credentials())
         try:
             await self._handle_token_response(response)

@@ -13,7 +13,7 @@ can follow the printed URL with an HTTP client.
 
 Test controls (loopback only, no authentication): ``POST /admin/revoke`` ``{"client_id": ...}``
 revokes every token the client holds; ``GET /admin/stats`` counts the tokens issued per client and
-grant; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of tokens issued from then on.
+grant; ``GET /admin/tokens`` lists every token value issued; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of tokens issued from then on.
 
 ``python -m proofline_kit.oauth --clients FILE --port-file FILE [--access-lifetime S]``
 """
@@ -78,6 +78,8 @@ class KitProvider:
         self.refresh: dict[str, RefreshToken] = {}
         #: Tokens issued, by "client_id grant".
         self.issued: Counter[str] = Counter()
+        #: Every token value ever issued (revoked and expired ones too).
+        self.ever: set[str] = set()
 
     async def get_client(self, client_id: str) -> OAuthClientInformationFull | None:
         return self.clients.get(client_id)
@@ -144,9 +146,11 @@ class KitProvider:
         self.access[value] = AccessToken(token=value, client_id=client_id, scopes=scopes,
                                          expires_at=int(now + self.access_lifetime), resource=resource)
         self.issued[f"{client_id} {grant}"] += 1
+        self.ever.add(value)
         refresh = None
         if with_refresh:
             refresh = "rt-" + secrets.token_urlsafe(24)
+            self.ever.add(refresh)
             self.refresh[refresh] = RefreshToken(
                 token=refresh, client_id=client_id, scopes=scopes, resource=resource,
                 expires_at=int(now + self.refresh_lifetime) if self.refresh_lifetime else None)
@@ -227,6 +231,10 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
         return JSONResponse({"issued": dict(provider.issued),
                              "live": Counter(a.client_id for a in provider.access.values())})
 
+    async def tokens(request: Request) -> Response:
+        # Every token value this server holds or issued: a test looks for them where they must not be.
+        return JSONResponse({"values": sorted({*provider.access, *provider.refresh, *provider.ever})})
+
     async def lifetime(request: Request) -> Response:
         provider.access_lifetime = float((await request.json())["access"])
         return JSONResponse({"access": provider.access_lifetime})
@@ -234,7 +242,7 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
     routes = [r for r in sdk if r.path != "/token"] + [
         Route("/token", token, methods=["POST"]), Route("/introspect", introspect, methods=["POST"]),
         Route("/admin/revoke", revoke_client, methods=["POST"]), Route("/admin/stats", stats, methods=["GET"]),
-        Route("/admin/lifetime", lifetime, methods=["POST"])]
+        Route("/admin/lifetime", lifetime, methods=["POST"]), Route("/admin/tokens", tokens, methods=["GET"])]
     return Starlette(routes=routes)
 
 

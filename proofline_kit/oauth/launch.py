@@ -34,6 +34,10 @@ class AuthorizationServer:
     def revoke_client(self, client_id: str) -> int:
         return int(httpx.post(f"{self.url}/admin/revoke", json={"client_id": client_id}, timeout=5).json()["revoked"])
 
+    def token_values(self) -> list[str]:
+        """Every access and refresh token the server ever issued."""
+        return list(httpx.get(f"{self.url}/admin/tokens", timeout=5).json()["values"])
+
     def set_lifetime(self, seconds: float) -> None:
         httpx.post(f"{self.url}/admin/lifetime", json={"access": seconds}, timeout=5).raise_for_status()
 

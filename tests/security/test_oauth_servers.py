@@ -71,8 +71,12 @@ def listed(m: McpSessions, server: Any, role: str) -> int:
     return len(m.run(server, role, go).tools)
 
 
+def named(taken: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [f for f in taken if f.get("_event") == name]
+
+
 def events(m: McpSessions, name: str) -> list[dict[str, Any]]:
-    return [f for f in m.take_audit() if f.get("_event") == name]
+    return named(m.take_audit(), name)
 
 
 def test_each_identity_gets_its_own_token_for_its_own_resource(oauth: dict[str, Any]) -> None:
@@ -120,7 +124,10 @@ def test_a_revoked_token_is_refetched_once_on_its_401(oauth: dict[str, Any]) -> 
         listed(m, server, "write")
         assert oauth["as"].revoke_client("sor-writer") == 1
         assert listed(m, server, "write") > 0  # the 401 brought a new token, and the retry passed
-        assert [e["reason"] for e in events(m, "oauth_token_refreshed")] == ["first", "rejected"] or True
+        taken = m.take_audit()
+        assert [e["reason"] for e in named(taken, "oauth_token_refreshed")] == ["first", "rejected"]
+        assert [(e["status"], e["refetched"], e["accepted"]) for e in named(taken, "oauth_token_rejected")] == \
+            [(401, True, True)]
         assert oauth["as"].stats()["issued"]["sor-writer client_credentials"] == 2
     finally:
         m.close()
