@@ -5,6 +5,8 @@ early refresh, expiry and revocation mid-run, and what a refusal is classified a
 from __future__ import annotations
 
 import os
+import stat
+import subprocess
 import sys
 import time
 import uuid
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import pytest
 import yaml
 
@@ -143,3 +146,58 @@ def test_a_client_the_authorization_server_refuses_fails_before_sending(oauth: d
         assert listed(m, server, "read") > 0  # the other identity is unaffected
     finally:
         m.close()
+
+
+def test_servers_login_stores_a_refresh_token_the_worker_then_uses(oauth: dict[str, Any]) -> None:
+    tmp: Path = oauth["tmp"]
+    auth: AuthorizationServer = oauth["as"]
+    spec = {"transport": "http", "url": oauth["urls"]["writer"],
+            "auth": {"type": "oauth", "grant": "refresh_token", "client_id": "operator-cli", "scope": "sor:write",
+                     "refresh_margin_seconds": 1},
+            "read_identity": {"url": oauth["urls"]["reader"]}}
+    path = tmp / "servers-login.yaml"
+    path.write_text(yaml.safe_dump({"servers": {"sor": spec}}))
+    state = tmp / "state"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")},
+           "PROOFLINE_SERVERS_FILE": str(path), "PROOFLINE_STATE_DIR": str(state)}
+    proc = subprocess.Popen([sys.executable, "-m", "proofline", "servers", "login", "sor", "--timeout", "60"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for _ in range(20):  # the URL follows one line of text
+            line = proc.stderr.readline()  # type: ignore[union-attr]
+            if line.startswith("http"):
+                url = line.strip()
+                break
+        assert url is not None and "code_challenge=" in url and "resource=" in url
+        # The operator's browser: the test AS approves at once and redirects to the loopback listener.
+        answer = httpx.get(url, follow_redirects=True, timeout=10)
+        assert answer.status_code == 200 and "received the authorization" in answer.text
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    stored = state / "secrets" / "oauth-sor-write.refresh"
+    assert str(stored) in out
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+    refresh = stored.read_text().strip()
+    assert refresh.startswith("rt-") and refresh not in out + err
+    # The worker's sessions refresh from the stored token (a new access token, no person involved).
+    load_servers.cache_clear()
+    server = load_servers(path)["sor"]
+    os.environ["PROOFLINE_STATE_DIR"] = str(state)
+    from proofline.settings import get_settings
+
+    get_settings.cache_clear()
+    m = McpSessions(tmp)
+    try:
+        assert listed(m, server, "write") > 0
+        got = events(m, "oauth_token_refreshed")
+        assert [(e["grant"], e["reason"]) for e in got] == [("refresh_token", "first")]
+    finally:
+        m.close()
+        os.environ.pop("PROOFLINE_STATE_DIR")
+        get_settings.cache_clear()
+    assert auth.stats()["issued"]["operator-cli refresh_token"] == 1
