@@ -24,6 +24,7 @@ from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
 from worker.mcp_client import McpSessions
 from worker.servers import load_servers
+from worker.tool_call import _sent
 
 
 @pytest.fixture
@@ -201,3 +202,24 @@ def test_servers_login_stores_a_refresh_token_the_worker_then_uses(oauth: dict[s
         os.environ.pop("PROOFLINE_STATE_DIR")
         get_settings.cache_clear()
     assert auth.stats()["issued"]["operator-cli refresh_token"] == 1
+
+
+def test_a_refusal_after_sending_is_the_servers_error_not_a_failure_to_send(oauth: dict[str, Any]) -> None:
+    server = servers_file(oauth)
+    m = McpSessions(oauth["tmp"])
+    try:
+        listed(m, server, "write")
+        m.take_audit()
+        # Revoked at the authorization server, and the secret it would be fetched again with is wrong:
+        # the worker still holds a token it believes valid, so the request goes out and meets a 401.
+        (oauth["tmp"] / "writer.secret").write_text("rotated-elsewhere\n")
+        oauth["as"].revoke_client("sor-writer")
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - the SDK's error for a refused request
+            listed(m, server, "write")
+        assert not isinstance(raised.value, ServerAuthFailed)
+        assert _sent(raised.value)  # sent: a write would take the unknown-outcome path
+        [rejected] = events(m, "oauth_token_rejected")
+        assert rejected["refetch_failed"] == "OAuthTokenError"  # the token endpoint refused the secret
+        assert "rotated-elsewhere" not in repr(rejected)
+    finally:
+        m.close()
