@@ -5,6 +5,7 @@ read identities a client of their own (worker/oauth.py)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,9 +32,11 @@ def oauth_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
         doc = yaml.safe_load(stack.servers_file.read_text())
         sor = doc["servers"]["sor"]
         sor["auth"] = {"type": "oauth", "client_id": "sor-writer", "scope": "sor:write", "issuer": auth.url,
-                       "client_secret_file": auth.write_secret("sor-writer", tmp / "writer.secret")}
+                       "client_secret_file": auth.write_secret("sor-writer", tmp / "writer.secret"),
+                       "refresh_margin_seconds": 1}
         sor["read_identity"]["auth"] = {"type": "oauth", "client_id": "sor-reader", "scope": "sor:read",
-                                        "client_secret_file": auth.write_secret("sor-reader", tmp / "reader.secret")}
+                                        "client_secret_file": auth.write_secret("sor-reader", tmp / "reader.secret"),
+                                        "refresh_margin_seconds": 1}
         stack.servers_file.write_text(yaml.safe_dump(doc))
         load_servers.cache_clear()
         start_workers(stack)
@@ -85,6 +88,29 @@ def test_a_token_revoked_mid_run_is_replaced_and_the_action_verified(
     # The refusal and the new token are evidence on the action whose request met them.
     events = stack.events(env.action_id)
     assert "oauth_token_refreshed" in events
+
+
+def test_an_expired_token_is_replaced_before_the_next_action(oauth_stack: tuple[Stack, AuthorizationServer]) -> None:
+    stack, auth = oauth_stack
+    auth.set_lifetime(3)
+    try:
+        # Every token held now was issued for 300 s: revoked, so that each worker process's next one
+        # lives 3 s (a process holding a revoked one meets a 401 first and fetches a short one then).
+        auth.revoke_client("sor-writer")
+        auth.revoke_client("sor-reader")
+        ticket(stack)
+        before = auth.stats()["issued"]
+        time.sleep(2.5)  # past 3 s less the 1 s margin for whatever the first action fetched
+        env, row = ticket(stack)
+        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+        after = auth.stats()["issued"]
+        assert after["sor-writer client_credentials"] > before["sor-writer client_credentials"]
+        assert after["sor-reader client_credentials"] > before["sor-reader client_credentials"]
+        reasons = {e["evidence"]["reason"] for e in stack.timeline(env.action_id)
+                   if e["event"] == "oauth_token_refreshed"}
+        assert reasons and reasons <= {"expiring", "rejected"}, reasons
+    finally:
+        auth.set_lifetime(300)
 
 
 def test_no_secret_reaches_postgres_or_the_logs(oauth_stack: tuple[Stack, AuthorizationServer]) -> None:
