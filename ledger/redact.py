@@ -113,9 +113,27 @@ def _card(match: re.Match[str]) -> str:
     return MARK if 13 <= len(digits) <= 19 and _luhn(digits) else match.group(0)
 
 
+#: Credentials this process holds whatever the action (OAuth client secrets, refresh and access
+#: tokens, worker/oauth.py): scrubbed from every text like an action's own secrets. The newest kept.
+#: A tuple replaced whole on each change, so that readers on other threads never see it change.
+_PROCESS_SECRETS: tuple[str, ...] = ()
+MAX_PROCESS_SECRETS = 256
+
+
+def remember_secret(value: str) -> None:
+    """Scrub ``value`` from every text this process redacts from now on."""
+    global _PROCESS_SECRETS
+    if len(value) < MIN_SECRET_LENGTH or value in _PROCESS_SECRETS:
+        return
+    _PROCESS_SECRETS = (value, *_PROCESS_SECRETS)[:MAX_PROCESS_SECRETS]
+
+
 def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
     """Replace known secret values, card numbers, bearer credentials, PEM private keys, the password
     of a URL or DSN, and a value free text names as a secret (``password=…``, ``the token is …``)."""
+    held = _PROCESS_SECRETS
+    if held:
+        secrets = (*secrets, *held)
     for secret in secrets:
         if secret in text:
             text = text.replace(secret, MARK)

@@ -66,13 +66,25 @@ def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | Non
     server = server_named(Path(settings.servers_file), server_name)
 
     async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]], Negotiated]:
-        target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
-                                 environment=settings.environment)
-        async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
-            tools = await client.list_tools(cache_mode="bypass")
-            version = reported_version(client.server_info.version if client.server_info else None)
-            return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
-                    {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
+        identity = None
+        if server.write.auth is not None:  # the write identity's own OAuth token (worker/oauth.py)
+            from worker.oauth import Identity
+
+            identity = Identity(server.name, "write", server.write, Path(settings.state_dir), lambda *_: None)
+        try:
+            if identity is not None:
+                await identity.ensure()
+            target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
+                                     environment=settings.environment,
+                                     auth=identity.provider if identity is not None else None)
+            async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
+                tools = await client.list_tools(cache_mode="bypass")
+                version = reported_version(client.server_info.version if client.server_info else None)
+                return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
+                        {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
+        finally:
+            if identity is not None:
+                await identity.close()
 
     return asyncio.run(probe())
 

@@ -128,7 +128,8 @@ class Stack:
         self.writer["port_file"].unlink(missing_ok=True)
         stop_process(old, grace=2.0)
         self.processes.remove(old)
-        proc = start_process(self.writer["argv"], {**self.env, **env}, self.workdir / "sor-writer.log")
+        proc = start_process(self.writer["argv"], {**self.env, **self.writer.get("env", {}), **env},
+                             self.workdir / "sor-writer.log")
         self.processes.append(proc)
         self.writer["process"] = proc
         self.writer["port"] = wait_port_file(self.writer["port_file"], proc)
@@ -355,12 +356,14 @@ def start_http_servers(tmp: Path, env: dict[str, str], sor_db: Path, witness_log
 
 def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_env: dict[str, str] | None = None,
                 redis_url: str | None = None, maintenance_url: str = ADMIN_URL, broker: str = "redis",
-                rabbitmq_url: str | None = None) -> Stack:
+                rabbitmq_url: str | None = None, server_env: dict[str, str] | None = None) -> Stack:
     """Start a stack's servers (no workers: ``start_workers``). ``transport`` is stdio, http,
     http-legacy or http-proxy (a FaultProxy between the workers and the writer's relay).
     ``broker`` is ``redis`` (a claimed database; ``redis_db`` asks for that number, claimed like any
     other: it must be free and empty) or ``rabbitmq``: a fresh virtual host on the system node, or
-    ``rabbitmq_url`` used as it is (a private node the test owns, ``proofline_kit/rabbitmq_server.py``)."""
+    ``rabbitmq_url`` used as it is (a private node the test owns, ``proofline_kit/rabbitmq_server.py``).
+    ``server_env`` is added to the HTTP system of record's environment only (``SOR_OAUTH_ISSUER``:
+    it requires the kit authorization server's tokens, proofline_kit/oauth)."""
     if broker not in BROKERS:
         raise ValueError(f"unknown broker {broker!r}: one of {BROKERS}")
     (tmp / "ports").mkdir(parents=True, exist_ok=True)
@@ -384,7 +387,7 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
         raise
     broker_url = claim.url if claim is not None else vhost.url if vhost is not None else str(rabbitmq_url)
     try:
-        stack = _assemble(transport, tmp, broker_url, admin, runtime_url, extra_env, processes)
+        stack = _assemble(transport, tmp, broker_url, admin, runtime_url, extra_env, processes, server_env)
     except BaseException:
         for proc in processes:
             stop_process(proc)
@@ -396,7 +399,8 @@ def build_stack(transport: str, tmp: Path, redis_db: int | None = None, extra_en
 
 
 def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: str,
-              extra_env: dict[str, str] | None, processes: list[subprocess.Popen]) -> Stack:
+              extra_env: dict[str, str] | None, processes: list[subprocess.Popen],
+              server_env: dict[str, str] | None = None) -> Stack:
     # Under the servers file's cwd ("var"): the sandboxed writer may write only there.
     sor_db = tmp / "var" / "sor.sqlite3"
     sor.init_db(sor_db)
@@ -427,7 +431,9 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
     proxy = None
     if transport.startswith("http"):
         # The witness relays sit next to the servers: whatever reaches them reached the server.
-        writer, write_port, read_port = start_http_servers(tmp, env, sor_db, witness_log, processes)
+        writer, write_port, read_port = start_http_servers(tmp, {**env, **(server_env or {})}, sor_db, witness_log,
+                                                           processes)
+        writer["env"] = dict(server_env or {})
         audit_port = audit_launch.start_http_server(audit_db, env, tmp, processes)
     if transport == "http-proxy":
         from proofline_kit.faults import FaultProxy

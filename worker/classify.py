@@ -24,7 +24,13 @@ from typing import Any
 from ledger.states import Outcome
 from proofline.conditions import evaluate
 from proofline.contracts import Contract, extract
-from proofline.errors import AbsoluteDeadlineReached, ConditionError, ExtractionFailed, ResultTooLarge
+from proofline.errors import (
+    AbsoluteDeadlineReached,
+    ConditionError,
+    ExtractionFailed,
+    ResultTooLarge,
+    ServerAuthFailed,
+)
 from worker.bounded_stdio import MESSAGE_TOO_LARGE
 from worker.results import measure
 from worker.server_requests import refused_by_runtime
@@ -86,7 +92,9 @@ def _tool_error_class(result: Any, class_field: str) -> str | None:
 
 def classify(report: CallReport, contract: Contract, limit: int | None = None) -> Classification:
     if not report.sent:
-        return Classification(Outcome.failed_before_side_effect, "not_sent",
+        # No OAuth token could be had before the request: its own reason (worker/oauth.py).
+        reason = ServerAuthFailed.code if isinstance(report.error, ServerAuthFailed) else "not_sent"
+        return Classification(Outcome.failed_before_side_effect, reason,
                               evidence={"error": _error_summary(report.error) if report.error else None})
     if report.error is not None:
         summary = _error_summary(report.error)

@@ -39,6 +39,7 @@ from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
 from worker import calls, request_ids, sandbox
 from worker.bounded_stdio import bounded_stdio_client
+from worker.oauth import Identity
 from worker.sandbox_audit import Auditor
 from worker.sandbox_egress import Forwarder
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
@@ -89,15 +90,17 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
                     environment: str = "development", status_path: str | None = None,
                     max_message_bytes: int | None = None, audit: Auditor | None = None,
                     watch: Callable[[WatchedTransport], None] | None = None,
-                    egress: Forwarder | None = None) -> Any:
+                    egress: Forwarder | None = None, auth: Any = None) -> Any:
     """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials, or
     one whose connection pool is handed to ``watch`` for the tool-list cache), or a stdio command, sandboxed
     unless the servers file disables it with a reason, read through a transport that bounds every
     message to ``max_message_bytes`` when given. A sandbox with an egress allowlist reaches its
-    destinations through ``egress`` (without one it has no network)."""
+    destinations through ``egress`` (without one it has no network). ``auth`` is the identity's
+    OAuth provider (worker/oauth.py), which the HTTP client authenticates every request with."""
     if endpoint.transport == "http":
-        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None:
-            return _http_transport(endpoint, watch)
+        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None \
+                or auth is not None:
+            return _http_transport(endpoint, watch, auth)
         return endpoint.url
     argv = endpoint.argv()
     cwd = endpoint.working_directory(base_dir)
@@ -160,7 +163,8 @@ class WatchedTransport(httpx2.AsyncHTTPTransport):
         return frozenset(held)
 
 
-def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None) -> Any:
+def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None,
+                    auth: Any = None) -> Any:
     """A streamable-HTTP transport whose client sends this identity's headers (and client
     certificate), read from their files at each connect so a rotated secret is picked up; its
     connection pool is handed to ``watch`` when given."""
@@ -178,7 +182,7 @@ def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None
                 verify.load_cert_chain(endpoint.client_cert_file, endpoint.client_key_file)
             except OSError as exc:
                 raise McpUnavailable(f"cannot load the client certificate: {exc.strerror}") from None
-    credentialed = bool(headers) or verify is not True
+    credentialed = bool(headers) or verify is not True or auth is not None
 
     @asynccontextmanager
     async def transport() -> AsyncIterator[Any]:
@@ -187,7 +191,7 @@ def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None
         if watch is not None:
             watch(pool)
         async with httpx2.AsyncClient(
-            headers=headers, transport=pool, trust_env=not credentialed,
+            headers=headers, transport=pool, trust_env=not credentialed, auth=auth,
             timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT),
         ) as http:
             async with streamable_http_client(endpoint.url or "", http_client=http) as streams:
@@ -224,8 +228,10 @@ class _Session:
 
     def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
                  environment: str = "development", max_message_bytes: int | None = None,
-                 gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None) -> None:
+                 gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None,
+                 auth: Any = None) -> None:
         self.endpoint = endpoint
+        self.auth = auth
         self.gate = gate
         self._action_id = action_id
         self.base_dir = base_dir
@@ -268,7 +274,7 @@ class _Session:
             target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
                                      environment=self.environment, status_path=self.status_path,
                                      max_message_bytes=self.max_message_bytes, audit=self.auditor,
-                                     watch=self._watch, egress=self.egress)
+                                     watch=self._watch, egress=self.egress, auth=self.auth)
             governed = self.gate.callbacks(self._action_id) if self.gate is not None else {}
             client = _GovernedClient(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
                                      message_handler=self.tools.notify,
@@ -390,6 +396,7 @@ class McpSessions:
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
         self._sessions: dict[tuple[str, Role], _Session] = {}
         self._lock = threading.RLock()
+        self._audit_lock = threading.Lock()
         #: Audit findings not yet written to the ledger, and the action the calls are made for.
         self._audit: list[dict[str, Any]] = []
         self.action_id: str | None = None
@@ -397,6 +404,29 @@ class McpSessions:
         self.request_policy: ServerRequestPolicy | None = None
         #: The session and JSON-RPC request id(s) of the last :meth:`run` (worker/request_ids.py).
         self.last_request: dict[str, Any] = {}
+        #: OAuth state per (server, identity), kept across reconnections (worker/oauth.py).
+        self._identities: dict[tuple[str, Role], Identity] = {}
+
+    def _identity(self, server: Server, role: Role) -> Identity | None:
+        endpoint = server.write if role == "write" else server.read
+        if endpoint.auth is None:
+            return None
+        with self._lock:
+            held = self._identities.get((server.name, role))
+            if held is None or held.endpoint != endpoint:  # a changed servers file starts afresh
+                from proofline.settings import get_settings
+
+                held = Identity(server.name, role, endpoint, Path(get_settings().state_dir),
+                                lambda event, body: self._note_request(event, body, self.action_id))
+                self._identities[(server.name, role)] = held
+            return held
+
+    def _authorize(self, server: Server, role: Role) -> Identity | None:
+        """Hold a token for the identity that outlives its margin (ServerAuthFailed: nothing was sent)."""
+        identity = self._identity(server, role)
+        if identity is not None:
+            self._portal.call(identity.ensure)
+        return identity
 
     @contextmanager
     def acting_for(self, action_id: str) -> Iterator[None]:
@@ -408,7 +438,8 @@ class McpSessions:
             self.action_id = previous
 
     def _note_request(self, event: str, body: dict[str, Any], action_id: str | None) -> None:
-        with self._lock:
+        # Its own lock: the portal's thread reports here while the caller's holds ``_lock``.
+        with self._audit_lock:
             self._audit.append({"_event": event, **body, "in_flight": True, "action_id": action_id})
 
     def _collect(self, session: _Session, in_flight: bool) -> None:
@@ -420,13 +451,13 @@ class McpSessions:
         if session.auditor is None:
             return
         for found in session.auditor.take():
-            with self._lock:
+            with self._audit_lock:
                 self._audit.append({**found, "in_flight": in_flight, "action_id": self.action_id})
 
     def take_audit(self) -> list[dict[str, Any]]:
         """Every audit finding not yet taken, each with the ``action_id`` whose call was in flight
         (None, or ``in_flight`` false, when it happened between calls)."""
-        with self._lock:
+        with self._audit_lock:
             out, self._audit = self._audit, []
         return out
 
@@ -441,8 +472,10 @@ class McpSessions:
                 session.violation()
                 session.cleanup()
             endpoint = server.write if role == "write" else server.read
+            identity = self._authorize(server, role)
             session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server),
-                               self._gate(server, role, endpoint), lambda: self.action_id)
+                               self._gate(server, role, endpoint), lambda: self.action_id,
+                               identity.provider if identity is not None else None)
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)
@@ -484,6 +517,7 @@ class McpSessions:
         """
         self.last_request = {}  # nothing sent yet: a refused session leaves no stale ids behind
         session = self._session(server, role)
+        self._authorize(server, role)  # a token that expires mid-run is replaced before the request
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
@@ -502,6 +536,7 @@ class McpSessions:
         """The contract hashes of the tools ``server`` lists, and why they were listed now (None when
         they came from the session's cache; see worker/tool_list.py)."""
         session = self._session(server, role)
+        self._authorize(server, role)
         hashes = self._portal.call(session.tool_hashes, max_age)
         return hashes, session.tools.last_miss
 
@@ -548,6 +583,11 @@ class McpSessions:
             except Exception:  # noqa: BLE001 - closing at exit must not raise
                 pass
             session.cleanup()
+        for identity in list(self._identities.values()):
+            try:
+                self._portal.call(identity.close)
+            except Exception:  # noqa: BLE001 - closing at exit must not raise
+                pass
         self._stack.close()
 
 

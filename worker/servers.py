@@ -23,6 +23,15 @@ An HTTP endpoint may read per-identity credentials from secret files::
         client_key_file: /run/secrets/sor-writer.key
         ca_file: /run/secrets/sor-ca.pem                # optional: verify the server against this CA
 
+or get OAuth 2.1 access tokens of its own (worker/oauth.py, docs/how-to/oauth-servers.md)::
+
+        auth:
+          type: oauth
+          grant: client_credentials                     # or refresh_token (``proofline servers login``)
+          client_id: proofline-writer
+          client_secret_file: /run/secrets/sor-writer.secret
+          scope: "sor:write"
+
 The read identity inherits none of the writer's credentials and none of its writable paths.
 
 Every string value may name environment variables of the process that reads the file as
@@ -51,6 +60,44 @@ from worker.sandbox import SandboxSpec, reader_sandbox
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
+class OAuthAuth(BaseModel):
+    """OAuth 2.1 for one identity: the authorization server is discovered from the server's protected
+    resource metadata (RFC 9728), every token is asked for the server's URL as its resource (RFC 8707)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["oauth"]
+    #: ``client_credentials``: a service identity with its own secret; ``refresh_token``: a refresh
+    #: token an operator consented to with ``proofline servers login`` (authorization code + PKCE).
+    grant: Literal["client_credentials", "refresh_token"] = "client_credentials"
+    client_id: str = Field(min_length=1)
+    #: The client secret, read from this file when a token is fetched (required for client_credentials;
+    #: optional for a confidential client's refresh token).
+    client_secret_file: str | None = None
+    #: refresh_token only: where ``servers login`` stores the refresh token (0600); default
+    #: ``secrets/oauth-<server>-<role>.refresh`` in the state folder.
+    refresh_token_file: str | None = None
+    #: Space-separated scopes to ask for (unset: what the protected resource metadata advertises).
+    scope: str | None = None
+    #: The authorization server the credentials belong to; discovery that leads elsewhere is refused.
+    issuer: str | None = None
+    token_endpoint_auth_method: Literal["client_secret_basic", "client_secret_post", "none"] = "client_secret_basic"
+    #: A token is fetched again when less than this much of its life is left (seconds).
+    refresh_margin_seconds: float = Field(default=30.0, ge=0)
+    #: ``servers login`` only: the loopback port its redirect listener binds (0: any free port; an
+    #: authorization server that registers exact redirect URIs needs a fixed one).
+    redirect_port: int = Field(default=0, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _secrets(self) -> OAuthAuth:
+        if self.grant == "client_credentials" and self.client_secret_file is None:
+            raise ValueError("auth: the client_credentials grant needs a client_secret_file")
+        if self.token_endpoint_auth_method != "none" and self.client_secret_file is None:
+            if self.grant == "client_credentials" or "token_endpoint_auth_method" in self.model_fields_set:
+                raise ValueError("auth: a client_secret_file is needed for " + self.token_endpoint_auth_method)
+        return self
+
+
 class Endpoint(BaseModel):
     """One identity on one server: a stdio command line or an HTTP URL."""
 
@@ -72,6 +119,8 @@ class Endpoint(BaseModel):
     client_cert_file: str | None = None
     client_key_file: str | None = None
     ca_file: str | None = None
+    #: http only: OAuth 2.1 tokens for this identity (worker/oauth.py); never inherited by the reader.
+    auth: OAuthAuth | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> Endpoint:
@@ -81,9 +130,11 @@ class Endpoint(BaseModel):
             raise ValueError("an http endpoint needs a url")
         if self.transport == "http" and "sandbox" in self.model_fields_set:
             raise ValueError("sandbox applies to stdio servers only")
-        http_only = {"headers_from_files", "client_cert_file", "client_key_file", "ca_file"}
+        http_only = {"headers_from_files", "client_cert_file", "client_key_file", "ca_file", "auth"}
         if self.transport == "stdio" and http_only & self.model_fields_set:
-            raise ValueError("headers_from_files and TLS files apply to http servers only")
+            raise ValueError("headers_from_files, auth and TLS files apply to http servers only")
+        if self.auth is not None and "authorization" in {h.lower() for h in self.headers_from_files}:
+            raise ValueError("auth: oauth and an Authorization header from a file exclude each other")
         if (self.client_cert_file is None) != (self.client_key_file is None):
             raise ValueError("client_cert_file and client_key_file go together")
         return self
@@ -132,7 +183,7 @@ class Server(BaseModel):
 
 
 #: Never inherited by a read identity: credentials are per identity.
-CREDENTIAL_FIELDS = ("headers_from_files", "client_cert_file", "client_key_file")
+CREDENTIAL_FIELDS = ("headers_from_files", "client_cert_file", "client_key_file", "auth")
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -148,6 +199,8 @@ def _merge(base: dict, override: dict) -> dict:
 _VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: Endpoint fields holding a file path, taken relative to the servers file's folder.
 FILE_FIELDS = ("client_cert_file", "client_key_file", "ca_file")
+#: The same, inside an ``auth:`` block.
+AUTH_FILE_FIELDS = ("client_secret_file", "refresh_token_file")
 
 
 def expand(value: object, where: str, path: Path) -> object:
@@ -180,6 +233,10 @@ def anchored(spec: dict, base: Path) -> dict:
     for name in FILE_FIELDS:
         if isinstance(spec.get(name), str) and not os.path.isabs(spec[name]):
             spec[name] = os.path.normpath(base / spec[name])
+    auth = spec.get("auth")
+    if isinstance(auth, dict):
+        spec["auth"] = {k: (os.path.normpath(base / v) if k in AUTH_FILE_FIELDS and isinstance(v, str)
+                            and not os.path.isabs(v) else v) for k, v in auth.items()}
     headers = spec.get("headers_from_files")
     if isinstance(headers, dict):
         spec["headers_from_files"] = {k: v if os.path.isabs(str(v)) else os.path.normpath(base / str(v))

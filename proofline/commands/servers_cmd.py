@@ -57,4 +57,27 @@ def servers_import(file: Path, out: Path | None, secrets_dir: Path | None, repla
                             text.rstrip() if dry_run else f"wrote {out}"]))
 
 
+@servers.command("login")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["write", "read"]), default="write", show_default=True,
+              help="which identity of the server consents")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="seconds to wait for the browser to come back to the loopback listener")
+def servers_login(name: str, role: str, timeout: float) -> None:
+    """Consent to an OAuth identity (authorization code with PKCE): prints the authorization URL,
+    receives the code on a loopback redirect listener and stores the refresh token, 0600, in the
+    identity's secret file (default: secrets/ in the state folder). The identity's ``auth:`` block
+    must name ``grant: refresh_token``; the worker then uses the stored refresh token."""
+    from worker.oauth_login import login
+    from worker.servers import server_named
+
+    s = settings()
+    server = server_named(Path(s.servers_file), name)
+    path = login(server, role, Path(s.state_dir),
+                 lambda url: click.echo(f"Open this URL to authorize {name} ({role}):\n{url}", err=True),
+                 timeout=timeout)
+    emit({"server": name, "role": role, "refresh_token_file": str(path)},
+         lambda: f"stored the refresh token for {name} ({role}) in {path}")
+
+
 COMMANDS = [servers]

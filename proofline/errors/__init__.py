@@ -254,6 +254,14 @@ class McpUnavailable(ProoflineError):
     retryable = True
 
 
+class ServerAuthFailed(McpUnavailable):
+    """No OAuth access token could be had for the server before a request was sent (the
+    authorization server refused the client or its refresh token, or could not be reached)."""
+
+    code = "server_auth_failed"
+    retryable = True
+
+
 class ExtractionFailed(ProoflineError):
     """A value could not be read out of a tool result as the contract declares."""
 

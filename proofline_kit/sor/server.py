@@ -6,7 +6,9 @@ read-only and refuses write tools, so a verifier's read path can never change th
 Run it with ``python -m proofline_kit.sor --transport stdio|http [--host H --port P]
 [--role writer|reader] [--db PATH]``; over HTTP the endpoint is ``http://H:P/mcp``. With
 ``--port 0 --port-file F`` it binds a free port itself and writes the port it got to F (atomically,
-once it listens), so nothing has to guess a free port and bind it later.
+once it listens), so nothing has to guess a free port and bind it later. With ``SOR_OAUTH_ISSUER``
+set (port-file mode), every request needs an OAuth token of that authorization server
+(proofline_kit/oauth/resource.py).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Path, json_response: bool) -> None:
+def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Path, json_response: bool,
+                         role: str = "writer") -> None:
     """Bind first, report the port, then serve on that very socket (no window for another bind)."""
     import anyio
     import uvicorn
@@ -75,6 +78,12 @@ def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Pat
     tmp.write_text(f"{sock.getsockname()[1]}\n")
     os.replace(tmp, port_file)
     app = server.streamable_http_app(stateless_http=True, json_response=json_response, host=host)
+    issuer = os.environ.get("SOR_OAUTH_ISSUER")
+    if issuer:
+        # Tokens of the kit's authorization server required, a write scope for the writer.
+        from proofline_kit.oauth.resource import RequireOAuth
+
+        app = RequireOAuth(app, issuer, "sor:write" if role == "writer" else "sor:read")  # type: ignore[assignment]
     config = uvicorn.Config(app, log_level=os.environ.get("SOR_LOG_LEVEL", "WARNING").lower())
     anyio.run(lambda: uvicorn.Server(config).serve(sockets=[sock]))
 
@@ -82,7 +91,8 @@ def _serve_on_own_socket(server: MCPServer, host: str, port: int, port_file: Pat
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve until stdin closes (stdio) or the process is stopped (http)."""
     args = parse_args(argv)
-    server = build_server(SorConfig.from_env(db_path=args.db, role=args.role))
+    config = SorConfig.from_env(db_path=args.db, role=args.role)
+    server = build_server(config)
     # What start-up built lives as long as the server: collections skip it from now on (a full
     # collection walked it in 35-42 ms, a stall on whichever request was being answered).
     gc.collect()
@@ -90,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.transport == "stdio":
         server.run("stdio")
     elif args.port_file is not None:
-        _serve_on_own_socket(server, args.host, args.port, args.port_file, json_response=not args.sse)
+        _serve_on_own_socket(server, args.host, args.port, args.port_file, json_response=not args.sse,
+                             role=config.role)
     else:
         # Stateless + JSON responses: no session to lose on restart, one plain JSON body per call.
         server.run(

@@ -140,4 +140,14 @@ def test_retention_and_export_guide(stack: Stack, tmp_path: Path) -> None:
 
 
 GUIDE_TESTS = {"controller-sdk.md", "upgrades.md", "backup-restore.md", "key-rotation.md", "incident-response.md",
-               "console.md", "scaling-out.md", "rabbitmq.md", "retention-and-export.md"}
+               "console.md", "scaling-out.md", "rabbitmq.md", "retention-and-export.md", "oauth-servers.md"}
+
+
+def test_oauth_servers_guide(stack: Stack, tmp_path: Path) -> None:
+    out = run_guide(stack, "oauth-servers.md", tmp_path)
+    assert "without a token: 401" in out and '"scopes_supported":["sor:write"]' in out, out
+    assert "create_ticket among its tools: True" in out, out  # reached with the writer's token
+    assert "received the authorization" in out and "stored the refresh token for sor (write)" in out, out
+    assert "600 state/secrets/oauth-sor-write.refresh" in out, out
+    for secret in ("guide-writer-secret-1", "guide-reader-secret-2"):
+        assert secret not in out
