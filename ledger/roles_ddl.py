@@ -126,13 +126,13 @@ BEGIN
     NEW.cancel_requested_at := clock_timestamp();
     cancelling := true;
   END IF;
-  -- Bookkeeping is not a transition: the reconciler's (next check, redrive count) and the
-  -- worker's count of failed precondition reads (worker/read_waits.py).
+  -- Bookkeeping is not a transition: the reconciler's (next check, redrive count, when it last
+  -- sent the message) and the worker's count of failed precondition reads (worker/read_waits.py).
   moved := NEW.status IS DISTINCT FROM OLD.status OR NEW.outcome IS DISTINCT FROM OLD.outcome
     OR NEW.finding IS DISTINCT FROM OLD.finding OR NEW.reason_code IS DISTINCT FROM OLD.reason_code
     OR NEW.result IS DISTINCT FROM OLD.result OR NEW.recovery_kind IS DISTINCT FROM OLD.recovery_kind
-    OR (NEW.recovery_data - 'redrives' - 'read_failures') IS DISTINCT FROM
-       (OLD.recovery_data - 'redrives' - 'read_failures');
+    OR (NEW.recovery_data - 'redrives' - 'read_failures' - 'sent_at') IS DISTINCT FROM
+       (OLD.recovery_data - 'redrives' - 'read_failures' - 'sent_at');
   IF moved THEN
     IF NOT EXISTS (
         SELECT 1 FROM action_transitions t

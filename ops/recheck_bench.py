@@ -75,8 +75,8 @@ class Counting:
     def revoke(self, task_id: str) -> None:
         self._count("revoke")
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int]:
-        return dict.fromkeys(queues, 0)  # nothing waits on a broker this stands in for
+    def oldest_waiting(self, queues: list[str]) -> dict[str, float]:
+        return {}  # nothing waits on a broker this stands in for
 
     def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None:
         self._count("settled")

@@ -8,8 +8,9 @@ What it does, in order:
 1. starts its own deployment (``ops/soak_stack.py``): a private ``redis-server`` without
    persistence on a free loopback port (so it can be killed with SIGKILL and restarted), the
    system of record over HTTP with the writer behind a TCP fault proxy (the reader, used by
-   verification, is reached directly), a fresh migrated Postgres database and ``--workers``
-   Celery workers (two prefork processes each; the first also runs beat, the reconciler's clock);
+   verification, is reached directly), a fresh migrated database (on a private embedded Postgres
+   when the faults restart it) and ``--workers`` Celery workers (two prefork processes each; the
+   first also runs beat, the reconciler's clock);
 2. submits N work items at a steady rate over the first part of the fault window: single
    ``ticket.create`` (the downstream honours the key), ``refund.issue`` (it does not, and answers
    with text only), ``service.restart`` (asynchronous), 2-step runs (ticket then refund),
@@ -18,7 +19,8 @@ What it does, in order:
    target (one of them ends not started, or they serialise);
 3. for S seconds injects faults picked by ``random.Random(seed)`` (``ops/soak_faults.py``): pool
    child SIGKILL, a pool child frozen past its lease, Redis ``kill -9`` and restart, Postgres
-   backend termination, proxy black-hole / reset / delay, verification read outage;
+   backend termination and a restart of the soak's own Postgres, proxy black-hole / reset / delay,
+   verification read outage, a writer that lies or is slow, a key rotation mid-run;
 4. heals everything and waits until no action is open for ``--quiet-seconds`` (at most
    ``--max-wait``). Nothing is re-published by the soak: lost work must be re-driven by the
    runtime's own reconciler;
@@ -80,6 +82,12 @@ class SoakConfig:
     #: Keep the ledger database only when an invariant fails (for ``proofline forensics``).
     keep_failed: bool = False
     progress: bool = True
+    #: Put the ledger on a private embedded Postgres (None: when ``pg_restart`` is among the faults).
+    private_postgres: bool | None = None
+
+    @property
+    def on_private_postgres(self) -> bool:
+        return "pg_restart" in self.faults if self.private_postgres is None else self.private_postgres
 
 
 @dataclass
@@ -428,7 +436,8 @@ def run_soak(config: SoakConfig) -> SoakResult:
     t_build = time.monotonic()
     try:
         progress.show(f"soak seed={config.seed}: starting redis, system of record, proxy, database, workers ...")
-        soak = soak_stack.build(workdir, workers=config.workers, concurrency=config.concurrency)
+        soak = soak_stack.build(workdir, workers=config.workers, concurrency=config.concurrency,
+                                private_postgres=config.on_private_postgres)
         assert soak.stack is not None
         result.database_url = soak.stack.database_url
         result.durations["build_seconds"] = round(time.monotonic() - t_build, 2)

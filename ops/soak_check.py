@@ -19,6 +19,9 @@ Invariants (each failure names the offending action ids or idempotency keys):
 ``chains_intact`` / ``no_advisory_locks`` / ``no_open_leases``
     every hash chain verifies; no advisory lock is held on the stack's database; no lease row is
     left unreleased.
+``configured``
+    no event reports a configuration error (a server the contracts use and the soak's servers
+    file lacks): the soak tests faults, not its own setup.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ HAPPENED = frozenset({"completed_verified", "compensated"})
 #: Outcomes of a closed action that say no effect happened.
 NO_EFFECT = frozenset({"not_started", "failed_before_side_effect"})
 INVARIANTS = ("nothing_lost", "no_duplicates", "nothing_unexplained", "verified_not_guessed", "chains_intact",
-              "no_advisory_locks", "no_open_leases")
+              "no_advisory_locks", "no_open_leases", "configured")
 
 
 @dataclass
@@ -138,6 +141,10 @@ def check(conn: Any, sor_db: Path, submitted: dict[str, dict[str, Any]], conflic
         events: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in cur.fetchall():
             events[r["action_id"]].append(r)
+        # First per action: the events of the soak's own setup errors (see "configured" below).
+        cur.execute("""SELECT DISTINCT ON (action_id) action_id, seq, event FROM ledger_events
+                       WHERE evidence::text LIKE '%%configuration_error%%' ORDER BY action_id, seq""")
+        misconfigured = list(cur.fetchall())
         cur.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
         oid = cur.fetchone()["oid"]
         cur.execute("""SELECT l.pid, a.application_name, a.usename FROM pg_locks l
@@ -219,6 +226,13 @@ def check(conn: Any, sor_db: Path, submitted: dict[str, dict[str, Any]], conflic
     for lease in open_leases:
         bad(Violation("no_open_leases", lease["action_id"], f"lease of {lease['worker_id']} token "
                                                             f"{lease['fencing_token']} never released"))
+
+    # --- the soak's own setup ----------------------------------------------------------------------
+    # A read or call refused for the deployment's configuration (a server the contracts name and the
+    # servers file lacks) is the soak's defect, not a fault it injected: every such action would
+    # escalate "explained", and the run would still look green.
+    for e in misconfigured:
+        bad(Violation("configured", e["action_id"], f"event #{e['seq']} ({e['event']}) reports a configuration error"))
 
     # --- figures ---------------------------------------------------------------------------------
     all_events = Counter(e["event"] for chain in events.values() for e in chain)

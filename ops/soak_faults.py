@@ -10,7 +10,14 @@ Kinds:
 ``proxy_blackhole`` / ``proxy_reset`` / ``proxy_delay``
                      the TCP fault proxy between workers and the writer, then back to ``pass``;
 ``read_outage``      the verification read path (reader identity) answers "unavailable" for a few
-                     seconds, or (one in four) for longer than the verification bound.
+                     seconds, or (one in four) for longer than the verification bound;
+``server_lie``       the writer answers the next one or two calls of one tool with success and
+                     applies nothing (its reads stay honest: verification must not believe it);
+``server_slow``      the writer waits 0.5-4 s before the next few calls of one tool;
+``pg_restart``       the soak's private Postgres stopped (``fast``, or ``immediate`` as a crash) and
+                     started again after 1-4 s;
+``key_rotation``     once, in the middle of the window: the controller and recovery keys rotated
+                     (``proofline keys rotate`` semantics, two hours' overlap) while work is in flight.
 
 The embedded beat process (the reconciler's clock) is never a target.
 """
@@ -24,20 +31,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import psutil
 import psycopg
 
 from ops.soak_stack import SoakStack
-from proofline_kit.resources import ADMIN_URL
 from proofline_kit.sor import store as sor
 
 KINDS = ("worker_kill", "worker_freeze", "redis_kill", "pg_terminate", "proxy_blackhole", "proxy_reset",
-         "proxy_delay", "read_outage")
-#: Kinds that share one switch: only one of them is active at a time.
+         "proxy_delay", "read_outage", "server_lie", "server_slow", "pg_restart", "key_rotation")
+#: Kinds that share one switch: only one of them is active at a time (a terminated session while
+#: Postgres is down would be no fault at all).
 CATEGORY = {"proxy_blackhole": "proxy", "proxy_reset": "proxy", "proxy_delay": "proxy", "redis_kill": "redis",
-            "read_outage": "outage"}
+            "read_outage": "outage", "pg_restart": "postgres", "pg_terminate": "postgres"}
+#: The write tools of the system of record a server fault may target.
+WRITE_TOOLS = ("create_ticket", "issue_refund", "restart_service")
+#: When in the fault window (its share) the keys are rotated, once.
+ROTATION_AT = 0.5
 #: At most this many pool children are frozen at once (the rest keep the stack moving).
 MAX_FROZEN = 2
 #: Share of read outages that outlast the verification bound.
@@ -74,6 +86,7 @@ class FaultInjector:
         self.frozen: list[psutil.Process] = []
         self._heals: list[tuple[float, int, Callable[[], None], FaultRecord]] = []
         self._seq = 0
+        self.rotated = False
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,6 +126,8 @@ class FaultInjector:
             next_at = time.monotonic() + self.rng.uniform(*self.gap) / 2
             while not self._stop.is_set() and time.monotonic() < end:
                 self._heal_due(time.monotonic())
+                if "key_rotation" in self.kinds and not self.rotated and self.now() >= ROTATION_AT * self.seconds:
+                    self._inject("key_rotation")
                 if time.monotonic() >= next_at:
                     self._inject_one()
                     next_at = time.monotonic() + self.rng.uniform(*self.gap)
@@ -163,8 +178,14 @@ class FaultInjector:
             problems.append(f"proxy: {exc!r}")
         try:
             sor.set_read_outage(soak.stack.sor_db, False, role="reader")
+            for tool in WRITE_TOOLS:  # unspent lies and delays
+                sor.clear_faults(soak.stack.sor_db, tool)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"read outage: {exc!r}")
+            problems.append(f"server faults: {exc!r}")
+        try:
+            soak.start_postgres()
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"postgres: {exc!r}")
         try:
             if soak.redis is not None and not soak.redis.running:
                 soak.redis.start()
@@ -191,6 +212,10 @@ class FaultInjector:
                 continue
             if kind == "worker_freeze" and frozen >= MAX_FROZEN:
                 continue
+            if kind == "pg_restart" and self.soak.postgres is None:
+                continue
+            if kind == "key_rotation":  # not drawn: it happens once, in the middle (see _run)
+                continue
             out.append(kind)
         return out
 
@@ -198,7 +223,9 @@ class FaultInjector:
         choices = self._available()
         if not choices:
             return
-        kind = self.rng.choice(choices)
+        self._inject(self.rng.choice(choices))
+
+    def _inject(self, kind: str) -> None:
         record = FaultRecord(kind, round(self.now(), 3), "")
         try:
             getattr(self, f"_{kind}")(record)
@@ -258,7 +285,7 @@ class FaultInjector:
     def _pg_terminate(self, record: FaultRecord) -> None:
         everyone = self.rng.random() < 0.5
         pick = self.rng.random()
-        with psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(self.soak.maintenance_url, autocommit=True, connect_timeout=10) as conn:
             rows = conn.execute(
                 "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s AND usename = "
                 "'proofline_runtime' AND pid <> pg_backend_pid() ORDER BY pid", (self.soak.db_name,)).fetchall()
@@ -305,6 +332,43 @@ class FaultInjector:
         with self._lock:
             self.active["outage"] = record
         self._schedule_heal(record.duration, lambda: sor.set_read_outage(db, False, role="reader"), record)
+
+    def _server_fault(self, record: FaultRecord, mode: str, shots: int, delay: float = 0.0) -> None:
+        tool = self.rng.choice(WRITE_TOOLS)
+        record.target = f"system of record, {tool}"
+        record.detail = {"mode": mode, "calls": shots, **({"delay_seconds": delay} if delay else {})}
+        sor.set_fault(self.soak.stack.sor_db, tool, mode, remaining=shots, delay_seconds=delay)
+
+    def _server_lie(self, record: FaultRecord) -> None:
+        self._server_fault(record, "lie", self.rng.randint(1, 2))
+
+    def _server_slow(self, record: FaultRecord) -> None:
+        self._server_fault(record, "delay", self.rng.randint(1, 4), round(self.rng.uniform(0.5, 4.0), 3))
+
+    def _pg_restart(self, record: FaultRecord) -> None:
+        mode = self.rng.choice(("fast", "immediate"))
+        record.target = "the soak's Postgres"
+        record.duration = round(self.rng.uniform(1.0, 4.0), 3)
+        record.detail = {"mode": mode}
+        with self._lock:
+            self.active["postgres"] = record
+        try:
+            self.soak.stop_postgres(mode)
+        except BaseException:
+            with self._lock:
+                self.active.pop("postgres", None)
+            raise
+        self._schedule_heal(record.duration, self.soak.start_postgres, record)
+
+    def _key_rotation(self, record: FaultRecord) -> None:
+        from proofline.keys import KeyRole, rotate
+
+        assert self.soak.keys_dir is not None
+        self.rotated = True
+        record.target = "controller and recovery keys"
+        ids = {role.value: rotate(self.soak.keys_dir, role, timedelta(hours=2))
+               for role in (KeyRole.controller, KeyRole.recovery)}
+        record.detail = {role: {"old": old, "new": new} for role, (old, new) in ids.items()}
 
 
 def _alive(proc: psutil.Process) -> bool:

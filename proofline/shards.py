@@ -15,6 +15,8 @@ BASE_QUEUE = "actions"
 #: Verification is sharded the same way: a burst's verifications must not delay another tenant's.
 VERIFY_QUEUE = "verify"
 SHARDED = (BASE_QUEUE, VERIFY_QUEUE)
+#: kombu's Redis transport keeps priorities 3, 6 and 9 of a queue in lists of their own.
+REDIS_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 
 
 def shard_of(tenant: str, shards: int) -> int:

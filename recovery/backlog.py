@@ -1,4 +1,5 @@
-"""A backlog is not a loss: published actions still behind other messages are not re-driven.
+"""A backlog is not a loss: published actions whose message may still wait in its queue are not
+re-driven.
 
 The reconciler re-sends a published action that no worker started after ``redrive_after_seconds``,
 on the reasoning that the broker lost its message. Behind a long backlog (a burst, or a fleet
@@ -6,11 +7,20 @@ restarting its pool processes) that reasoning is wrong: the message is still in 
 late, and re-sending it adds a copy that a worker must open, check and suppress. Under a backlog
 of 1,000 actions that was 1,427 suppressed duplicates in one run.
 
-So before the ``not_started`` claim the sweep asks the broker how many messages wait in the queues
-those actions travel on. An action whose queue still holds messages is left alone while it is
-younger than ``redrive_backlog_max_seconds`` (the bound on how long a message truly lost behind a
-backlog goes unnoticed); one whose queue is empty was lost, and is re-driven as before. A broker
-that cannot be read defers nothing: the sweep then behaves as it did without this check.
+A queue is first in, first out. Every Proofline task message carries the time it was sent
+(``proofline_sent_at``, stamped as it is published: ``worker/dispatch.py``), so the age of the
+oldest message still waiting in a queue says what cannot be in it any more: everything sent before
+that message was taken already. An action whose last send (its publication, or the reconciler's
+latest re-drive of it) is older than the oldest waiting message of its queue was lost, and is
+re-driven; one sent at or after it may still wait behind the backlog, and is left alone while it
+is younger than ``redrive_backlog_max_seconds``. Queue depth alone cannot tell the two apart: a
+queue kept busy by retries (a tenant yielding its turn) is never empty, while the lost message is
+not in it.
+
+The oldest message is read where the broker lets a reader look without taking (a Redis list's
+tail). Where it does not (AMQP), where the message carries no send time, or where the broker cannot
+be read, nothing is left alone: the sweep re-drives as it did without this check, and the
+idempotency records make the extra delivery harmless.
 """
 
 from __future__ import annotations
@@ -24,11 +34,18 @@ from proofline.shards import queue_for_tenant
 
 log = logging.getLogger(__name__)
 
-#: Queue name -> messages ready in it; raises when the broker cannot be read.
-QueueDepths = Callable[[list[str]], dict[str, int]]
+#: Queue name -> send time (epoch seconds) of the oldest message waiting in it; a queue missing
+#: from the answer is empty or cannot be looked into. Raises when the broker cannot be read.
+OldestWaiting = Callable[[list[str]], dict[str, float]]
+#: Clocks of publishers and the database may differ a little: a send this close to the oldest
+#: waiting message counts as possibly behind it.
+CLOCK_MARGIN_SECONDS = 1.0
 
 CANDIDATES_SQL = """
-SELECT a.action_id, a.tenant, a.kind FROM actions a
+SELECT a.action_id, a.tenant, a.kind,
+       extract(epoch FROM GREATEST(a.published_at, COALESCE((a.recovery_data->>'sent_at')::timestamptz,
+                                                            a.published_at))) AS last_sent
+FROM actions a
 LEFT JOIN leases l ON l.action_id = a.action_id
 WHERE a.next_check_at < clock_timestamp() AND ({condition})
   AND a.published_at > clock_timestamp() - make_interval(secs => %(backlog_max)s)
@@ -41,19 +58,22 @@ def queue_of(tenant: str | None, kind: str, shards: int) -> str:
     return "compensate" if kind != "action" else queue_for_tenant(tenant, shards)
 
 
-def deferred_txn(cur: store.Cursor, depths: QueueDepths, condition: str, params: dict[str, Any],
+def deferred_txn(cur: store.Cursor, oldest: OldestWaiting, condition: str, params: dict[str, Any],
                  shards: int) -> list[str]:
-    """The due ``not_started`` actions to leave alone this sweep: young enough, and on a queue
-    that still holds messages. Reads only; the claim that follows excludes them."""
+    """The due ``not_started`` actions to leave alone this sweep: young enough, and last sent no
+    earlier than the oldest message still waiting in their queue. Reads only; the claim that
+    follows excludes them."""
     cur.execute(CANDIDATES_SQL.format(condition=condition), params)
     rows = cur.fetchall()
     if not rows:
         return []
     queues = {row["action_id"]: queue_of(row["tenant"], row["kind"], shards) for row in rows}
     try:
-        depth = depths(sorted(set(queues.values())))
+        waiting = oldest(sorted(set(queues.values())))
     except Exception as exc:  # noqa: BLE001 - an unreadable broker means "no backlog known", never a failed sweep
-        log.warning("queue depths unreadable; re-driving as if no backlog: %s", type(exc).__name__,
-                    extra={"event": "backlog_depth_unreadable"})
+        log.warning("queue backlog unreadable; re-driving as if none: %s", type(exc).__name__,
+                    extra={"event": "backlog_unreadable"})
         return []
-    return [action_id for action_id, queue in queues.items() if depth.get(queue, 0) > 0]
+    return [row["action_id"] for row in rows
+            if queues[row["action_id"]] in waiting
+            and float(row["last_sent"]) >= waiting[queues[row["action_id"]]] - CLOCK_MARGIN_SECONDS]

@@ -56,8 +56,9 @@ UPDATE actions a SET
     -- Capped at eight times the base interval, so healed work is picked up again soon.
     next_check_at = clock_timestamp() + make_interval(secs => LEAST(8 * %(backoff)s,
         %(backoff)s * power(2, COALESCE((a.recovery_data->>'redrives')::int, 0)))),
-    recovery_data = jsonb_set(a.recovery_data, '{{redrives}}',
-        to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1))
+    -- When it was last sent: what recovery/backlog.py compares with the oldest message waiting.
+    recovery_data = jsonb_set(jsonb_set(a.recovery_data, '{{redrives}}',
+        to_jsonb(COALESCE((a.recovery_data->>'redrives')::int, 0) + 1)), '{{sent_at}}', to_jsonb(clock_timestamp()))
 FROM due WHERE a.action_id = due.action_id
 RETURNING a.action_id, a.tenant, a.status, a.kind, a.envelope, a.key_id, a.signature, a.sealed_message
 """
@@ -108,19 +109,19 @@ class Taken:
 
 def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_seconds: float, limit: int = 200,
          deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0,
-         recheck_claim_seconds: float = 300.0, depths: backlog.QueueDepths | None = None,
+         recheck_claim_seconds: float = 300.0, oldest: backlog.OldestWaiting | None = None,
          backlog_max_seconds: float = 900.0, shards: int = 1) -> Taken:
-    """Everything a sweep writes, inside the caller's transaction; nothing is sent. With
-    ``depths`` (the broker's queue depths), published actions still behind a backlog are left
-    for a later sweep (``recovery/backlog.py``)."""
+    """Everything a sweep writes, inside the caller's transaction; nothing is sent. With ``oldest``
+    (the send time of the oldest message waiting in each queue), published actions that may still
+    wait behind a backlog are left for a later sweep (``recovery/backlog.py``)."""
     taken = Taken(counts={})
     taken.expired = close_overdue_txn(cur, actor, deadline_grace_seconds, limit)
     taken.counts["deadline_expired"] = len(taken.expired)
     taken.counts["deliveries_pruned"] = prune_deliveries_txn(cur, delivery_retention_seconds)
     params = {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
               "verify_stale": verify_stale_seconds, "deferred": [], "backlog_max": backlog_max_seconds}
-    if depths is not None:
-        params["deferred"] = backlog.deferred_txn(cur, depths, NOT_STARTED, params, shards)
+    if oldest is not None:
+        params["deferred"] = backlog.deferred_txn(cur, oldest, NOT_STARTED, params, shards)
         taken.counts["redrives_deferred_backlog"] = len(params["deferred"])
     claimed = _claim_all(cur, params)
     for (name, _, action), rows in zip(SWEEPS, claimed, strict=True):
@@ -181,7 +182,7 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
     with store.transaction(conn) as cur:
         taken = take(cur, actor, stale_seconds=stale_seconds, verify_stale_seconds=verify_stale_seconds, limit=limit,
                      deadline_grace_seconds=deadline_grace_seconds,
-                     delivery_retention_seconds=delivery_retention_seconds, depths=dispatch.queue_depths,
+                     delivery_retention_seconds=delivery_retention_seconds, oldest=dispatch.oldest_waiting,
                      backlog_max_seconds=backlog_max_seconds, shards=shards)
     send(conn, dispatch, actor, taken)
     return taken.counts
@@ -200,7 +201,7 @@ def sweep_once(conn: psycopg.Connection[dict[str, Any]], dispatch: Dispatch, set
                      deadline_grace_seconds=settings.deadline_grace_seconds,
                      # Longer than any deadline plus its grace: older counts can explain nothing still open.
                      delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds,
-                     recheck_claim_seconds=settings.recheck_claim_seconds, depths=dispatch.queue_depths,
+                     recheck_claim_seconds=settings.recheck_claim_seconds, oldest=dispatch.oldest_waiting,
                      backlog_max_seconds=settings.redrive_backlog_max_seconds, shards=settings.tenant_shards)
         heartbeat.beat_txn(cur, actor, taken.counts)
         return Swept(taken.counts, then=lambda: send(conn, dispatch, actor, taken))

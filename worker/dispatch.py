@@ -9,7 +9,9 @@ still holds the signed message the worker must verify.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -18,11 +20,25 @@ from celery import signals
 from ledger.redact import scrub_text
 from proofline.canonical import canonical_bytes
 from proofline.settings import get_settings
-from proofline.shards import BASE_QUEUE, VERIFY_QUEUE, queue_for_tenant
+from proofline.shards import BASE_QUEUE, REDIS_PRIORITY_SUFFIXES, VERIFY_QUEUE, queue_for_tenant
 from worker import wire
 from worker.broker import whole_seconds
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+#: The header every Proofline task message carries: when it was sent (epoch seconds).
+SENT_AT = "proofline_sent_at"
+
+
+def _sent_at(raw: bytes | None) -> float | None:
+    """The send time in a raw Redis message, if it is one of ours and well formed (the broker's
+    content is not trusted: anything else is None)."""
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)["headers"][SENT_AT]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _digest(value: Any) -> str:
@@ -57,6 +73,7 @@ def _hide_arguments(sender: str | None = None, body: Any = None, headers: dict[s
     a full repr) shows the same summary: the headers dict here is the one that is published."""
     if headers is None or not str(sender or headers.get("task", "")).startswith("proofline."):
         return
+    headers[SENT_AT] = time.time()  # how old the oldest waiting message is (recovery/backlog.py)
     if isinstance(body, tuple | list) and len(body) >= 2:
         headers["argsrepr"], headers["kwargsrepr"] = task_repr(body[0], body[1])
 
@@ -73,7 +90,7 @@ class Dispatch(Protocol):
 
     def revoke(self, task_id: str) -> None: ...
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int]: ...
+    def oldest_waiting(self, queues: list[str]) -> dict[str, float]: ...
 
     def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None: ...
 
@@ -137,24 +154,26 @@ class CeleryDispatch:
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int]:
-        """Messages ready in each queue, by a passive declare on the broker (list lengths on Redis,
-        message counts on AMQP); a queue nobody declared yet holds none. Raises when the broker
-        cannot be reached: the caller decides what an unknown depth means."""
-        from kombu.exceptions import ChannelError
-
-        depths: dict[str, int] = {}
+    def oldest_waiting(self, queues: list[str]) -> dict[str, float]:
+        """The send time (``proofline_sent_at``) of the oldest message waiting in each queue, where
+        the broker lets us look without taking it: the tail of a Redis list (kombu pushes on the
+        left and pops on the right; priorities 3, 6 and 9 have lists of their own). A queue that is
+        empty, on another broker, or whose oldest message carries no send time is left out.
+        Raises when the broker cannot be reached (``recovery/backlog.py`` decides what that means)."""
         with self.app.connection_for_read() as conn:
             conn.ensure_connection(max_retries=1, timeout=5)
-            for queue in queues:
-                channel = conn.channel()  # a refused passive declare closes its channel: one each
-                try:
-                    depths[queue] = int(channel.queue_declare(queue, passive=True).message_count)
-                except ChannelError:
-                    depths[queue] = 0
-                finally:
-                    try:
-                        channel.close()
-                    except Exception:  # noqa: BLE001 - a channel the broker closed already
-                        pass
-        return depths
+            client = getattr(conn.default_channel, "client", None)
+            if conn.transport.driver_type != "redis" or client is None:
+                return {}
+            with client.pipeline(transaction=False) as pipe:
+                for queue in queues:
+                    for suffix in REDIS_PRIORITY_SUFFIXES:
+                        pipe.lindex(queue + suffix, -1)
+                tails = pipe.execute()
+        found: dict[str, float] = {}
+        for i, queue in enumerate(queues):
+            times = [t for t in (_sent_at(raw) for raw in tails[i * len(REDIS_PRIORITY_SUFFIXES):(i + 1) * len(REDIS_PRIORITY_SUFFIXES)])
+                     if t is not None]
+            if times:
+                found[queue] = min(times)
+        return found

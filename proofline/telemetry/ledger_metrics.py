@@ -19,6 +19,7 @@ import psycopg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from psycopg.rows import dict_row
 
+from proofline.shards import REDIS_PRIORITY_SUFFIXES
 from proofline.telemetry.events import COUNTED_EVENTS, COUNTERS, EventCounter, bounded_sql, tenant_sql
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ OPEN_STATUSES = ("pending", "published", "proposed", "executing", "verifying", "
 CANCEL_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 900, 3600)
 #: Queues that are not sharded by tenant; ``actions`` and ``verify`` are expanded to their shards.
 PLAIN_QUEUES = ("compensate", "recovery", "reconcile", "checkpoint")
-#: kombu's Redis transport keeps priorities 3, 6 and 9 of a queue in lists of their own.
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 #: Brokers whose queue depths the exporter reads: Redis (list lengths) and AMQP (queue.declare, passive).
 _READABLE_BROKERS = ("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")
 
@@ -176,12 +175,12 @@ class LedgerCollector:
         try:
             with client.pipeline(transaction=False) as pipe:
                 for queue in self.queues:
-                    for suffix in _PRIORITY_SUFFIXES:
+                    for suffix in REDIS_PRIORITY_SUFFIXES:
                         pipe.llen(queue + suffix)
                 raw = pipe.execute()
         finally:
             client.close()
-        step = len(_PRIORITY_SUFFIXES)
+        step = len(REDIS_PRIORITY_SUFFIXES)
         return [sum(raw[i * step:(i + 1) * step]) for i in range(len(self.queues))]
 
     def _amqp_lengths(self) -> list[int]:

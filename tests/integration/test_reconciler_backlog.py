@@ -1,15 +1,16 @@
-"""The reconciler tells a backlog from a loss by the broker's queue depth, on both brokers.
+"""The reconciler tells a backlog from a loss by the age of the oldest message waiting in a queue.
 
-Published actions whose worker never started them are planted in a migrated database (triggers
-off: this checks the sweep's decision, not the transitions before it). A real message waits in
-one tenant's execute shard on a real Redis or RabbitMQ; nothing consumes it. The actions on that
-shard are late, not lost, and are left alone; those on an empty shard, and one older than the
-backlog bound, are re-driven. Once the shard is drained, the others are re-driven too. A broker
-that cannot be reached defers nothing.
+Published actions that no worker started are planted in a migrated database (triggers off: this
+checks the sweep's decision, not the transitions before it). A real message waits in one tenant's
+execute shard on a real Redis; nothing consumes it. Everything sent before it was taken already,
+so an action last sent before that message is lost and re-driven; one sent after it may still wait
+behind it and is left alone, until the shard drains. RabbitMQ cannot be looked into without taking
+a message, and a broker that cannot be reached tells nothing: there, nothing is left alone.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from celery import Celery
@@ -18,75 +19,89 @@ from ledger import store
 from proofline.shards import queue_for_tenant
 from recovery.reconciler import take
 from tests.conftest import create_database, drop_database, free_port
-from worker.dispatch import CeleryDispatch
+from worker.dispatch import SENT_AT, CeleryDispatch, _sent_at
 
 SHARDS = 8
 PLANT = """
 INSERT INTO actions (action_id, run_id, tenant, action_type, server, tool, idempotency_key, status, envelope,
                      deadline, updated_at, next_check_at, published_at)
 VALUES (%(id)s, 'run-' || %(id)s, %(tenant)s, 'ticket.create', 'sor', 'create_ticket', 'k-' || %(id)s, 'published',
-        '{}'::jsonb, now() + interval '1 hour', now() - make_interval(secs => %(age)s),
-        now() - make_interval(secs => %(age)s), now() - make_interval(secs => %(age)s))
+        '{}'::jsonb, now() + interval '1 hour', now() - interval '5 seconds', now() - interval '5 seconds',
+        now() - make_interval(secs => %(age)s))
 """
+BUSY = "acme"
+QUIET = next(t for t in (f"tenant-{i}" for i in range(100))
+             if queue_for_tenant(t, SHARDS) != queue_for_tenant(BUSY, SHARDS))
 
 
-def other_shard_tenant(tenant: str) -> str:
-    return next(t for t in (f"tenant-{i}" for i in range(100))
-                if queue_for_tenant(t, SHARDS) != queue_for_tenant(tenant, SHARDS))
+def plant(admin: str, **ages: tuple[str, float]) -> None:
+    """Actions by id: (tenant, seconds since publication)."""
+    with store.connect(admin) as conn, conn.transaction():
+        conn.execute("SET LOCAL session_replication_role = replica")  # the ledger's triggers off
+        for action_id, (tenant, age) in ages.items():
+            conn.execute(PLANT, {"id": action_id, "tenant": tenant, "age": age})
 
 
-def claimed(cur: Any, dispatch: CeleryDispatch) -> tuple[set[str], int]:
-    taken = take(cur, "sweeper", stale_seconds=1.0, verify_stale_seconds=180.0, depths=dispatch.queue_depths,
-                 backlog_max_seconds=900.0, shards=SHARDS)
+def sweep(admin: str, dispatch: CeleryDispatch) -> tuple[set[str], int]:
+    with store.connect(admin) as conn, store.transaction(conn) as cur:
+        taken = take(cur, "sweeper", stale_seconds=1.0, verify_stale_seconds=180.0, oldest=dispatch.oldest_waiting,
+                     backlog_max_seconds=900.0, shards=SHARDS)
     return {row["action_id"] for row, _ in taken.redrives}, taken.counts["redrives_deferred_backlog"]
 
 
-def test_a_backlog_is_left_alone_and_a_loss_re_driven(broker_url: str) -> None:
-    busy, quiet = "acme", other_shard_tenant("acme")
+def redriven_events(admin: str) -> list[str]:
+    with store.connect(admin) as conn:
+        rows = conn.execute("SELECT action_id FROM ledger_events WHERE event = 'redriven' ORDER BY action_id")
+        return [r["action_id"] for r in rows.fetchall()]
+
+
+def test_a_message_behind_the_backlog_is_left_alone_and_a_lost_one_re_driven(broker_url: str) -> None:
     admin, _ = create_database("pl_backlog")
     app = Celery(broker=broker_url)
     dispatch = CeleryDispatch(app, tenant_shards=SHARDS)
+    busy_queue = queue_for_tenant(BUSY, SHARDS)
     try:
-        with store.connect(admin) as conn:
-            with conn.transaction():
-                conn.execute("SET LOCAL session_replication_role = replica")  # the ledger's triggers off
-                for i in range(3):
-                    conn.execute(PLANT, {"id": f"late-{i}", "tenant": busy, "age": 120})
-                conn.execute(PLANT, {"id": "lost", "tenant": quiet, "age": 120})
-                conn.execute(PLANT, {"id": "too-old", "tenant": busy, "age": 3600})
-            # Someone else's message waits in the busy tenant's shard; no worker consumes it.
-            app.send_task("proofline.execute", args=[{}], queue=queue_for_tenant(busy, SHARDS))
-            assert dispatch.queue_depths([queue_for_tenant(busy, SHARDS)]) == {queue_for_tenant(busy, SHARDS): 1}
-
-            with store.transaction(conn) as cur:
-                first, deferred = claimed(cur, dispatch)
-            assert (first, deferred) == ({"lost", "too-old"}, 3)
-            events = conn.execute("SELECT action_id FROM ledger_events WHERE event = 'redriven'").fetchall()
-            assert sorted(e["action_id"] for e in events) == ["lost", "too-old"]
-
-            # The shard drains (here: purged, as if the worker took the message): the three are lost now.
-            with app.connection_for_write() as broker:
-                broker.default_channel.queue_purge(queue_for_tenant(busy, SHARDS))
-            with store.transaction(conn) as cur:
-                second, deferred = claimed(cur, dispatch)
-            assert (second, deferred) == ({"late-0", "late-1", "late-2"}, 0)
+        plant(admin, **{"lost-before": (BUSY, 60), "too-old": (BUSY, 7200), "lost-elsewhere": (QUIET, 60)})
+        # Someone else's message now waits at the head of the busy shard; nothing consumes it.
+        app.send_task("proofline.execute", args=[{}], queue=busy_queue)
+        plant(admin, **{f"behind-{i}": (BUSY, 0) for i in range(3)})  # published after it was sent
+        on_redis = broker_url.startswith("redis")
+        if on_redis:
+            assert set(dispatch.oldest_waiting([busy_queue, queue_for_tenant(QUIET, SHARDS)])) == {busy_queue}
+        first, deferred = sweep(admin, dispatch)
+        if not on_redis:  # AMQP cannot be looked into without taking: re-driven as without the check
+            assert (first, deferred) == ({"lost-before", "too-old", "lost-elsewhere", "behind-0", "behind-1",
+                                          "behind-2"}, 0)
+            return
+        assert (first, deferred) == ({"lost-before", "too-old", "lost-elsewhere"}, 3)
+        assert redriven_events(admin) == ["lost-before", "lost-elsewhere", "too-old"]
+        # The shard drains (here: purged, as if a worker took the message): the three were lost too.
+        with app.connection_for_write() as broker:
+            broker.default_channel.queue_purge(busy_queue)
+        second, deferred = sweep(admin, dispatch)
+        assert (second, deferred) == ({"behind-0", "behind-1", "behind-2"}, 0)
     finally:
         app.close()
         drop_database(admin)
 
 
-def test_an_unreadable_broker_defers_nothing() -> None:
+def test_an_unreadable_broker_leaves_nothing_alone() -> None:
     admin, _ = create_database("pl_backlog_down")
     app = Celery(broker=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     app.conf.broker_connection_timeout = 1
     try:
-        with store.connect(admin) as conn:
-            with conn.transaction():
-                conn.execute("SET LOCAL session_replication_role = replica")
-                conn.execute(PLANT, {"id": "late", "tenant": "acme", "age": 120})
-            with store.transaction(conn) as cur:
-                found, deferred = claimed(cur, CeleryDispatch(app, tenant_shards=SHARDS))
-        assert (found, deferred) == ({"late"}, 0)
+        plant(admin, late=(BUSY, 0))
+        assert sweep(admin, CeleryDispatch(app, tenant_shards=SHARDS)) == ({"late"}, 0)
     finally:
         app.close()
         drop_database(admin)
+
+
+def test_only_a_well_formed_send_time_counts() -> None:
+    def raw(headers: Any) -> bytes:
+        return json.dumps({"headers": headers, "body": ""}).encode()
+
+    assert _sent_at(raw({SENT_AT: 1700000000.5})) == 1700000000.5
+    for hostile in (None, b"", b"not json", raw({}), raw({SENT_AT: "1700000000"}), raw({SENT_AT: True}),
+                    raw([SENT_AT]), b"[1, 2]"):
+        assert _sent_at(hostile) is None, hostile

@@ -122,8 +122,8 @@ class SendRecorder:
     def revoke(self, task_id: str) -> None:
         raise AssertionError("a sweep revokes nothing")
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int]:
-        return dict.fromkeys(queues, 0)  # nothing waits on a broker this stands in for
+    def oldest_waiting(self, queues: list[str]) -> dict[str, float]:
+        return {}  # nothing waits on a broker this stands in for
 
     def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None:
         raise AssertionError("a sweep settles nothing itself")
