@@ -267,7 +267,8 @@ class Settings(BaseSettings):
     dead_letter_retry_seconds: float = Field(default=1.0, gt=0)
     #: AMQP brokers only: how many nodes of a RabbitMQ cluster hold a replica of each quorum queue
     #: (``x-quorum-initial-group-size``), as every process must declare it. Unset: not declared, and
-    #: RabbitMQ places a replica on every node that is in the cluster when the queue is declared.
+    #: RabbitMQ's own default applies (``quorum_cluster_size``, 3 on 3.10, at most the nodes that are
+    #: in the cluster when the queue is declared).
     broker_quorum_group_size: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
