@@ -8,7 +8,8 @@ each time the consumer (re)connects, before its event loop starts: after the nod
 the list died, every reconnect of every worker waited about twenty seconds on the dead node before
 it received a message again (measured here with three nodes).
 
-This step declares on the first node of the list that answers and stops there; only when none
+This step declares on the node the consumer has just connected to (else the first node of the
+list that answers) and stops there; only when none
 answers does it go round the list again, :data:`ROUNDS` times in all, and then it logs what Celery
 logs (delayed delivery unavailable) and lets the consumer start: a countdown then fails at publish,
 and the task is retried by the reconciler from the ledger. It uses the pinned Celery's own
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery.worker.consumer.delayed_delivery import DelayedDelivery
 from kombu.utils.url import maybe_sanitize_url
@@ -31,13 +33,28 @@ ROUNDS = 3
 PAUSE = 1.0
 
 
+def _live_first(urls: list[str], connection: Any) -> list[str]:
+    """The URL of the node the consumer has just connected to first (it answered a moment ago),
+    then the others in their order: a dead node at the head of the list costs no connect attempt."""
+    host, port = getattr(connection, "hostname", None), getattr(connection, "port", None)
+
+    def elsewhere(url: str) -> bool:
+        parts = urlsplit(url)
+        try:
+            return (parts.hostname, parts.port) != (host, port)
+        except ValueError:  # a port that is not a number: leave the URL where it is
+            return True
+
+    return sorted(urls, key=elsewhere) if host else urls
+
+
 class ClusterDelayedDelivery(DelayedDelivery):
     """``DelayedDelivery`` declared on the first node that answers (one broker, many URLs)."""
 
     def start(self, c: Any) -> None:
         app = c.app
         self._validate_configuration(app)
-        urls = self._validate_broker_urls(app.conf.broker_url)
+        urls = _live_first(self._validate_broker_urls(app.conf.broker_url), getattr(c, "connection", None))
         for round_ in range(ROUNDS):
             for url in urls:
                 try:

@@ -89,3 +89,15 @@ def test_what_rabbitmq_says_about_a_dead_letter_is_read_defensively() -> None:
     assert death_of({"x-first-death-reason": "rejected", "x-death": "not a list"})["reason"] == "rejected"
     assert death_of(None) == {"reason": "None", "queue": "None"}
     assert len(death_of({"x-death": [{"reason": "x" * 1000}]})["reason"]) <= 40
+
+
+def test_delayed_delivery_is_declared_on_the_node_the_consumer_reached_first() -> None:
+    """A cluster's list with its head dead: the node the consumer just connected to goes first."""
+    from kombu import Connection
+
+    from worker.delayed_delivery import _live_first
+
+    nodes = [f"amqp://pl:pw@127.0.0.1:{port}//" for port in (5001, 5002, 5003)]
+    assert _live_first(nodes, Connection(nodes[1])) == [nodes[1], nodes[0], nodes[2]]
+    assert _live_first(nodes, None) == nodes  # no connection to go by: the list's order
+    assert _live_first(nodes, Connection("amqp://pl:pw@10.0.0.9:5001//")) == nodes
