@@ -28,7 +28,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from proofline.keys import FILES, KEYRING_FILE, SEAL_FILE
 from proofline.settings import Environment, Settings, reveal
@@ -130,6 +130,19 @@ def _guest_logs_in(host: str, port: int, vhost: str) -> bool | None:
     return True
 
 
+def _rabbitmq_auth(url: SplitResult) -> str:
+    """One RabbitMQ node: not reached as guest, and refusing a guest/guest login."""
+    host = url.hostname or "127.0.0.1"
+    port = url.port or (5671 if url.scheme == "amqps" else 5672)
+    fix = "make a RabbitMQ user of your own with a password for Proofline and delete guest " \
+          "(rabbitmqctl delete_user guest)"
+    if unquote(url.username or "") == "guest":
+        raise _failed(f"PROOFLINE_BROKER_URL logs in to {host}:{port} as RabbitMQ's default guest account", fix)
+    if url.scheme != "amqps" and _guest_logs_in(host, port, unquote(url.path[1:]) if url.path else "/"):
+        raise _failed(f"the RabbitMQ at {host}:{port} accepts the default guest/guest login", fix)
+    return f"the RabbitMQ at {host}:{port}: not reached as guest, guest/guest refused"
+
+
 def check_broker_auth(settings: Settings) -> str:
     """The broker asks for credentials: Redis refuses an unauthenticated PING; RabbitMQ is not
     reached as ``guest`` and refuses a ``guest/guest`` login."""
@@ -148,14 +161,9 @@ def check_broker_auth(settings: Settings) -> str:
         return f"the Redis at {host}:{port} " + ("refuses an unauthenticated PING" if answer is False else
                                                  "could not be reached to check (the broker check says why)")
     if url.scheme in ("amqp", "amqps", "pyamqp"):
-        port = url.port or (5671 if url.scheme == "amqps" else 5672)
-        fix = "make a RabbitMQ user of your own with a password for Proofline and delete guest " \
-              "(rabbitmqctl delete_user guest)"
-        if unquote(url.username or "") == "guest":
-            raise _failed(f"PROOFLINE_BROKER_URL logs in to {host}:{port} as RabbitMQ's default guest account", fix)
-        if url.scheme != "amqps" and _guest_logs_in(host, port, unquote(url.path[1:]) if url.path else "/"):
-            raise _failed(f"the RabbitMQ at {host}:{port} accepts the default guest/guest login", fix)
-        return f"the RabbitMQ at {host}:{port}: not reached as guest, guest/guest refused"
+        # A cluster's URL is a ``;``-separated list of its nodes: each one is checked.
+        nodes = [urlsplit(part.strip()) for part in (reveal(settings.broker_url) or "").split(";") if part.strip()]
+        return "; ".join(_rabbitmq_auth(node) for node in nodes)
     return f"a {url.scheme or 'default'} broker: its credentials are the database's (see the trust check)"
 
 

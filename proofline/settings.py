@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     #: Postgres as a role that may run migrations.
     admin_database_url: SecretStr | None = None
     #: Celery broker: ``redis://`` or ``amqp://`` (RabbitMQ, quorum queues: docs/how-to/rabbitmq.md);
-    #: ``sqla+postgresql+psycopg://`` needs no server.
+    #: ``sqla+postgresql+psycopg://`` needs no server. A RabbitMQ cluster is a ``;``-separated list of
+    #: its nodes' URLs (``amqp://a//;amqp://b//``): publishers and consumers fail over along it.
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
 
     #: The MCP servers file. Default: the demo's, shipped in the package.
@@ -267,6 +268,11 @@ class Settings(BaseSettings):
     #: AMQP brokers only: how long a broker dead letter the ledger could not record waits,
     #: unacknowledged, before the consumer's event loop requeues it (``worker/dead_letters.py``).
     dead_letter_retry_seconds: float = Field(default=1.0, gt=0)
+    #: AMQP brokers only: how many nodes of a RabbitMQ cluster hold a replica of each quorum queue
+    #: (``x-quorum-initial-group-size``), as every process must declare it. Unset: not declared, and
+    #: RabbitMQ's own default applies (``quorum_cluster_size``, 3 on 3.10, at most the nodes that are
+    #: in the cluster when the queue is declared).
+    broker_quorum_group_size: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _broker_limit_behind_the_guard(self) -> Settings:

@@ -57,8 +57,10 @@ def check_environment(settings: Settings) -> str:
     if env != Environment.production:
         return f"{env.value}: the production rules are off (development keys, unsandboxed servers, one process " \
                "with every role are accepted)"
-    url = urlsplit(reveal(settings.broker_url) or "")
-    if url.scheme in CREDENTIALED_BROKERS and not url.password:
+    # A RabbitMQ cluster's URL is a ``;``-separated list of its nodes: every one needs the password.
+    for url in (urlsplit(part.strip()) for part in (reveal(settings.broker_url) or "").split(";")):
+        if url.scheme not in CREDENTIALED_BROKERS or url.password:
+            continue
         raise Failed(f"PROOFLINE_BROKER_URL ({url.scheme}://{url.hostname or ''}) carries no password: anyone who "
                      "reaches the broker can send tasks to the workers",
                      f"give the broker a password and put it in the URL ({CREDENTIALED_BROKERS[url.scheme]})")

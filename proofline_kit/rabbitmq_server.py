@@ -35,10 +35,15 @@ def available() -> bool:
 class RabbitServer(OwnedServer):
     """``start()`` / ``kill()`` / ``start()`` again / ``stop()``; ``url`` is its default vhost."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, node: str | None = None, cookie: str | None = None,
+                 epmd_port: int | None = None) -> None:
+        """``cookie`` and ``epmd_port`` are for a cluster's members (``proofline_kit/rabbitmq_cluster.py``):
+        the Erlang cookie they share, and the port of the cluster's own epmd."""
         super().__init__(workdir)
-        self.node = f"pl{uuid.uuid4().hex[:8]}@localhost"
+        self.node = node or f"pl{uuid.uuid4().hex[:8]}@localhost"
         self.dist_port: int | None = None
+        self.cookie = cookie
+        self.epmd_port = epmd_port
 
     @property
     def url(self) -> str:
@@ -47,7 +52,10 @@ class RabbitServer(OwnedServer):
     @property
     def ctl_env(self) -> dict[str, str]:
         """What ``rabbitmqctl -n node`` needs to reach this node: its cookie, under its HOME."""
-        return {"HOME": str(self.workdir), "ERL_EPMD_ADDRESS": "127.0.0.1"}
+        env = {"HOME": str(self.workdir), "ERL_EPMD_ADDRESS": "127.0.0.1"}
+        if self.epmd_port is not None:
+            env["ERL_EPMD_PORT"] = str(self.epmd_port)
+        return env
 
     def start(self) -> RabbitServer:
         if self.port is not None:  # a restart: the same node, ports and data, or a clear failure
@@ -66,6 +74,11 @@ class RabbitServer(OwnedServer):
         conf.write_text(f"listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n")
         plugins = self.workdir / "enabled_plugins"
         plugins.write_text("[].\n")
+        if self.cookie is not None:  # Erlang reads it from $HOME and wants it readable by us alone
+            cookie = self.workdir / ".erlang.cookie"
+            if not cookie.exists():
+                cookie.write_text(self.cookie)
+                cookie.chmod(0o400)
         env = {**os.environ, **self.ctl_env, "RABBITMQ_NODENAME": self.node, "RABBITMQ_NODE_PORT": str(port),
                "RABBITMQ_DIST_PORT": str(dist_port), "RABBITMQ_CONFIG_FILE": str(conf),
                "RABBITMQ_ENABLED_PLUGINS_FILE": str(plugins), "RABBITMQ_MNESIA_BASE": str(self.workdir / "mnesia"),

@@ -446,8 +446,9 @@ def _assemble(transport: str, tmp: Path, broker: str, admin: str, runtime_url: s
     env.update(extra_env or {})
     audit_launch.start_feed(sor_db, audit_db, env, tmp / "audit-feed.log", processes)
     # What publishers and workers must agree on: RabbitMQ refuses a queue redeclared with another
-    # delivery limit, and the limit must stay above the guard's.
-    agreed = {name: env[f"PROOFLINE_{name.upper()}"] for name in ("broker_delivery_limit", "max_unsettled_deliveries")
+    # delivery limit (or replica count), and the limit must stay above the guard's.
+    agreed = {name: env[f"PROOFLINE_{name.upper()}"]
+              for name in ("broker_delivery_limit", "max_unsettled_deliveries", "broker_quorum_group_size")
               if f"PROOFLINE_{name.upper()}" in env}
     settings = Settings(database_url=runtime_url, broker_url=broker, servers_file=servers_file, keys_dir=keys_dir,
                         **({"contracts_dir": env["PROOFLINE_CONTRACTS_DIR"]} if "PROOFLINE_CONTRACTS_DIR" in env else {}),

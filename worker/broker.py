@@ -10,6 +10,10 @@ RabbitMQ (``amqp://``, ``amqps://``, ``pyamqp://``) gets:
   with persistent messages, so a broker restart loses nothing it had confirmed;
 - **publisher confirms** (``confirm_publish``): a publish returns only once the broker has taken
   the message, so a controller never records ``published`` for a message the broker dropped;
+- a **cluster** is a ``;``-separated URL list: a connection that drops (its node died) is opened
+  again on the next node of the list, and a publish that failed on the way is sent again there
+  (:data:`PUBLISH_RETRY`), so a node lost mid-publish costs a resend, never the message. A resend
+  may duplicate a message the dead node had taken: the idempotency claim suppresses the copy;
 - a **delivery limit** (``x-delivery-limit``, ``Settings.broker_delivery_limit``) with a
   **dead-letter exchange**: a message returned that many times without an acknowledgement goes
   to :data:`INBOX`, where the consumer records it (``worker/dead_letters.py``) and moves it on to
@@ -45,6 +49,10 @@ INBOX = "dead_letter.broker"
 #: A sweep (reconcile, checkpoint) past the limit is dropped: beat sends the next one anyway.
 SWEEP_QUEUES = ("reconcile", "checkpoint")
 FIXED_QUEUES = ("compensate", "recovery", *SWEEP_QUEUES)
+#: How a publish that met a dropped connection is retried (kombu's ``ensure``): the first retry at
+#: once on the next node of the URL list, then every half second, for about ten seconds: longer
+#: than RabbitMQ takes to elect a new quorum-queue leader on a lost node (about a second here).
+PUBLISH_RETRY = {"max_retries": 20, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5}
 #: Native delayed delivery prefixes the routing key with 28 binary digits (kombu 5.5+).
 _DELAY_PREFIX = re.compile(r"^(?:[01]\.){28}")
 
@@ -71,7 +79,9 @@ def quorum_queues(settings: Settings) -> list[Queue]:
     """The declarations every process on an AMQP broker must share: RabbitMQ refuses to redeclare a
     queue with other arguments (``PRECONDITION_FAILED``), so publishers use these too."""
     exchange = Exchange(EXCHANGE, type="topic", durable=True)
-    base = {"x-queue-type": "quorum"}
+    base: dict[str, Any] = {"x-queue-type": "quorum"}
+    if settings.broker_quorum_group_size is not None:
+        base["x-quorum-initial-group-size"] = settings.broker_quorum_group_size
     dead_lettering = {
         "x-delivery-limit": settings.broker_delivery_limit,
         "x-dead-letter-exchange": EXCHANGE, "x-dead-letter-routing-key": INBOX,
@@ -125,6 +135,7 @@ def celery_options(settings: Settings, url: str) -> dict[str, Any]:
         return {"broker_transport_options": {"visibility_timeout": settings.visibility_timeout}}
     return {
         "broker_transport_options": {"confirm_publish": True},
+        "task_publish_retry_policy": dict(PUBLISH_RETRY),
         "task_queues": quorum_queues(settings),
         "task_create_missing_queues": False,
         "task_default_exchange": EXCHANGE,

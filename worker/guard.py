@@ -141,6 +141,11 @@ def dead_letter_queue(app: Any) -> Queue:
 class GuardedConsumer(Consumer):
     """Celery's consumer with every rejection path recorded and no message able to end it."""
 
+    class Blueprint(Consumer.Blueprint):
+        # Delayed delivery declared once per cluster, not once per node URL (worker/delayed_delivery.py).
+        default_steps = ["worker.delayed_delivery:ClusterDelayedDelivery" if step.endswith(":DelayedDelivery")
+                         else step for step in Consumer.Blueprint.default_steps]
+
     def create_task_handler(self, promise: Any = None) -> Any:
         inner = super().create_task_handler() if promise is None else super().create_task_handler(promise)
         worker_id = get_settings().worker_id

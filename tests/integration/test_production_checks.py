@@ -234,7 +234,11 @@ def test_doctor_runs_the_same_checks_and_passes_what_is_closed(folder: Path, clo
 
 @pytest.mark.parametrize(("url", "says"), [("amqp://guest:guest@127.0.0.1:5672//", "as RabbitMQ's default guest"),
                                            ("amqp://proofline:pw@127.0.0.1:5672//",
-                                            "accepts the default guest/guest login")])
+                                            "accepts the default guest/guest login"),
+                                           # a cluster's list: every node is checked, not only the first
+                                           # (nothing answers on the first, so it cannot be judged)
+                                           ("amqp://proofline:pw@127.0.0.2:1//;amqp://guest:guest@127.0.0.1:5672//",
+                                            "logs in to 127.0.0.1:5672 as RabbitMQ's default guest")])
 def test_a_rabbitmq_reached_as_guest_or_accepting_guest_is_refused(folder: Path, url: str, says: str) -> None:
     found = doctor_checks(run_cli(["doctor", "--json", "--role", "execute"],
                                   production(folder, PROOFLINE_BROKER_URL=url), folder))

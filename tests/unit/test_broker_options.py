@@ -35,9 +35,22 @@ def test_every_work_queue_is_a_quorum_queue_with_the_limit_and_the_dead_letter_e
             assert (args["x-dead-letter-strategy"], args["x-overflow"]) == ("at-least-once", "reject-publish")
 
 
+def test_the_replica_count_is_declared_only_when_set() -> None:
+    """An existing queue was declared without ``x-quorum-initial-group-size``, and RabbitMQ refuses a
+    redeclaration that adds it: unset, nothing changes; set, every queue names it."""
+    assert all("x-quorum-initial-group-size" not in q.queue_arguments for q in broker.quorum_queues(settings()))
+    queues = broker.quorum_queues(settings(broker_quorum_group_size=3))
+    assert {q.queue_arguments["x-quorum-initial-group-size"] for q in queues} == {3}
+    with pytest.raises(ValidationError):
+        settings(broker_quorum_group_size=0)
+
+
 def test_options_per_broker() -> None:
     amqp = broker.celery_options(settings(), AMQP)
     assert amqp["broker_transport_options"] == {"confirm_publish": True}
+    # A publish that met a dead node is sent again, the first time at once (on the next node).
+    policy = amqp["task_publish_retry_policy"]
+    assert policy["interval_start"] == 0 and policy["max_retries"] * policy["interval_max"] >= 5
     assert amqp["task_default_delivery_mode"] == "persistent" and amqp["worker_detect_quorum_queues"] is True
     assert amqp["task_create_missing_queues"] is False
     redis = broker.celery_options(settings(), "redis://127.0.0.1:6379/0")
@@ -76,3 +89,15 @@ def test_what_rabbitmq_says_about_a_dead_letter_is_read_defensively() -> None:
     assert death_of({"x-first-death-reason": "rejected", "x-death": "not a list"})["reason"] == "rejected"
     assert death_of(None) == {"reason": "None", "queue": "None"}
     assert len(death_of({"x-death": [{"reason": "x" * 1000}]})["reason"]) <= 40
+
+
+def test_delayed_delivery_is_declared_on_the_node_the_consumer_reached_first() -> None:
+    """A cluster's list with its head dead: the node the consumer just connected to goes first."""
+    from kombu import Connection
+
+    from worker.delayed_delivery import _live_first
+
+    nodes = [f"amqp://pl:pw@127.0.0.1:{port}//" for port in (5001, 5002, 5003)]
+    assert _live_first(nodes, Connection(nodes[1])) == [nodes[1], nodes[0], nodes[2]]
+    assert _live_first(nodes, None) == nodes  # no connection to go by: the list's order
+    assert _live_first(nodes, Connection("amqp://pl:pw@10.0.0.9:5001//")) == nodes

@@ -44,7 +44,9 @@ def test_outside_production_the_extra_rules_are_off() -> None:
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "amqp://guest@127.0.0.1:5672//",
-                                 "rediss://user@redis.internal:6380/0"])
+                                 "rediss://user@redis.internal:6380/0",
+                                 # a cluster's list: one node's URL without the password is enough
+                                 "amqp://pl:s3cret@mq1:5672/pl;amqp://pl@mq2:5672/pl;amqp://pl:s3cret@mq3:5672/pl"])
 def test_production_refuses_a_broker_url_without_a_password(url: str) -> None:
     with pytest.raises(Failed) as refused:
         check_environment(Settings(environment="production", broker_url=url))
