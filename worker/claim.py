@@ -11,6 +11,7 @@ from ledger.redact import Redactor
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.envelope import Envelope
 from proofline.errors import AuthorityBudgetExceeded, IdempotencyConflict, ReplayWindowExpired
+from worker.mcp_tasks import pending_task_txn
 
 
 def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
@@ -102,6 +103,16 @@ def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord,
         store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.failed],
                                      status=IdempotencyStatus.in_progress, new_token=token, count_attempt=True)
         events.append(("idempotency_reclaimed", {"key": key, "attempt": record.attempts + 1, "fencing_token": token}))
+        return "retry"
+    task = pending_task_txn(cur, envelope.action_id) if record.status == IdempotencyStatus.in_progress else None
+    if task is not None:
+        # The holder that is gone had created an MCP Task: poll that task again (worker/mcp_tasks.py),
+        # never send a second tools/call.
+        store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.in_progress],
+                                     status=IdempotencyStatus.in_progress, new_token=token)
+        events.append(("mcp_task_resume_claimed", {"key": key, "task_id": task.get("task_id"),
+                                                   "previous_fencing_token": record.fencing_token,
+                                                   "fencing_token": token}))
         return "retry"
     # in_progress under a holder that is gone (we hold its lock), or already unknown: never call
     # again before the downstream state is reconciled.
