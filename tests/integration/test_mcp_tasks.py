@@ -58,6 +58,8 @@ def task_stack(transport: str, tmp: Path) -> Stack:
         "PROOFLINE_CONTRACTS_DIR": str(contracts), "PROOFLINE_PINS_FILE": str(pins),
         "SOR_CONTRACT_VARIANT": "tasks"})
     try:
+        if transport == "http":  # the HTTP servers start before extra_env applies: the writer again, with it
+            s.restart_writer(SOR_CONTRACT_VARIANT="tasks")
         done = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
