@@ -54,7 +54,13 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
             store.append_events_txn(cur, aid, actor, events, redact)
             _finish_dispatch(cur, aid, decision, record)
             return decision
-        events.append(_preconditions_passed(envelope, before, read))
+        if failures:
+            # Only a resumed MCP Task gets here with failed preconditions: its own job may have
+            # changed the target already. Nothing is sent again; the task is polled.
+            events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "task_resume",
+                                                    **seen}))
+        else:
+            events.append(_preconditions_passed(envelope, before, read))
     else:
         events.extend(claimed_events(envelope, before, token, read))
     # The pre-call evidence and the move to executing: one round trip.

@@ -47,8 +47,11 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
     handle = CancelHandle()
     unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
     # A contract that asks for an MCP Task gets one where the server advertises Tasks (worker/mcp_tasks.py).
-    task = mcp_tasks.TaskLog(settings.progress_events_limit) if contract.mcp_task is not None and \
-        mcp_tasks.advertised(rt.mcp.negotiated(server).capabilities) else None
+    try:
+        task = mcp_tasks.TaskLog(settings.progress_events_limit) if contract.mcp_task is not None and \
+            mcp_tasks.advertised(rt.mcp.negotiated(server).capabilities) else None
+    except McpUnavailable as exc:  # the session died since revalidation: nothing was sent
+        return CallReport(sent=False, error=exc, unsandboxed=unsandboxed)
     with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
                    touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
         if not heartbeat.valid():

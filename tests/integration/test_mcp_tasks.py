@@ -168,6 +168,11 @@ def test_a_redelivery_mid_task_resumes_the_same_task(tstack: Stack) -> None:
     assert [r["task_id"] for r in resumed] == [created["task_id"]]
     [called] = evidence(tstack, env.action_id, "tool_called")
     assert called["mcp_task"]["resumed"] and "mcp_request_id" not in called
+    assert "reconcile_required" not in tstack.events(env.action_id)  # polled again, not reconciled
+    # The redelivery's read may already show the task's own close (the HTTP writer lived on and
+    # finished the job): recorded as such, and the task is still polled rather than called again.
+    failed = evidence(tstack, env.action_id, "preconditions_failed")
+    assert all(f["on"] == "task_resume" for f in failed)
     assert tstack.witness.count(key=env.idempotency_key) == 1  # one tools/call, one task
     assert tstack.effects(env.idempotency_key) == 1
     wait_for(tstack.workers_alive, 10, what="Celery to replace the killed pool process")
