@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 from mcp import Client
 from mcp.shared.exceptions import MCPError
-from mcp_types import (
+from mcp.types import (
     CallToolResult,
     CancelTaskRequest,
     CancelTaskRequestParams,

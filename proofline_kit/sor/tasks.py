@@ -33,8 +33,8 @@ from typing import Any
 import anyio
 from mcp.server.extension import Extension, MethodBinding, ToolBinding
 from mcp.shared.exceptions import MCPError
-from mcp.types import CallToolResult
-from mcp_types import (
+from mcp.types import (
+    CallToolResult,
     CancelTaskRequestParams,
     CancelTaskResult,
     CreateTaskResult,
@@ -49,7 +49,7 @@ from mcp_types import (
     TasksToolsCapability,
     ToolExecution,
 )
-from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from mcp.types.version import MODERN_PROTOCOL_VERSIONS
 
 from proofline_kit.sor import store
 from proofline_kit.sor.db import connect, writing
