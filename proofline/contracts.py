@@ -240,6 +240,18 @@ class EvidenceCapture(_Model):
         return self.arguments or self.result or self.reads
 
 
+class McpTask(_Model):
+    """Call the tool as an MCP Task (task-augmented ``tools/call``, protocol 2025-11-25; an
+    extension from 2026-07-28), when the server advertises Tasks: ``worker/mcp_tasks.py``."""
+
+    #: The time to live requested for the task (the server may grant less): how long its status
+    #: and result stay retrievable. Past it the outcome is settled by verification.
+    ttl_seconds: float = Field(default=60.0, gt=0, le=86_400)
+    #: Bounds on the wait between two ``tasks/get``: the server's ``pollInterval`` is honoured inside them.
+    min_poll_seconds: float = Field(default=0.05, gt=0)
+    max_poll_seconds: float = Field(default=5.0, gt=0)
+
+
 class Contract(_Model):
     action_type: str
     version: int = Field(ge=1)
@@ -249,6 +261,8 @@ class Contract(_Model):
     target_type: str
     #: The call returns before the work is done (e.g. an operation id); verification waits for it.
     asynchronous: bool = False
+    #: Run the call as an MCP Task and poll it (``mcp_task: {ttl_seconds: 60}``); unset: a plain call.
+    mcp_task: McpTask | None = None
     #: CEL mapping from the envelope to the tool's arguments is the envelope's own arguments.
     result: Extraction = Extraction()
     #: CEL over ``result`` giving the downstream operation id, when the tool returns one.

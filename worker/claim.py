@@ -11,6 +11,7 @@ from ledger.redact import Redactor
 from ledger.states import ActionStatus, IdempotencyStatus, Outcome
 from proofline.envelope import Envelope
 from proofline.errors import AuthorityBudgetExceeded, IdempotencyConflict, ReplayWindowExpired
+from worker.mcp_tasks import pending_task_txn
 
 
 def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures: list[dict[str, str]],
@@ -53,7 +54,13 @@ def claim_txn(cur, envelope: Envelope, redact: Redactor, events: list, failures:
             store.append_events_txn(cur, aid, actor, events, redact)
             _finish_dispatch(cur, aid, decision, record)
             return decision
-        events.append(_preconditions_passed(envelope, before, read))
+        if failures:
+            # Only a resumed MCP Task gets here with failed preconditions: its own job may have
+            # changed the target already. Nothing is sent again; the task is polled.
+            events.append(("preconditions_failed", {"failures": failures, "before": before, "on": "task_resume",
+                                                    **seen}))
+        else:
+            events.append(_preconditions_passed(envelope, before, read))
     else:
         events.extend(claimed_events(envelope, before, token, read))
     # The pre-call evidence and the move to executing: one round trip.
@@ -102,6 +109,16 @@ def _dispatch_existing(cur, envelope: Envelope, record: store.IdempotencyRecord,
         store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.failed],
                                      status=IdempotencyStatus.in_progress, new_token=token, count_attempt=True)
         events.append(("idempotency_reclaimed", {"key": key, "attempt": record.attempts + 1, "fencing_token": token}))
+        return "retry"
+    task = pending_task_txn(cur, envelope.action_id) if record.status == IdempotencyStatus.in_progress else None
+    if task is not None:
+        # The holder that is gone had created an MCP Task: poll that task again (worker/mcp_tasks.py),
+        # never send a second tools/call.
+        store.update_idempotency_txn(cur, key, fencing_token=record.fencing_token, allowed=[IdempotencyStatus.in_progress],
+                                     status=IdempotencyStatus.in_progress, new_token=token)
+        events.append(("mcp_task_resume_claimed", {"key": key, "task_id": task.get("task_id"),
+                                                   "previous_fencing_token": record.fencing_token,
+                                                   "fencing_token": token}))
         return "retry"
     # in_progress under a holder that is gone (we hold its lock), or already unknown: never call
     # again before the downstream state is reconciled.

@@ -28,6 +28,7 @@ from proofline.errors import (
     AbsoluteDeadlineReached,
     ConditionError,
     ExtractionFailed,
+    McpTaskExpired,
     ResultTooLarge,
     ServerAuthFailed,
 )
@@ -55,6 +56,8 @@ class CallReport:
     unsandboxed: str | None = None
     #: The MCP session and JSON-RPC request id of the call (worker/request_ids.py).
     request: dict[str, Any] = field(default_factory=dict)
+    #: The MCP Task the call ran as: its id, statuses, request ids (worker/mcp_tasks.py).
+    task: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ def classify(report: CallReport, contract: Contract, limit: int | None = None) -
                 "error": summary, "result_size": data.get("size"), "result_digest": data.get("sha256"),
                 "result_limit": data.get("limit"), "result_excerpt": str(data.get("excerpt", ""))[:1024],
                 "read_by": "transport"})
+        if isinstance(report.error, McpTaskExpired):
+            # The task can no longer say what it did; it was created, so it may have acted.
+            return Classification(Outcome.unknown_outcome, report.error.code,
+                                  evidence={"error": summary, **report.error.as_evidence()})
         if isinstance(report.error, AbsoluteDeadlineReached):
             # However much progress the server reported, the deadline held; it may have acted.
             return Classification(Outcome.unknown_outcome, report.error.code,

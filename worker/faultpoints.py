@@ -29,7 +29,8 @@ from pathlib import Path
 
 from proofline.settings import get_settings
 
-POINTS = ("on_delivery", "before_send", "after_send", "after_ledger", "before_verify_commit", "during_sweep",
+POINTS = ("on_delivery", "before_send", "after_task_created", "after_send", "after_ledger", "before_verify_commit",
+          "during_sweep",
           "before_count", "before_dead_letter_record",
           "before_dead_letter_move")
 ACTIONS = ("kill", "stop", "raise", "hold")

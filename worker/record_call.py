@@ -44,6 +44,8 @@ def result_evidence(envelope: Envelope, verdict: Classification, report: CallRep
     if report.unsandboxed is not None:
         evidence["unsandboxed"] = report.unsandboxed
     evidence.update(report.request)
+    if report.task is not None:
+        evidence["mcp_task"] = report.task
     if verdict.reason_code == "cancelled_in_flight" and "mcp_request_id" in report.request:
         # The SDK's notifications/cancelled names the request it cancels: this call's.
         evidence["cancelled_request_id"] = report.request["mcp_request_id"]

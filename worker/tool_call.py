@@ -11,9 +11,9 @@ import time
 
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
-from proofline.errors import McpUnavailable, StaleLease
+from proofline.errors import McpTaskExpired, McpUnavailable, StaleLease
 from proofline.telemetry import tracing
-from worker import calls, faultpoints
+from worker import calls, faultpoints, mcp_tasks
 from worker.classify import CallReport
 from worker.lease import Heartbeat
 from worker.mcp_client import CancelHandle
@@ -46,6 +46,12 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
     started = time.monotonic()
     handle = CancelHandle()
     unsandboxed = rt.mcp.unsandboxed_reason(server, "write")
+    # A contract that asks for an MCP Task gets one where the server advertises Tasks (worker/mcp_tasks.py).
+    try:
+        task = mcp_tasks.TaskLog(settings.progress_events_limit) if contract.mcp_task is not None and \
+            mcp_tasks.advertised(rt.mcp.negotiated(server).capabilities) else None
+    except McpUnavailable as exc:  # the session died since revalidation: nothing was sent
+        return CallReport(sent=False, error=exc, unsandboxed=unsandboxed)
     with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
                    touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
         if not heartbeat.valid():
@@ -54,6 +60,17 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
         faultpoints.hit("before_send", envelope.action_id)
         try:
             trace_meta = {**tracing.carrier(), **(plan_meta or {})}  # read here: the call runs on the session's thread
+            if task is not None:
+                assert contract.mcp_task is not None
+                result, elapsed, request = mcp_tasks.call(
+                    rt, server, action_id=envelope.action_id, tool=envelope.tool.name, arguments=envelope.arguments,
+                    meta=mcp_tasks.meta_for(envelope.idempotency_key, envelope.action_id, token, trace_meta),
+                    policy=contract.mcp_task, timeout=timeout, deadline_monotonic=deadline_monotonic, log=task,
+                    cancel_handle=handle)
+                faultpoints.hit("after_send", envelope.action_id)
+                return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
+                                  progress_total=progress.total, unsandboxed=unsandboxed, request=request,
+                                  task=task.evidence())
             result, elapsed = rt.mcp.run(server, "write", lambda c: calls.call_tool(  # type: ignore[arg-type]
                 c, tool=envelope.tool.name, arguments=envelope.arguments, idempotency_key=envelope.idempotency_key,
                 action_id=envelope.action_id, timeout_seconds=timeout, deadline_monotonic=deadline_monotonic,
@@ -62,13 +79,19 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             request = rt.mcp.last_request  # before discard: the ids minted on the session that broke
-            sent = _sent(exc)
+            if task is not None and task.task_id is not None:
+                # A task exists, so the call was sent; its ids are the tools/call's (none when this
+                # delivery resumed it), the polls' are in the task's evidence.
+                request = {} if task.resumed else {k: v for k, v in task.created.items() if k.startswith("mcp_")}
+            sent = _sent(exc) or (task is not None and task.task_id is not None)
             # A session that broke mid-call is dropped; if a sandbox limit killed its server, that is
             # evidence on this action.
-            violation = rt.mcp.discard(server, "write") if sent else None
+            # (An expired task is an answer on a healthy session: it stays.)
+            violation = rt.mcp.discard(server, "write") if sent and not isinstance(exc, McpTaskExpired) else None
             return CallReport(sent=sent, error=exc, elapsed_seconds=time.monotonic() - started,
                               progress=tuple(progress.kept), progress_total=progress.total,
-                              sandbox_violation=violation, unsandboxed=unsandboxed, request=request)
+                              sandbox_violation=violation, unsandboxed=unsandboxed, request=request,
+                              task=task.evidence() if task is not None else None)
     faultpoints.hit("after_send", envelope.action_id)
     return CallReport(sent=True, result=result, elapsed_seconds=elapsed, progress=tuple(progress.kept),
                       progress_total=progress.total, unsandboxed=unsandboxed, request=rt.mcp.last_request)

@@ -238,6 +238,14 @@ class OperationRecordExpired(ProoflineError):
     code = "operation_record_expired"
 
 
+class McpTaskExpired(ProoflineError):
+    """The MCP Task that ran the call can no longer say what it did: its time to live passed, the
+    server no longer knows it, or it ended without a result to retrieve. The call was sent, so the
+    outcome is unknown and settled from the authoritative read; the expiry is kept as evidence."""
+
+    code = "mcp_task_expired"
+
+
 class TransitionRefused(ProoflineError):
     """A guarded state transition moved no row: the current state does not allow it."""
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 
 from proofline.listen import listening_socket
-from proofline_kit.sor import store
+from proofline_kit.sor import store, tasks
 from proofline_kit.sor.runtime import IDEMPOTENCY_META_KEY, SERVER_NAME, Runner, SorConfig
 from proofline_kit.sor.tools import register
 
@@ -44,12 +44,17 @@ def build_server(config: SorConfig) -> MCPServer:
         # identity) can only open a WAL database whose -shm already exists.
         _keepers.append(store.connect(config.db_path))
     # WARNING by default: the SDK logs every refused call at INFO, which is noise on stderr here.
+    # The "tasks" variant's writer serves MCP Tasks (proofline_kit/sor/tasks.py).
+    with_tasks = config.contract_variant == tasks.VARIANT and config.role == "writer"
     server: MCPServer = MCPServer(
         SERVER_NAME,
         version=config.version,
         log_level=os.environ.get("SOR_LOG_LEVEL", "WARNING"),  # type: ignore[arg-type]
+        extensions=[tasks.SorTasks(config.db_path)] if with_tasks else None,
     )
     register(server, Runner(config), config)
+    if with_tasks:
+        tasks.install(server)
     return server
 
 
