@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +160,9 @@ class _Governed:
                 return
         raise ServerAuthFailed(f"no authorization server metadata for {ctx.auth_server_url}")
 
-    async def fetch(self, http: httpx2.AsyncClient) -> None:
-        """A new token now (the grant's own request), or ServerAuthFailed."""
-        raise NotImplementedError
+    #: A new token now (the grant's own request), or ServerAuthFailed: each grant class defines it
+    #: (``_ClientCredentials``, ``_StoredRefresh``); the mixin only calls it.
+    fetch: Callable[[httpx2.AsyncClient], Awaitable[None]]
 
     async def _auth_flow(self, request: httpx2.Request) -> AsyncGenerator[httpx2.Request, httpx2.Response]:
         flow = super()._auth_flow(request)  # type: ignore[misc]
