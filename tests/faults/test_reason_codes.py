@@ -95,7 +95,7 @@ def test_a_cancel_during_the_read_in_place_leaves_the_verdict_to_the_verificatio
     from tests.faults.test_seed_validation_suite import held, wait_held
 
     env = ticket_env(stack)
-    with held(stack, "before_verify_commit") as shot:
+    with held(stack, "before_verify_commit", env.action_id) as shot:
         stack.publish(env)
         wait_held(stack, "before_verify_commit", shot)
         assert stack.action(env.action_id).status == ActionStatus.executing
