@@ -189,6 +189,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
     ]
     locks = Locks(action_lock_name(aid), target_lock_name(envelope.tenant, envelope.target.type, envelope.target.id))
     conn = rt.conn
+    fair_share = fairness.turn_share(envelope, settings.tenant_fair_share, delivery)
     t0 = time.monotonic()
     stages.enter("proofline.lease")
     try:
@@ -196,7 +197,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             [envelope.requester, envelope.workload_identity], envelope.action_type, tool_switches(envelope),
             envelope.tenant, tool_switches(envelope, f"@{envelope.tenant}"), aid,
             settings.tenant_max_executing, envelope.tenant, aid,
-            *fairness.params(envelope, settings.tenant_fair_share, settings.tenant_shards)), hold=True)
+            *fairness.params(envelope, fair_share, settings.tenant_shards)), hold=True)
     except LeaseBusy as exc:
         return _lease_busy(rt, envelope, exc, delivery)
 
@@ -237,7 +238,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             dispatch.verify(aid, envelope.tenant)
             return TaskSummary("verifying", "redelivered", aid).as_dict()
         waiting = quota.over(envelope, settings.tenant_max_executing, facts.get("tenant_executing")) or \
-            fairness.yields(envelope, settings.tenant_fair_share, facts.get("fair_waiting"))
+            fairness.yields(envelope, fair_share, facts.get("fair_waiting"))
         if waiting is not None:
             locked = False
             return _quota_wait(rt, envelope, waiting, delivery)

@@ -20,12 +20,22 @@ lone tenant keeps its full throughput and two busy tenants never make each other
 happen only while some waiting tenant is below its share, and stop as soon as it has it: the
 waiting tenant's action starts once the messages ahead of it have yielded (one pass over the queue,
 one delivery and one event each), not after the burst's work.
+
+**A message yields at most once.** A delivery that is already a retry (it yielded before, or waited
+out a busy target or a failed read) takes its turn. Yielding puts a message behind every action that
+was waiting when it yielded, so one yield is all the order correction needs; a second one would only
+spin. Without this bound, an action counted as waiting whose message is not in the queue (lost by the
+broker or a killed worker, until the reconciler re-sends it) made every busier action on its shard
+yield again and again at once: the queue turned over without progress and used up each message's
+retries (seen in the chaos soak). A re-sent message (the reconciler's) may yield once more.
 ``tenant_fair_share = 0`` turns it off. Recovery actions (compensations) never yield. An action
 waiting out a failed read (its retry due later: worker/read_waits.py) is not waiting in the queue
 and is not yielded to.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from proofline.envelope import Envelope
 from proofline.errors import TenantFairWait
@@ -54,17 +64,25 @@ WAITING_SQL = f"""(SELECT w.tenant FROM actions w CROSS JOIN LATERAL (SELECT {_B
    ORDER BY w.published_at LIMIT 1) AS fair_waiting"""
 
 
+def turn_share(envelope: Envelope, share: int, delivery: dict[str, Any]) -> int:
+    """The share this delivery is held to: 0 (never yields) for a recovery action and for a delivery
+    that is already a Celery retry of its message."""
+    if envelope.recovers is not None or int(delivery.get("retries") or 0) > 0:
+        return 0
+    return share
+
+
 def params(envelope: Envelope, share: int, shards: int) -> tuple[object, ...]:
-    """The parameters of :data:`WAITING_SQL` for this envelope, in order."""
+    """The parameters of :data:`WAITING_SQL` for this envelope, in order (``share`` as
+    :func:`turn_share` gives it: 0 skips the scan)."""
     tenant, aid = envelope.tenant, envelope.action_id
-    share = share if envelope.recovers is None else 0
     return (share, tenant, tenant, aid, tenant, aid, share, shards, shards, shard_of(tenant, shards), share)
 
 
 def yields(envelope: Envelope, share: int, waiting: str | None) -> TenantFairWait | None:
     """``TenantFairWait`` when this action gives its turn to ``waiting`` (another tenant, below its
-    share, with an action waiting on the same shard)."""
-    if share <= 0 or envelope.recovers is not None or waiting is None:
+    share, with an action waiting on the same shard); ``share`` as :func:`turn_share` gives it."""
+    if share <= 0 or waiting is None:
         return None
     return TenantFairWait(f"tenant has its fair share ({share}) in flight while tenant {waiting[:100]!r} waits on "
                           f"the same shard with less: requeued at the tail", share=share, waiting_tenant=waiting[:100])

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from ledger.states import ActionStatus, Outcome
+from proofline.controller import publish_many
 from proofline.envelope import Envelope
 from proofline.shards import queue_for_tenant, shard_of
 from proofline_kit.sor import store as sor
@@ -177,5 +178,46 @@ def test_tenant_quota_holds_one_action_at_a_time(fair_stack: Stack) -> None:
         assert all(w["evidence"]["executing"] == "1" for w in waits)
         for env in (first, second):
             assert stack.effects(env.idempotency_key) == 1
+    finally:
+        stop_workers(stack)
+
+
+class _LostMessages:
+    """A dispatcher that records nothing on the broker: the action is published in the ledger and
+    its message is gone, as when a broker loses it."""
+
+    def execute(self, message: Any, queue: str = "actions", task_id: str | None = None,
+                countdown: float | None = None) -> str:
+        return task_id or ""
+
+
+def test_a_waiting_action_whose_message_is_lost_costs_each_burst_message_one_yield(fair_stack: Stack) -> None:
+    """A tenant counted as waiting while its message is not in the queue must not make the burst on
+    its shard yield again and again (each yield re-sends at once: the queue turned over without
+    progress and used up every message's retries). A message yields at most once, then takes its
+    turn; with no reconciler running, the burst still settles in full."""
+    stack = fair_stack
+    quiet = same_shard_as(NOISY)
+    lost = ticket(stack, quiet)
+    publish_many(stack.settings, stack.conn, _LostMessages(), [lost])
+    assert stack.action(lost.action_id).status == ActionStatus.published
+    burst, ids = queued_burst(stack, "l")
+    try:
+        wait_for(lambda: settled(stack, ids) == BURST, 240, interval=0.5, what="the burst to settle")
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT action_id, count(*) AS n FROM ledger_events WHERE action_id = ANY(%s) "
+                        "AND event = 'tenant_fair_wait' GROUP BY action_id", (ids,))
+            yields = {r["action_id"]: int(r["n"]) for r in cur.fetchall()}
+            cur.execute("SELECT count(*) AS n FROM actions WHERE action_id = ANY(%s) AND outcome = %s",
+                        (ids, Outcome.completed_verified.value))
+            assert cur.fetchone()["n"] == BURST
+        # Turns were given to the waiting tenant, and never twice by the same message.
+        assert yields and max(yields.values()) == 1, yields
+        assert stack.action(lost.action_id).status == ActionStatus.published
+        assert all(stack.effects(e.idempotency_key) == 1 for e in burst)
+        # Its message found again (as the reconciler would re-send it), the waiting action runs.
+        stack.deliver(stack.message(lost))
+        row = stack.wait_settled(lost.action_id, timeout=120)
+        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     finally:
         stop_workers(stack)
