@@ -132,6 +132,9 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("authority_policy_changed", WO),
     # the protected evidence store (ledger/vault_store.py, migration 0018): each read, on the action's chain
     ("evidence_read_by_auditor", ("auditor",)),
+    # an approver's answer to a server's elicitation (recovery/elicitation_answers.py, migration
+    # 0022), on the chain ``elicitation:<id>``; the question and its expiry are the worker's
+    ("elicitation_answered", OP),
     # retention (ledger/retention_ddl.py, migration 0019): written only inside the owner's
     # SECURITY DEFINER functions (a prune, an explicit retention class), by no role directly
     ("ledger_pruned", ()),
@@ -139,6 +142,8 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 #: The event rights migration 0018 adds: an auditor's read of the evidence store is the auditor's alone.
 EVIDENCE_EVENTS = ("evidence_read_by_auditor",)
+#: The event rights migration 0022 adds: an answer to an elicitation is an operator-role write.
+ELICITATION_EVENTS = ("elicitation_answered",)
 #: The event rights migration 0015 adds to a database migrated before it.
 AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
                     "authority_demoted", "authority_policy_changed")

@@ -14,6 +14,7 @@ from proofline.commands import (
     authority_cmd,
     console_cmd,
     contracts_cmd,
+    elicitations_cmd,
     evidence_cmd,
     gateway_cmd,
     init_cmd,
@@ -58,7 +59,7 @@ def main() -> None:
 
 
 for _module in (publish, actions, operate, ledger_cmds, contracts_cmd, runtime, console_cmd, authority_cmd,
-                init_cmd, servers_cmd, gateway_cmd, evidence_cmd):
+                init_cmd, servers_cmd, gateway_cmd, evidence_cmd, elicitations_cmd):
     for _command in _module.COMMANDS:
         main.add_command(_command)
 

@@ -15,8 +15,11 @@ class ServerRequestPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    #: Only refusal: Proofline has no user to put an elicited question to.
-    elicitation: Literal["refuse"] = "refuse"
+    #: ``approver`` puts a form question to the approvers (``proofline elicitations``) and holds the
+    #: call open for at most ``elicitation_wait_seconds``; nobody answering in time is ``cancel``.
+    elicitation: Literal["refuse", "approver"] = "refuse"
+    #: How long a call waits for an approver's answer (keep it below the tool's call timeout).
+    elicitation_wait_seconds: float = Field(120.0, gt=0, le=3600)
     #: Only refusal: Proofline lends no model to a tool server.
     sampling: Literal["refuse"] = "refuse"
     #: ``sandbox`` answers with the paths the identity's sandbox declares (``file://`` URIs).
@@ -29,4 +32,8 @@ class ServerRequestPolicy(BaseModel):
         if other is None:
             return self
         roots = "refuse" if "refuse" in (self.roots, other.roots) else "sandbox"
-        return self.model_copy(update={"roots": roots, "max_per_call": min(self.max_per_call, other.max_per_call)})
+        elicitation = "refuse" if "refuse" in (self.elicitation, other.elicitation) else "approver"
+        return self.model_copy(update={"roots": roots, "max_per_call": min(self.max_per_call, other.max_per_call),
+                                       "elicitation": elicitation,
+                                       "elicitation_wait_seconds": min(self.elicitation_wait_seconds,
+                                                                       other.elicitation_wait_seconds)})

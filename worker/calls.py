@@ -61,6 +61,19 @@ class ProgressLog:
             self.on_progress()
 
 
+#: The request-timeout restart of each call in flight, by action id (the sessions' event loop is
+#: the only thread that touches it). While the runtime itself is busy answering the server (an
+#: elicitation put to approvers), the server is not the one keeping the call waiting.
+_IN_FLIGHT: dict[str, Any] = {}
+
+
+def restart_request_timeout(action_id: str) -> None:
+    """Restart the request timeout of ``action_id``'s call in flight (never past its absolute deadline)."""
+    restart = _IN_FLIGHT.get(action_id)
+    if restart is not None:
+        restart()
+
+
 async def call_tool(
     client: Client, *, tool: str, arguments: dict[str, Any], idempotency_key: str, action_id: str,
     timeout_seconds: float, deadline_monotonic: float, progress: ProgressLog, fencing_token: int = 0,
@@ -84,6 +97,7 @@ async def call_tool(
             scope.deadline = due(anyio.current_time())
 
         progress.on_progress = restart
+        _IN_FLIGHT[action_id] = restart
         try:
             result = await client.call_tool(
                 tool, arguments, progress_callback=progress,
@@ -93,6 +107,8 @@ async def call_tool(
             )
         finally:
             progress.on_progress = None
+            if _IN_FLIGHT.get(action_id) is restart:
+                del _IN_FLIGHT[action_id]
     if scope.cancelled_caught:
         elapsed = time.monotonic() - started
         if scope.deadline >= absolute:

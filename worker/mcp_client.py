@@ -404,6 +404,9 @@ class McpSessions:
         self.request_policy: ServerRequestPolicy | None = None
         #: The session and JSON-RPC request id(s) of the last :meth:`run` (worker/request_ids.py).
         self.last_request: dict[str, Any] = {}
+        #: Who answers a server's elicitation when its policy routes it to approvers (None: the
+        #: process settings' ledger, worker/elicitation_route.py).
+        self.approver_route: Any = None
         #: OAuth state per (server, identity), kept across reconnections (worker/oauth.py).
         self._identities: dict[tuple[str, Role], Identity] = {}
 
@@ -504,8 +507,14 @@ class McpSessions:
         spec = endpoint.sandbox
         roots = declared_roots(spec.ro_paths + spec.read_only_data, spec.rw_paths, self.base_dir) \
             if endpoint.transport == "stdio" and spec.enabled else []
+        route = None
+        if configured.elicitation == "approver":
+            from proofline.settings import get_settings
+            from worker.elicitation_route import ApproverRoute
+
+            route = self.approver_route or ApproverRoute(get_settings)
         return RequestGate(server.name, role, configured, lambda: configured.narrowed(self.request_policy),
-                           self._note_request, roots)
+                           self._note_request, roots, route)
 
     def run(self, server: Server, role: Role, fn: Callable[[Client], Awaitable[T]],
             cancel_handle: CancelHandle | None = None) -> T:

@@ -7,8 +7,10 @@ in an ``InputRequiredResult`` that the SDK answers through the same callbacks an
 call. Either way the answer is Proofline's, not the SDK's default, and each request is evidence on
 the action whose call was in flight.
 
-Proofline has no user to ask and no model to lend, so elicitation and sampling are always refused
-with the protocol's error. Roots are refused too unless the servers file answers them with the
+Proofline lends no model, so sampling is always refused with the protocol's error. Elicitation is
+refused too, unless the servers file routes it to the approvers (``elicitation: approver``): then a
+form question waits, within ``elicitation_wait_seconds``, for an answer an approver signed
+(worker/elicitation_route.py). Roots are refused unless the servers file answers them with the
 paths the identity's sandbox declares. Nothing is advertised that would be refused: the client's
 capability announcement names only what the policy answers, so a well-behaved server never asks;
 a server that asks anyway is refused and recorded all the same.
@@ -26,10 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 from mcp import types
 from pydantic import BaseModel
 
 from proofline.server_requests import ServerRequestPolicy
+from worker.calls import restart_request_timeout
 
 #: The ledger event of one server-initiated request.
 EVENT = "server_request"
@@ -39,6 +43,8 @@ SUPPRESSED_EVENT = "server_requests_suppressed"
 REFUSED_CODE = types.INVALID_REQUEST
 #: Key of the ``data`` the runtime's refusals carry.
 REFUSAL_MARK = "proofline_refused"
+#: How often a call waiting on an approver's answer restarts its request timeout.
+HOLD_INTERVAL_SECONDS = 0.5
 #: Longest message or prompt excerpt kept in a request's event.
 EXCERPT_CHARS = 200
 
@@ -77,8 +83,11 @@ class RequestGate:
 
     def __init__(self, server: str, role: str, configured: ServerRequestPolicy,
                  policy: Callable[[], ServerRequestPolicy],
-                 note: Callable[[str, dict[str, Any], str | None], None], roots: list[types.Root]) -> None:
+                 note: Callable[[str, dict[str, Any], str | None], None], roots: list[types.Root],
+                 route: Any = None) -> None:
         self.server, self.role = server, role
+        #: Asks approvers (worker/elicitation_route.py ``ApproverRoute``) when the policy says so.
+        self._route = route
         self.configured = configured
         self.policy = policy
         self._note = note
@@ -91,7 +100,8 @@ class RequestGate:
     def advertised(self) -> frozenset[str]:
         """The client capabilities this session announces: only what the servers file answers (a
         contract that narrows it refuses a request it announced, and records it like any other)."""
-        return frozenset({"roots"}) if self.configured.roots == "sandbox" else frozenset()
+        return frozenset({*(["roots"] if self.configured.roots == "sandbox" else []),
+                          *(["elicitation"] if self.configured.elicitation == "approver" and self._route else [])})
 
     def _record(self, action_id: str | None, method: str, request_id: Any, answer: dict[str, Any],
                 **detail: Any) -> None:
@@ -103,6 +113,10 @@ class RequestGate:
         self._note(EVENT, {"server": self.server, "role": self.role, "method": method,
                            "request_id": None if request_id is None else str(request_id),
                            "answer": answer, **detail}, action_id)
+
+    def _below_bound(self, action_id: str | None) -> bool:
+        with self._lock:
+            return self.seen.get(action_id, 0) < self.policy().max_per_call
 
     def take_suppressed(self, limit: int) -> dict[str | None, int]:
         """Per action, how many requests went past the bound since the last take (then forgotten)."""
@@ -120,11 +134,28 @@ class RequestGate:
     def callbacks(self, action_id: Callable[[], str | None]) -> dict[str, Any]:
         """``mcp.Client`` keyword arguments: the three callbacks, each recording before it answers."""
 
-        async def elicitation(ctx: Any, params: types.ElicitRequestParams) -> types.ErrorData:
+        async def elicitation(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
             method = "elicitation/create"
-            self._record(action_id(), method, ctx.request_id, {"refused": REFUSED_CODE},
-                         size=_size(params), message=_excerpt(getattr(params, "message", None)),
-                         mode=getattr(params, "mode", None) or "form")
+            aid, policy = action_id(), self.policy()
+            mode = getattr(params, "mode", None) or "form"
+            detail = {"size": _size(params), "message": _excerpt(getattr(params, "message", None)), "mode": mode}
+            # Only a form question of an action in flight, within the bound, reaches a human.
+            if policy.elicitation == "approver" and self._route is not None and aid is not None and mode == "form" \
+                    and self._below_bound(aid):
+                request_id = None if ctx.request_id is None else str(ctx.request_id)
+                async with anyio.create_task_group() as waiting:
+                    # The call's request timeout is the server's silence; here the runtime is the one
+                    # answering, so it holds the timeout open (the absolute deadline still applies).
+                    waiting.start_soon(_hold_request_timeout, aid)
+                    got = await anyio.to_thread.run_sync(lambda: self._route.ask(
+                        action_id=aid, server=self.server, role=self.role, message=getattr(params, "message", ""),
+                        schema=getattr(params, "requested_schema", None),
+                        wait_seconds=policy.elicitation_wait_seconds, request_id=request_id), abandon_on_cancel=True)
+                    waiting.cancel_scope.cancel()
+                content = got.pop("content", None)
+                self._record(aid, method, ctx.request_id, got, **detail)  # the content stays on its own chain
+                return types.ElicitResult(action=got["action"], content=content)
+            self._record(aid, method, ctx.request_id, {"refused": REFUSED_CODE}, **detail)
             return self._refusal(method)
 
         async def sampling(ctx: Any, params: types.CreateMessageRequestParams) -> types.ErrorData:
@@ -143,6 +174,12 @@ class RequestGate:
             return self._refusal(method)
 
         return {"elicitation_callback": elicitation, "sampling_callback": sampling, "list_roots_callback": roots}
+
+
+async def _hold_request_timeout(action_id: str) -> None:
+    while True:
+        restart_request_timeout(action_id)
+        await anyio.sleep(HOLD_INTERVAL_SECONDS)
 
 
 def refused_by_runtime(error: BaseException) -> bool:

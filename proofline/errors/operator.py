@@ -173,3 +173,10 @@ class DevAlreadyRunning(ConfigurationError):
 
     code = "dev_already_running"
 
+
+
+class ElicitationRefused(ProoflineError):
+    """An answer to a server's elicitation was refused: not pending (answered, expired, unknown), signed
+    by a key that may not answer, not matching the question, or content outside its requested schema."""
+
+    code = "elicitation_refused"

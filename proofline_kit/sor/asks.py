@@ -1,7 +1,9 @@
-"""The ``server_requests`` and ``ask_roots`` faults: the write tool asks its client for things mid-call.
+"""The ``server_requests``, ``ask_roots`` and ``ask_elicitation`` faults: the write tool asks its
+client for things mid-call.
 
 ``server_requests`` asks for the client's roots, an elicited answer and a sampled message, as a
-server that wants a human or a model in the loop would; ``ask_roots`` asks for the roots only. On
+server that wants a human or a model in the loop would; ``ask_roots`` asks for the roots only, and
+``ask_elicitation`` for the elicited answer only. On
 the 2025-11-25 protocol each is a request on the session; on 2026-07-28, which has no back-channel,
 the tool answers its first round with an ``InputRequiredResult`` carrying the same requests, and the
 client either answers and calls again, or refuses. What the client answered is appended, one JSON
@@ -46,9 +48,14 @@ def _messages() -> list[SamplingMessage]:
     return [SamplingMessage(role="user", content=TextContent(type="text", text=PROMPT))]
 
 
-async def ask_client(ctx: Context, db_path: str, roots_only: bool) -> InputRequiredResult | None:
-    """Put this fault's requests to the client; an ``InputRequiredResult`` to return when the
-    connection has no back-channel and the client has not answered yet, else None (go on)."""
+#: The one method each single-request fault asks for (``server_requests`` asks for all three).
+ONLY = {"ask_roots": "roots/list", "ask_elicitation": "elicitation/create"}
+
+
+async def ask_client(ctx: Context, db_path: str, only: str | None) -> InputRequiredResult | None:
+    """Put this fault's requests to the client (``only`` one method, or all); an
+    ``InputRequiredResult`` to return when the connection has no back-channel and the client has not
+    answered yet, else None (go on)."""
     responses = ctx.input_responses
     if responses is not None:
         for key, response in responses.items():
@@ -56,16 +63,18 @@ async def ask_client(ctx: Context, db_path: str, roots_only: bool) -> InputRequi
         return None
     caps = ctx.session.client_capabilities
     _note(db_path, "capabilities", caps.model_dump(mode="json", by_alias=True, exclude_none=True) if caps else None)
-    asks: list[tuple[str, Any]] = [("roots/list", lambda: ctx.session.list_roots())]
-    if not roots_only:
-        asks += [("elicitation/create", lambda: ctx.session.elicit(QUESTION, _SCHEMA, related_request_id=ctx.request_id)),
-                 ("sampling/createMessage", lambda: ctx.session.create_message(_messages(), max_tokens=64,
-                                                                             related_request_id=ctx.request_id))]
+    asks: list[tuple[str, Any]] = [
+        ("roots/list", lambda: ctx.session.list_roots()),
+        ("elicitation/create", lambda: ctx.session.elicit(QUESTION, _SCHEMA, related_request_id=ctx.request_id)),
+        ("sampling/createMessage", lambda: ctx.session.create_message(_messages(), max_tokens=64,
+                                                                     related_request_id=ctx.request_id))]
     for method, ask in asks:
+        if only is not None and method != only:
+            continue
         try:
             answer = await ask()
         except NoBackChannelError:
-            return _embedded(roots_only)
+            return _embedded(only)
         except MCPError as exc:
             _note(db_path, method, {"error": exc.error.code, "message": exc.error.message})
         else:
@@ -73,11 +82,12 @@ async def ask_client(ctx: Context, db_path: str, roots_only: bool) -> InputRequi
     return None
 
 
-def _embedded(roots_only: bool) -> InputRequiredResult:
-    requests: dict[str, Any] = {"roots/list": ListRootsRequest()}
-    if not roots_only:
-        requests["elicitation/create"] = ElicitRequest(params=ElicitRequestFormParams(message=QUESTION,
-                                                                                     requested_schema=_SCHEMA))
-        requests["sampling/createMessage"] = CreateMessageRequest(params=CreateMessageRequestParams(
-            messages=_messages(), max_tokens=64))
+def _embedded(only: str | None) -> InputRequiredResult:
+    requests: dict[str, Any] = {
+        "roots/list": ListRootsRequest(),
+        "elicitation/create": ElicitRequest(params=ElicitRequestFormParams(message=QUESTION, requested_schema=_SCHEMA)),
+        "sampling/createMessage": CreateMessageRequest(params=CreateMessageRequestParams(messages=_messages(),
+                                                                                         max_tokens=64))}
+    if only is not None:
+        requests = {only: requests[only]}
     return InputRequiredResult(input_requests=requests, request_state="asked")

@@ -33,6 +33,7 @@ MODES = frozenset(
         "apply_twice",
         "server_requests",
         "ask_roots",
+        "ask_elicitation",
     }
 )
 #: Tool name of the switch that takes every read tool down.

@@ -20,7 +20,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations, ToolListChangedNotification
 
 from proofline_kit.sor import store
-from proofline_kit.sor.asks import ask_client
+from proofline_kit.sor.asks import ONLY, ask_client
 from proofline_kit.sor.core import unapplied
 from proofline_kit.sor.db import now
 from proofline_kit.sor.faults import DROP_RESPONSE_DEFAULT_SECONDS, READ_LAG, READ_OUTAGE, Fault
@@ -186,8 +186,8 @@ class Runner:
                                     f"{sent[0]} progress notifications sent" if sent[0] else "")
                 raise
             mode = fault.mode if fault else None
-            if mode in ("server_requests", "ask_roots") or ctx.input_responses is not None:
-                asked = await ask_client(ctx, self.config.db_path, roots_only=mode == "ask_roots")
+            if mode in ("server_requests", *ONLY) or ctx.input_responses is not None:
+                asked = await ask_client(ctx, self.config.db_path, only=ONLY.get(mode or ""))
                 if asked is not None:
                     return asked  # type: ignore[return-value] - the 2026-07-28 round trip, nothing applied
             if mode == "list_changed":

@@ -21,7 +21,7 @@ from proofline.settings import ROOT
 #: The domain: pure definitions every layer shares (envelope, contracts, conditions, canonical
 #: form, signing, errors, settings and what they are built from).
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
-          "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts",
+          "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts", "proofline.elicitations",
           "proofline.envelope", "proofline.errors", "proofline.errors.authority", "proofline.errors.operator", "proofline.errors.evidence_store", "proofline.keys", "proofline.auditor_keys", "proofline.vault", "proofline.ledger_check", "proofline.plan",
           "proofline.pins", "proofline.recheck", "proofline.server_requests", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
           "proofline.telemetry.observe"}
