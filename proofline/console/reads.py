@@ -222,8 +222,10 @@ def run_detail(cur: Any, run_id: str) -> dict[str, Any] | None:
     recoveries = list(cur.fetchall())
     cur.execute("SELECT seq, at, event, actor, evidence FROM ledger_events WHERE action_id = %s ORDER BY seq",
                 (f"run:{run_id}",))
+    # Steps an operator closed by hand: the derived outcome rests on their word for these.
+    by_hand = [s for s in steps if (s["reason_code"] or "").startswith("operator_")]
     return {"run_id": run_id, "steps": steps, "recoveries": recoveries, "outcome": derived,
-            "run_events": list(cur.fetchall())}
+            "run_events": list(cur.fetchall()), "by_hand": by_hand}
 
 
 def runs_page(cur: Any, tenant: str | None, limit: int) -> list[dict[str, Any]]:

@@ -275,4 +275,11 @@ def test_a_long_timeline_folds_and_a_succeeded_resolution_stays_the_operators_wo
     assert timeline.bounding_box()["height"] > folded_height
     page.goto(f"/actions?tenant={row.tenant}")
     assert page.inner_text(f"tr[data-action='{env.action_id}'] .resolved") == "operator: succeeded"
+    # Its run's page too: the step's outcome is the operator's word.
+    page.goto(f"/runs/{row.run_id}")
+    assert page.inner_text("#run-operator") == ("derived from 1 of 1 steps closed on an operator's word, not verified "
+                                                "by Proofline: step 0 succeeded")
+    (step,) = page.locator("#steps tbody tr").all()
+    assert step.locator(".resolved").inner_text() == "operator: succeeded"
+    assert "completed_verified" not in step.inner_text().replace("operator_succeeded", "")
     page.context.close()
