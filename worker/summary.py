@@ -8,8 +8,8 @@ reason are what an operator needs, so the line starts with them::
 The stages themselves (``worker/execute.py``, ``recovery/``) return a summary dict; the task turns
 it into this line (:func:`task_line`) after everything the task did is committed, and the worker's
 request class (``worker/task_request.py``) sends Flower the state :func:`flower_state` names
-instead of a green SUCCESS for an action that escalated, was contained, kill-switched, refused or
-failed.
+instead of a green SUCCESS for an action that escalated, was contained, kill-switched, refused,
+failed, or was left unverified.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ MAX_LINE = 900
 _LINE = re.compile(r'outcome=(?P<outcome>\S+) action=(?P<action>"(?:[^"\\]|\\.)*"|\S+) '
                    r'reason=(?P<reason>\S+) status=(?P<status>\S+)(?P<rest>(?: \S+=\S+)*)$')
 
-#: Outcomes after which the action did what was approved, or is still on its way there.
-_FINE_OUTCOMES = frozenset({"completed_verified", "completed_unverified", "accepted", "unknown_outcome", "-"})
+#: Outcomes Flower may paint green: verified, or none yet (a step waiting for the steps before it).
+_FINE_OUTCOMES = frozenset({"completed_verified", "-"})
+#: Outcomes of a task that handed an unproven action on (to verification, to the reconciler): the
+#: next task says where it ended, and until then nothing is verified, so it is not SUCCESS either.
+_UNPROVEN_OUTCOMES = {"completed_unverified": "UNVERIFIED", "unknown_outcome": "UNKNOWN_OUTCOME",
+                      "accepted": "ACCEPTED"}
 #: Outcomes that end an action short of what was approved, with their Flower state.
 _FAILED_OUTCOMES = {"failed_before_side_effect": "ACTION_FAILED", "failed_after_side_effect": "ACTION_FAILED",
                     "partially_completed": "ACTION_FAILED", "compensation_failed": "ACTION_FAILED",
@@ -105,8 +109,9 @@ def parse_line(line: str) -> dict[str, str] | None:
 
 def flower_state(fields: dict[str, str]) -> str:
     """The state Flower shows for a task whose line has these fields: SUCCESS only when the action
-    is verified or still on its way (the next task will say where it ended); a custom state,
-    which Flower draws grey, when it needs an operator or ended short of what was approved."""
+    is verified (or has no outcome yet); a custom state, which Flower draws grey, when it needs an
+    operator, ended short of what was approved, or was handed on unverified (UNVERIFIED,
+    UNKNOWN_OUTCOME, ACCEPTED: the next task's line says where it ended)."""
     status, outcome, reason = fields.get("status"), fields.get("outcome", "-"), fields.get("reason")
     if status == "escalated":
         return "CONTAINED" if fields.get("recovery") == "containment" else "ESCALATED"
@@ -122,4 +127,6 @@ def flower_state(fields: dict[str, str]) -> str:
         return "CANCELLED"
     if outcome in _FAILED_OUTCOMES:
         return _FAILED_OUTCOMES[outcome]
+    if outcome in _UNPROVEN_OUTCOMES:
+        return _UNPROVEN_OUTCOMES[outcome]
     return "SUCCESS" if outcome in _FINE_OUTCOMES else outcome.upper()

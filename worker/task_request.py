@@ -2,8 +2,8 @@
 
 Celery sends ``task-succeeded`` whenever a task body returns, and Flower paints it green. A
 Proofline task returns after it has committed what happened to the action, and that may be an
-escalation, a containment, a kill switch or a failure: none of these is a success to the person
-looking at Flower. So, in the worker's main process, the ``task-succeeded`` event of a task whose
+escalation, a containment, a kill switch, a failure, or a call nothing has verified yet: none of
+these is a success to the person looking at Flower. So, in the worker's main process, the ``task-succeeded`` event of a task whose
 line (``worker/summary.py``) names such an outcome is sent as a custom task event instead,
 ``task-escalated``, ``task-contained``, ``task-kill_switched`` ...; Celery's event state (and so
 Flower) shows the event's name, upper-cased, as the task's state.

@@ -110,8 +110,8 @@ def soak(ctx: click.Context) -> None:
 @click.pass_context
 def flower(ctx: click.Context, address: str, port: int) -> None:
     """Run Flower with Proofline's configuration: each task's result starts with its action's
-    outcome and id, and an escalated, contained, kill-switched or failed action's task ends in a
-    state of that name, not SUCCESS (extra options go to Flower)."""
+    outcome and id, and an escalated, contained, kill-switched, failed or not yet verified action's
+    task ends in a state of that name, not SUCCESS (extra options go to Flower)."""
     import os
 
     import worker

@@ -5,6 +5,7 @@ and revocations. Nothing here writes; every function takes a cursor of the reade
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
 from typing import Any
 
@@ -101,6 +102,28 @@ LONG_TIMELINE = 40
 ENDS_SHOWN = 15
 
 
+#: More stage bars than this (a retried action repeats its stages once per attempt) keep the first
+#: and last :data:`LANE_ENDS` open; the bars between fold under a count.
+LONG_LANES = 16
+LANE_ENDS = 6
+
+
+def folded_lanes(bars: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The stage bars as the page draws them: ``head`` and ``tail`` open, ``middle`` folded (empty
+    for a short action). Each bar keeps its place on the common time scale, folded or not."""
+    if len(bars) <= LONG_LANES:
+        return {"head": bars, "middle": [], "tail": []}
+    return {"head": bars[:LANE_ENDS], "middle": bars[LANE_ENDS:-LANE_ENDS], "tail": bars[-LANE_ENDS:]}
+
+
+def latest_open(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Events that repeat once per attempt (precondition checks, calls): the latest shown open, the
+    earlier ones folded, oldest first, with how many of each outcome they had."""
+    earlier = items[:-1]
+    kinds = Counter(str((ev["evidence"] or {}).get("outcome") or ev["event"]) for ev in earlier)
+    return {"latest": items[-1] if items else None, "earlier": earlier, "kinds": dict(kinds)}
+
+
 def folded_timeline(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The timeline as the page shows it: ``{"row": ev}`` for an open row, ``{"fold": [ev, ...],
     "label": ...}`` for rows folded under a count (a long run of one event, a long middle)."""
@@ -167,9 +190,10 @@ def action_detail(cur: Any, action_id: str) -> dict[str, Any] | None:
         "folded": folded_timeline(timeline),
         "readings": last_readings(events),
         "resolution": resolution(events),
-        "stages": stage_durations(timeline),
-        "preconditions": [ev for ev in events if ev["event"] in ("preconditions_passed", "preconditions_failed")],
-        "calls": [ev for ev in events if ev["event"] == "tool_called"],
+        "stages": folded_lanes(stage_durations(timeline)),
+        "preconditions": latest_open([ev for ev in events
+                                      if ev["event"] in ("preconditions_passed", "preconditions_failed")]),
+        "calls": latest_open([ev for ev in events if ev["event"] == "tool_called"]),
         "verifications": [ev for ev in events if ev["event"] in ("verification_finished", "operation_record_expired")],
         "decisions": [ev for ev in events if ev["event"] == "recovery_decided"],
         "operator": [ev for ev in events if ev["event"] in ("operator_intervention", "manual_retry", "cancel_requested")],
@@ -198,8 +222,10 @@ def run_detail(cur: Any, run_id: str) -> dict[str, Any] | None:
     recoveries = list(cur.fetchall())
     cur.execute("SELECT seq, at, event, actor, evidence FROM ledger_events WHERE action_id = %s ORDER BY seq",
                 (f"run:{run_id}",))
+    # Steps an operator closed by hand: the derived outcome rests on their word for these.
+    by_hand = [s for s in steps if (s["reason_code"] or "").startswith("operator_")]
     return {"run_id": run_id, "steps": steps, "recoveries": recoveries, "outcome": derived,
-            "run_events": list(cur.fetchall())}
+            "run_events": list(cur.fetchall()), "by_hand": by_hand}
 
 
 def runs_page(cur: Any, tenant: str | None, limit: int) -> list[dict[str, Any]]:

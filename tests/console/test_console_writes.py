@@ -9,10 +9,12 @@ import uuid
 from typing import Any
 
 from ledger.states import ActionStatus, Outcome
+from proofline.console.reads import ENDS_SHOWN, LANE_ENDS, LONG_LANES, LONG_TIMELINE
 from proofline_kit.sor import store as sor
 from recovery.operator import list_switches
 from tests.conftest import Stack, wait_for
 from tests.console.conftest import Console, log_in, shot
+from tests.helpers import new_account, refund_env
 
 
 def _escalated(stack: Stack) -> str:
@@ -214,4 +216,70 @@ def test_an_operator_cancels_and_revokes_with_who_and_why_in_the_ledger(stack: S
     page.wait_for_selector("#error")
     assert page.inner_text("#error").startswith("console_input_invalid: say why")
     assert len(stack.timeline(f"revocation:{identity}")) == 2
+    page.context.close()
+
+
+def test_a_long_timeline_folds_and_a_succeeded_resolution_stays_the_operators_word(stack: Stack, console: Console,
+                                                                                    browser: Any) -> None:
+    """A refund that fails before commit seven times and then lands while the verification read
+    path is down: a long timeline (every attempt's events) and an escalation whose finding is
+    ``unavailable``. The page folds the timeline to about a screen; an operator who resolves it as
+    ``succeeded`` is shown as the operator's word, never as a plain ``completed_verified``."""
+    env = refund_env(stack, new_account(stack), retry_policy={"max_attempts": 8, "backoff_seconds": 0.1},
+                     authority_budget={"max_calls": 8, "max_amount_cents": 5000})
+    sor.set_fault(stack.sor_db, "issue_refund", "fail_before_commit", remaining=7)
+    sor.set_read_outage(stack.sor_db, True, role="reader")
+    try:
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id, timeout=120)
+    finally:
+        sor.set_read_outage(stack.sor_db, False, role="reader")
+        sor.clear_faults(stack.sor_db)
+    assert (row.status, row.finding) == (ActionStatus.escalated, "unavailable"), (row.outcome, row.reason_code, [e["event"] for e in stack.timeline(env.action_id)])
+    seqs = [e["seq"] for e in stack.timeline(env.action_id)]
+    assert len(seqs) > LONG_TIMELINE, len(seqs)
+    page = log_in(browser, console, "ops-alice")
+    page.goto(f"/actions/{env.action_id}")
+    page.wait_for_selector("#resolve-form")
+    page.select_option("#resolve-form select[name=resolution]", "succeeded")
+    page.fill("#resolve-form input[name=reason]", "the refund is on the statement")
+    page.click("#resolve-form button")
+    page.wait_for_selector("#message")
+    assert page.inner_text("#resolution") == "resolved by operator ops-alice: succeeded"
+    status = page.inner_text("#status")
+    assert "completed_verified on the operator's word, not verified by Proofline (its finding: unavailable)" in status
+    assert page.locator("#status > strong#outcome").count() == 0  # never the plain, bold outcome
+    # Folded: every event is on the page exactly once, most of them inside closed folds, and the
+    # table is about a screen high until a fold is opened.
+    timeline = page.locator("#timeline")
+    shown = timeline.locator("tr[data-event] > td:first-child").all_text_contents()
+    assert sorted(int(s) for s in shown) == seqs + [seqs[-1] + 1]  # and the operator's own event
+    folds = timeline.locator("tr.fold > td > details")
+    assert folds.count() >= 1 and all(not f.evaluate("d => d.open") for f in folds.all())
+    visible = [r for r in timeline.locator("tr[data-event]").all() if r.is_visible()]
+    assert len(visible) <= 2 * ENDS_SHOWN + 1 < len(shown)
+    folded_height = timeline.bounding_box()["height"]
+    assert folded_height < 2 * page.viewport_size["height"], folded_height
+    # The rest of the page folds the same way: the stage lanes of the attempts in between, the
+    # earlier precondition checks and calls (one per attempt); the latest of each stays open.
+    assert page.locator("#stages > .lane").count() == 2 * LANE_ENDS
+    assert page.locator("#stages details.lanes-fold .lane").count() > LONG_LANES - 2 * LANE_ENDS
+    assert page.locator("#earlier-preconditions pre.precondition").count() == 7
+    assert page.locator("#earlier-calls").evaluate("d => d.querySelector('summary').textContent") == \
+        "7 earlier calls: 7 failed_before_side_effect"
+    assert "completed_unverified" in page.inner_text("#classification")
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height < 4 * page.viewport_size["height"], height
+    shot(page, "action-long-timeline")
+    folds.first.locator("> summary").click()
+    assert timeline.bounding_box()["height"] > folded_height
+    page.goto(f"/actions?tenant={row.tenant}")
+    assert page.inner_text(f"tr[data-action='{env.action_id}'] .resolved") == "operator: succeeded"
+    # Its run's page too: the step's outcome is the operator's word.
+    page.goto(f"/runs/{row.run_id}")
+    assert page.inner_text("#run-operator") == ("derived from 1 of 1 steps closed on an operator's word, not verified "
+                                                "by Proofline: step 0 succeeded")
+    (step,) = page.locator("#steps tbody tr").all()
+    assert step.locator(".resolved").inner_text() == "operator: succeeded"
+    assert "completed_verified" not in step.inner_text().replace("operator_succeeded", "")
     page.context.close()

@@ -1,6 +1,7 @@
 """Flower, run as ``proofline flower`` against real workers that send task events, shows each task's
-result as a line that starts with the Proofline outcome and the action id, an escalated or
-kill-switched action in a state that is not SUCCESS, and no routine reconciler sweep."""
+result as a line that starts with the Proofline outcome and the action id, an escalated,
+kill-switched or not yet verified action in a state that is not SUCCESS, and no routine reconciler
+sweep."""
 
 from __future__ import annotations
 
@@ -134,17 +135,27 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     (kill_task,) = _of(tasks, killed)
     assert kill_task["state"] == "KILL_SWITCHED", kill_task
     assert kill_task["result"] == f"outcome=not_started action={killed} reason=kill_switch_engaged status=closed"
-    # Verified after an unknown outcome: every task a SUCCESS, the verify task's line says verified.
+    # Verified after an unknown outcome: the execute task that lost the response is not green
+    # (UNKNOWN_OUTCOME: nothing was proven when it returned); the verify task's line says verified,
+    # and only it is a SUCCESS.
     late_tasks = _of(tasks, late)
-    assert all(t["state"] == "SUCCESS" for t in late_tasks), late_tasks
+    execute = [t for t in late_tasks if t["name"] == "proofline.execute"]
+    assert [t["state"] for t in execute] == ["UNKNOWN_OUTCOME"], late_tasks
+    assert execute[0]["result"].startswith(f"outcome=unknown_outcome action={late} ")
     verify = [t for t in late_tasks if t["name"] == "proofline.verify"]
-    assert verify and verify[-1]["result"].startswith(f"outcome=completed_verified action={late} reason=verified "
-                                                      "status=closed")
+    assert verify and all(t["state"] == "SUCCESS" for t in verify), late_tasks
+    assert verify[-1]["result"].startswith(f"outcome=completed_verified action={late} reason=verified status=closed")
+    assert not [t for t in late_tasks if t["state"] not in ("SUCCESS", "UNKNOWN_OUTCOME")], late_tasks
     # Escalated: the task that escalated it ends ESCALATED, never SUCCESS, and nothing failed.
     (recover,) = _recover(tasks, lied)
     assert recover["state"] == "ESCALATED" and recover["result"].startswith("outcome=") and \
         f" action={lied} " in recover["result"] and " status=escalated" in recover["result"], recover
     assert all(t["state"] not in ("FAILURE", "RETRY") for t in _of(tasks, lied))
+    # Before that, the execute task handed on a call the server called done and nothing had proven:
+    # UNVERIFIED, not green.
+    (lied_execute,) = [t for t in _of(tasks, lied) if t["name"] == "proofline.execute"]
+    assert lied_execute["state"] == "UNVERIFIED", lied_execute
+    assert lied_execute["result"].startswith(f"outcome=completed_unverified action={lied} ")
     # Flower's API filters by the custom state like any other.
     assert recover["uuid"] in _get(f"{base}/api/tasks?state=ESCALATED")
     # Routine sweeps ran (beat sent them) and none is in Flower's list.
@@ -153,5 +164,6 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     rendered = {r["uuid"]: (r["state"], r["result"]) for r in _rows(base)}
     assert rendered[kill_task["uuid"]] == ("KILL_SWITCHED", kill_task["result"])
     assert rendered[recover["uuid"]] == ("ESCALATED", recover["result"])
+    assert rendered[lied_execute["uuid"]] == ("UNVERIFIED", lied_execute["result"])
     assert subprocess.run([sys.executable, "-m", "proofline", "--json", "flower"], cwd=ROOT, capture_output=True,
                           text=True, env=environment(stack), timeout=60).returncode == 2

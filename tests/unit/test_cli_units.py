@@ -107,7 +107,10 @@ def test_a_task_line_leads_with_outcome_and_action_and_names_a_state_flower_does
     cases = {
         killed: "KILL_SWITCHED",
         "outcome=completed_verified action=a-2 reason=verified status=closed": "SUCCESS",
-        "outcome=completed_unverified action=a-3 reason=- status=verifying": "SUCCESS",
+        "outcome=completed_unverified action=a-3 reason=- status=verifying": "UNVERIFIED",
+        "outcome=unknown_outcome action=a-3 reason=transport_timeout status=verifying": "UNKNOWN_OUTCOME",
+        "outcome=accepted action=a-3 reason=operation_accepted status=verifying": "ACCEPTED",
+        "outcome=- action=a-3 reason=- status=pending": "SUCCESS",
         "outcome=unknown_outcome action=a-4 reason=verification_absent status=escalated": "ESCALATED",
         "outcome=unknown_outcome action=a-4 reason=x status=escalated recovery=containment": "CONTAINED",
         "outcome=failed_after_side_effect action=a-5 reason=x status=closed": "ACTION_FAILED",
