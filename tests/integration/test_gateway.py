@@ -240,7 +240,7 @@ def test_over_stdio_an_unknown_or_missing_token_serves_nothing(gw: dict[str, Any
         params = stdio_params(gw, token)
         done = subprocess.run([params.command, *params.args], env=params.env, input="", capture_output=True,
                               text=True, timeout=60)
-        assert done.returncode != 0, done
+        assert done.returncode == 3, done  # configuration_error
         assert "PROOFLINE_GATEWAY_TOKEN" in done.stderr and done.stdout == "", done
 
 
