@@ -76,8 +76,10 @@ class Gateway:
             request = getattr(ctx, "request", None)
             header = request.headers.get("authorization") if request is not None else None
         agent = authenticate(load_agents(self.agents_file), header)
-        if agent is None:  # the middleware refused it already; a handler never trusts that alone
-            raise PermissionError("no valid gateway credential")
+        if agent is None:
+            # Over HTTP the middleware refused it already (a handler never trusts that alone); over
+            # stdio this is an agent removed from the agents file since the process started.
+            raise MCPError(types.INVALID_REQUEST, "no valid gateway credential: the token is not in the agents file")
         return agent
 
     async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:

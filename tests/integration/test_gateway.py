@@ -409,3 +409,25 @@ def test_a_2025_11_25_client_gets_a_task_for_a_task_augmented_call(gw: dict[str,
     assert task.status == "completed" and task.task_id.startswith("gw-ops-")
     assert result.structured_content["action_id"] == task.task_id
     assert result.structured_content["outcome"] == Outcome.completed_verified.value
+
+
+def test_over_stdio_an_agent_removed_from_the_agents_file_is_refused_from_its_next_request(
+        gw: dict[str, Any], tmp_path: Any) -> None:
+    token, digest = new_token()
+    agents = tmp_path / "agents.yaml"
+    spec = {"token_sha256": digest, "workload_identity": "agent:temp-bot", "requester": "dana@acme.test",
+            "tenant": "acme", "action_types": ["ticket.create"]}
+    agents.write_text(yaml.safe_dump({"agents": {"temp": spec}}))
+    params = stdio_params({**gw, "agents": agents}, token)
+
+    async def go() -> tuple[list[str], int]:
+        async with Client(params, read_timeout_seconds=60) as client:
+            before = await list_tools(client)
+            agents.write_text(yaml.safe_dump({"agents": {}}))
+            with pytest.raises(MCPError) as refused:
+                await client.call_tool("ticket.create", create_args(), read_timeout_seconds=60)
+            assert "agents file" in refused.value.error.message
+            return before, refused.value.error.code
+
+    before, code = anyio.run(go)
+    assert before == ["proofline_action_status", "ticket.create"] and code == types.INVALID_REQUEST
