@@ -1,4 +1,4 @@
-"""``proofline gateway``: a streamable-HTTP MCP server in front of the controller path.
+"""``proofline gateway``: an MCP server (streamable HTTP, or stdio) in front of the controller path.
 
 Each ``tools/call`` of a governed tool becomes an envelope signed with the gateway's controller key
 (the authority policy then decides its mode, exactly as for any controller): the agent's credential
@@ -12,7 +12,12 @@ action id for the same key, so a call retried after a lost answer is the action 
 
 Every request is authenticated twice: an HTTP middleware refuses a missing or unknown bearer token
 with 401 before MCP sees it, and each handler maps the token to its agent again (the tool list is
-the agent's, not the server's).
+the agent's, not the server's). Over stdio the token is the process's (``PROOFLINE_GATEWAY_TOKEN``),
+mapped to its agent on each request in the same way.
+
+A call with a ``progressToken`` streams the action's ledger events as progress
+(``proofline/gateway/progress.py``); a client that declares Tasks gets the action as an MCP Task
+(``proofline/gateway/tasks.py``).
 """
 
 from __future__ import annotations
