@@ -452,6 +452,14 @@ def stored_message_at(cur: Cursor, message: Any) -> datetime | None:
     return row["published_at"] if row else None
 
 
+def events_after(cur: Cursor, action_id: str, after_seq: int, limit: int = 100) -> list[dict[str, Any]]:
+    """The action's events appended after ``after_seq``, oldest first (names and times only: no
+    evidence leaves the ledger this way). One read of the chain's unique (action_id, seq) index."""
+    cur.execute("SELECT seq, at, event FROM ledger_events WHERE action_id = %s AND seq > %s ORDER BY seq LIMIT %s",
+                (action_id, after_seq, limit))
+    return list(cur.fetchall())
+
+
 def timeline(cur: Cursor, action_id: str) -> list[dict[str, Any]]:
     cur.execute(
         "SELECT seq, at, event, actor, evidence, hash FROM ledger_events WHERE action_id = %s ORDER BY seq",

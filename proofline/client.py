@@ -167,6 +167,20 @@ class Client:
             raise KeyError(f"no action {action_id}")
         return ActionResult.of(row)
 
+    def row(self, action_id: str) -> store.ActionRow:
+        """The action's ledger row (its times included); ``KeyError`` when there is none."""
+        with self._conn.cursor() as cur:
+            row = store.get_action(cur, action_id)
+        if row is None:
+            raise KeyError(f"no action {action_id}")
+        return row
+
+    def events(self, action_id: str, after_seq: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """The names of the action's ledger events after ``after_seq`` (``seq``, ``at``, ``event``),
+        oldest first: what a caller following an action's stages reads."""
+        with self._conn.cursor() as cur:
+            return store.events_after(cur, action_id, after_seq, limit)
+
     def wait(self, action_id: str, timeout: float) -> ActionResult:
         deadline = time.monotonic() + timeout
         listening = self._listen()  # before the first read: a settlement after it is heard or read

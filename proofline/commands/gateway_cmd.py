@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import click
 
 from proofline.commands.base import emit, settings
+
+#: With ``--stdio``: the environment variable that holds the served agent's bearer token.
+TOKEN_ENV = "PROOFLINE_GATEWAY_TOKEN"
 
 
 @click.group(invoke_without_command=True)
@@ -20,24 +25,32 @@ from proofline.commands.base import emit, settings
               help="how long a call waits for the proven outcome before answering with the action id")
 @click.option("--console-url", default=None, envvar="PROOFLINE_GATEWAY_CONSOLE_URL",
               help="the console's base URL, for links in answers")
+@click.option("--stdio", is_flag=True,
+              help="serve one agent on stdin/stdout instead of HTTP: the agent whose token PROOFLINE_GATEWAY_TOKEN "
+                   "holds (for an MCP client that starts the gateway itself)")
 @click.pass_context
 def gateway(ctx: click.Context, agents_file: Path | None, host: str, port: int, port_file: Path | None,
-            wait_seconds: float, console_url: str | None) -> None:
-    """Serve the governed action types as MCP tools over streamable HTTP at /mcp: each agent (a bearer
-    token in the agents file) sees the action types it may use, and each call is published through
-    the controller path and answered with its proven outcome."""
+            wait_seconds: float, console_url: str | None, stdio: bool) -> None:
+    """Serve the governed action types as MCP tools over streamable HTTP at /mcp (or, with --stdio,
+    over stdin and stdout): each agent (a bearer token in the agents file) sees the action types it
+    may use, and each call is published through the controller path and answered with its proven
+    outcome."""
     if ctx.invoked_subcommand is not None:
         return
     if agents_file is None:
         raise click.UsageError("give --agents or PROOFLINE_GATEWAY_AGENTS_FILE")
-    import uvicorn
-
     from proofline.errors import ConfigurationError
     from proofline.gateway.agents import load_agents
     from proofline.gateway.server import Gateway, build_app
+
+    agents = load_agents(agents_file)  # a broken agents file is refused now, not at the first request
+    if stdio:
+        _serve_stdio(Gateway(settings(), agents_file, wait_seconds, console_url, token=_stdio_token(agents)))
+        return
+    import uvicorn
+
     from proofline.listen import listening_socket
 
-    load_agents(agents_file)  # a broken agents file is refused now, not at the first request
     try:
         sock = listening_socket(host, port)
     except OSError as exc:
@@ -50,6 +63,29 @@ def gateway(ctx: click.Context, agents_file: Path | None, host: str, port: int, 
     app = build_app(Gateway(settings(), agents_file, wait_seconds, console_url), host)
     config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_headers=False, server_header=False)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _stdio_token(agents: dict[str, Any]) -> str:
+    """The agent's token from the environment, refused now (exit, nothing served) when no agent has it."""
+    from proofline.errors import ConfigurationError
+    from proofline.gateway.agents import authenticate
+
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ConfigurationError(f"--stdio serves the agent whose token {TOKEN_ENV} holds: it is not set",
+                                 variable=TOKEN_ENV)
+    if authenticate(agents, f"Bearer {token}") is None:
+        raise ConfigurationError(f"{TOKEN_ENV} is not the token of any agent in the agents file",
+                                 variable=TOKEN_ENV)
+    return token
+
+
+def _serve_stdio(gateway: Any) -> None:
+    import anyio
+
+    from proofline.gateway.server import serve_stdio
+
+    anyio.run(serve_stdio, gateway)
 
 
 @gateway.command("token")

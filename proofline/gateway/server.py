@@ -1,4 +1,4 @@
-"""``proofline gateway``: a streamable-HTTP MCP server in front of the controller path.
+"""``proofline gateway``: an MCP server (streamable HTTP, or stdio) in front of the controller path.
 
 Each ``tools/call`` of a governed tool becomes an envelope signed with the gateway's controller key
 (the authority policy then decides its mode, exactly as for any controller): the agent's credential
@@ -12,7 +12,12 @@ action id for the same key, so a call retried after a lost answer is the action 
 
 Every request is authenticated twice: an HTTP middleware refuses a missing or unknown bearer token
 with 401 before MCP sees it, and each handler maps the token to its agent again (the tool list is
-the agent's, not the server's).
+the agent's, not the server's). Over stdio the token is the process's (``PROOFLINE_GATEWAY_TOKEN``),
+mapped to its agent on each request in the same way.
+
+A call with a ``progressToken`` streams the action's ledger events as progress
+(``proofline/gateway/progress.py``); a client that declares Tasks gets the action as an MCP Task
+(``proofline/gateway/tasks.py``).
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from typing import Any
 import anyio
 from mcp import types
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proofline.client import Client
+from ledger import store
+from proofline.client import ActionResult, Client
 from proofline.errors import ProoflineError, WaitTimedOut
-from proofline.gateway import tools
+from proofline.gateway import progress, tools
+from proofline.gateway import tasks as gateway_tasks
 from proofline.gateway.agents import Agent, agent_slug, authenticate, load_agents
 from proofline.settings import Settings
 
@@ -43,13 +51,19 @@ IDEMPOTENCY_META_KEY = "proofline/idempotency_key"
 
 
 class Gateway:
-    """The gateway's state: settings, the agents file, one controller client."""
+    """The gateway's state: settings, the agents file, one controller client per thread.
 
-    def __init__(self, settings: Settings, agents_file: Path, wait_seconds: float, console_url: str | None) -> None:
+    ``token`` is set for the stdio transport: the process serves the one agent whose token its
+    environment carries (``PROOFLINE_GATEWAY_TOKEN``), looked up in the agents file again on each
+    request, so an agent revoked from the file is refused without a restart."""
+
+    def __init__(self, settings: Settings, agents_file: Path, wait_seconds: float, console_url: str | None,
+                 token: str | None = None) -> None:
         self.settings = settings
         self.agents_file = agents_file
         self.wait_seconds = wait_seconds
         self.console_url = console_url
+        self.token = token
         # One controller client per worker thread: a client holds one connection and one listener.
         self._local = threading.local()
 
@@ -61,11 +75,16 @@ class Gateway:
         return client
 
     def agent(self, ctx: Any) -> Agent:
-        request = getattr(ctx, "request", None)
-        header = request.headers.get("authorization") if request is not None else None
+        if self.token is not None:
+            header: str | None = f"Bearer {self.token}"
+        else:
+            request = getattr(ctx, "request", None)
+            header = request.headers.get("authorization") if request is not None else None
         agent = authenticate(load_agents(self.agents_file), header)
-        if agent is None:  # the middleware refused it already; a handler never trusts that alone
-            raise PermissionError("no valid gateway credential")
+        if agent is None:
+            # Over HTTP the middleware refused it already (a handler never trusts that alone); over
+            # stdio this is an agent removed from the agents file since the process started.
+            raise MCPError(types.INVALID_REQUEST, "no valid gateway credential: the token is not in the agents file")
         return agent
 
     async def list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
@@ -89,8 +108,22 @@ class Gateway:
             return await anyio.to_thread.run_sync(self._status, agent, str(args.get("action_id", "")))
         if params.name not in agent.action_types:
             return tools.refusal("action_type_not_permitted", f"{params.name!r} is not an action this agent may use")
-        return await anyio.to_thread.run_sync(self._publish_and_wait, agent, params.name, args, ctx.request_id,
-                                              key if isinstance(key, str) and key else None)
+        published = await anyio.to_thread.run_sync(self._publish, agent, params.name, args, ctx.request_id,
+                                                   key if isinstance(key, str) and key else None)
+        if isinstance(published, types.CallToolResult):
+            return published
+        task = gateway_tasks.wanted()
+        if task is not None:  # answered as a task: the middleware sends it, the agent polls
+            task["task"] = gateway_tasks.task_of(await anyio.to_thread.run_sync(self._row, published))
+            return types.CallToolResult(content=[])
+        if progress.progress_token(params) is not None:
+            async def report(seq: float, event: str) -> None:
+                await ctx.session.report_progress(seq, None, event)
+
+            result = await progress.follow(lambda after: self._read(published, after), report, self.wait_seconds)
+        else:
+            result = await anyio.to_thread.run_sync(self._wait, published)
+        return tools.outcome_result(result, self.console_url)
 
     def _status(self, agent: Agent, action_id: str) -> types.CallToolResult:
         if not self._owns(agent, action_id):  # another agent's action is as unknown as a missing one
@@ -103,8 +136,9 @@ class Gateway:
     def _owns(self, agent: Agent, action_id: str) -> bool:
         return action_id.startswith(f"gw-{agent_slug(agent.name)}-")
 
-    def _publish_and_wait(self, agent: Agent, action_type: str, args: dict[str, Any],
-                          request_id: Any, key: str | None) -> types.CallToolResult:
+    def _publish(self, agent: Agent, action_type: str, args: dict[str, Any], request_id: Any,
+                 key: str | None) -> str | types.CallToolResult:
+        """Publish the call as an action: its id, or the refusal (nothing was published)."""
         _, contract = tools.governed_tool(self.settings, action_type)
         arguments, target = args.get("arguments"), args.get("target")
         if not isinstance(arguments, dict) or not isinstance(target, dict) or not target.get("id"):
@@ -115,18 +149,55 @@ class Gateway:
             return tools.refusal("tenant_mismatch", f"this agent acts for tenant {agent.tenant!r}, not {named!r}")
         action_id = _action_id(agent, key)
         try:
-            handle = self.client.publish(
+            self.client.publish(
                 action_type, arguments=arguments, target={"type": contract.target_type, **target},
                 tenant=agent.tenant, action_id=action_id, run_id=f"run-{action_id}", requester=agent.requester,
                 workload_identity=agent.workload_identity,
                 approval_id=f"gateway:{agent.name}:mcp-request:{request_id}"[:200])
         except ProoflineError as exc:
             return tools.refusal(exc.code, exc.detail[:500])
+        return action_id
+
+    def _wait(self, action_id: str) -> ActionResult:
         try:
-            result = handle.wait(self.wait_seconds)
+            return self.client.wait(action_id, self.wait_seconds)
         except WaitTimedOut:
-            result = self.client.status(action_id)  # still running: the agent asks again by its id
-        return tools.outcome_result(result, self.console_url)
+            return self.client.status(action_id)  # still running: the agent asks again by its id
+
+    def _read(self, action_id: str, after_seq: int) -> tuple[ActionResult, list[dict[str, Any]]]:
+        # The state first, then the events: a settled state's own events are already committed.
+        result = self.client.status(action_id)
+        return result, self.client.events(action_id, after_seq, progress.BATCH)
+
+    def _row(self, action_id: str) -> store.ActionRow:
+        return self.client.row(action_id)
+
+    # --- MCP Tasks (proofline/gateway/tasks.py) ------------------------------------------------
+    def _own_row(self, ctx: Any, task_id: str) -> store.ActionRow:
+        if not self._owns(self.agent(ctx), task_id):
+            raise gateway_tasks.unknown(task_id)
+        try:
+            return self.client.row(task_id)
+        except KeyError:
+            raise gateway_tasks.unknown(task_id) from None
+
+    async def get_task(self, ctx: Any, params: types.GetTaskRequestParams) -> dict[str, Any]:
+        row = await anyio.to_thread.run_sync(self._own_row, ctx, params.task_id)
+        return gateway_tasks.task_of(row)
+
+    async def task_result(self, ctx: Any, params: types.GetTaskPayloadRequestParams) -> dict[str, Any]:
+        deadline = anyio.current_time() + self.wait_seconds
+        while True:
+            row = await anyio.to_thread.run_sync(self._own_row, ctx, params.task_id)
+            if gateway_tasks.terminal(row):
+                break
+            if anyio.current_time() >= deadline:
+                raise MCPError(gateway_tasks.UNKNOWN_TASK, f"task {params.task_id!r} is still working "
+                               f"({row.status.value}): ask tasks/get, then tasks/result again")
+            await anyio.sleep(progress.POLL_SECONDS * 2)
+        answer = tools.outcome_result(ActionResult.of(row), self.console_url)
+        return gateway_tasks.related(answer.model_dump(by_alias=True, mode="json", exclude_none=True),
+                                     params.task_id)
 
 
 def _action_id(agent: Agent, key: str | None) -> str:
@@ -153,12 +224,38 @@ class BearerOnly:
         await self.app(scope, receive, send)
 
 
-def build_app(gateway: Gateway, host: str) -> ASGIApp:
-    """The ASGI app: the MCP endpoint at ``/mcp`` behind the bearer check."""
+class GatewayServer(Server[Any]):
+    """The low-level MCP server, with the Tasks capability the SDK cannot declare itself."""
+
+    def get_capabilities(self, *args: Any, **kwargs: Any) -> types.ServerCapabilities:
+        return gateway_tasks.capabilities(super().get_capabilities(*args, **kwargs))
+
+
+def build_server(gateway: Gateway) -> Server[Any]:
+    """The MCP server of the gateway, for either transport."""
     from importlib.metadata import version
 
-    server: Server[Any] = Server("proofline-gateway", version=version("proofline"), on_list_tools=gateway.list_tools,
-                                 on_call_tool=gateway.call_tool,
-                                 instructions="Each tool is a governed action: its answer is the proven outcome.")
-    app = server.streamable_http_app(stateless_http=True, json_response=True, host=host)
+    server = GatewayServer("proofline-gateway", version=version("proofline"), on_list_tools=gateway.list_tools,
+                           on_call_tool=gateway.call_tool,
+                           instructions="Each tool is a governed action: its answer is the proven outcome.")
+    server.add_request_handler("tasks/get", types.GetTaskRequestParams, gateway.get_task)
+    server.add_request_handler("tasks/result", types.GetTaskPayloadRequestParams, gateway.task_result)
+    server.extensions[gateway_tasks.IDENTIFIER] = {}
+    server.middleware.append(gateway_tasks.middleware)
+    return server
+
+
+def build_app(gateway: Gateway, host: str) -> ASGIApp:
+    """The ASGI app: the MCP endpoint at ``/mcp`` behind the bearer check. Responses are event
+    streams (not single JSON bodies) so that a call's progress notifications reach the agent."""
+    app = build_server(gateway).streamable_http_app(stateless_http=True, json_response=False, host=host)
     return BearerOnly(app, lambda: load_agents(gateway.agents_file))
+
+
+async def serve_stdio(gateway: Gateway) -> None:
+    """Serve the gateway on this process's stdin and stdout until stdin closes."""
+    from mcp.server.stdio import stdio_server
+
+    server = build_server(gateway)
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())

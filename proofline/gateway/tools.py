@@ -44,8 +44,9 @@ def governed_tool(settings: Settings, action_type: str) -> tuple[types.Tool, Con
     description = (f"{contract.operation} a {contract.target_type} ({contract.server}/{contract.tool}). {GOVERNED}")
     annotations = types.ToolAnnotations(read_only_hint=contract.operation == "read", open_world_hint=False,
                                         destructive_hint=contract.point_of_no_return or None)
-    return types.Tool(name=action_type, description=description, input_schema=schema,
-                      annotations=annotations), contract
+    # A governed call may be answered as an MCP Task (proofline/gateway/tasks.py), never must be.
+    return types.Tool(name=action_type, description=description, input_schema=schema, annotations=annotations,
+                      execution=types.ToolExecution(task_support="optional")), contract
 
 
 def status_tool() -> types.Tool:

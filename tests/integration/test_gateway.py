@@ -5,31 +5,42 @@ authority policy, and the gateway as its own process on loopback. Two agents hol
 ``ops`` (tenant acme: create, close, refund) and ``beta`` (tenant beta: create only). Through the
 gateway: the tool lists are each agent's own, a create is verified end to end, a close becomes a
 proposal that an approver approves, a refund is refused by the policy's read mode, a call naming
-another tenant is refused before anything is published, and a retried call is one action."""
+another tenant is refused before anything is published, and a retried call is one action.
+
+The same gateway over stdio (``--stdio``, the agent chosen by ``PROOFLINE_GATEWAY_TOKEN``); a call
+that asks for progress gets the action's ledger stages as ``notifications/progress``; a client that
+declares the Tasks extension gets a task (its id the action id) that it polls with ``tasks/get``
+and ``tasks/result``, through a proposal and its approval."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx2
 import pytest
 import yaml
-from mcp import Client
+from mcp import Client, StdioServerParameters, types
+from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from pydantic import Field
 
 from ledger.states import ActionStatus, Outcome
 from proofline.authority import AuthorityPolicy, sign_policy
 from proofline.gateway.agents import new_token
+from proofline.gateway.tasks import IDENTIFIER as TASKS
 from proofline.keys import KeyRole, add_approver, load_signing_key
 from proofline_kit.sor import store as sor
 from recovery import proposals
 from tests.conftest import build_stack, start_process, start_workers, stop_process, teardown_stack, wait_for
 from tests.helpers import new_account, uid
 from worker.dispatch import CeleryDispatch
+from worker.mcp_tasks import _send_call
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +73,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         wait_for(port_file.exists, 30, what="the gateway to listen")
         url = f"http://127.0.0.1:{port_file.read_text()}/mcp"
         yield {"stack": stack, "url": url, "tokens": {k: v[0] for k, v in tokens.items()}, "alice": alice,
-               "settings": stack.settings.model_copy(update={"authority_file": policy_file})}
+               "settings": stack.settings.model_copy(update={"authority_file": policy_file}), "agents": agents}
     finally:
         if proc is not None:
             stop_process(proc)
@@ -190,3 +201,233 @@ def test_a_credential_for_another_tenant_is_refused_before_anything_is_published
     with stack.conn.cursor() as cur:
         cur.execute("SELECT count(*) AS n FROM actions")
         assert cur.fetchone()["n"] == before
+
+
+# --- stdio ------------------------------------------------------------------------------------------
+
+
+def stdio_params(gw: dict[str, Any], token: str) -> StdioServerParameters:
+    # StdioServerParameters merges this over a minimal default environment, not os.environ.
+    return StdioServerParameters(command=sys.executable, env={**gw["stack"].env, "PROOFLINE_GATEWAY_TOKEN": token},
+                                 args=["-m", "proofline", "gateway", "--stdio", "--agents", str(gw["agents"]),
+                                       "--wait", "45"])
+
+
+def stdio_session(gw: dict[str, Any], agent: str, *steps: Any) -> list[Any]:
+    async def go() -> list[Any]:
+        async with Client(stdio_params(gw, gw["tokens"][agent]), read_timeout_seconds=60) as client:
+            return [await step(client) for step in steps]
+
+    return anyio.run(go)
+
+
+def test_over_stdio_the_agent_is_the_one_whose_token_the_environment_holds(gw: dict[str, Any]) -> None:
+    stack = gw["stack"]
+    listed, result = stdio_session(gw, "beta", list_tools, call("ticket.create", create_args(tenant="beta")))
+    assert listed == ["proofline_action_status", "ticket.create"]
+    body = result.structured_content
+    assert not result.is_error and body["outcome"] == Outcome.completed_verified.value, body
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT envelope FROM actions WHERE action_id = %s", (body["action_id"],))
+        envelope = cur.fetchone()["envelope"]
+    assert (envelope["tenant"], envelope["workload_identity"]) == ("beta", "agent:beta-bot")
+    assert envelope["approval"]["id"].startswith("gateway:beta:mcp-request:")
+    assert body["action_id"].startswith("gw-beta-") and stack.effects(envelope["idempotency_key"]) == 1
+
+
+def test_over_stdio_an_unknown_or_missing_token_serves_nothing(gw: dict[str, Any]) -> None:
+    for token in ("plg_not-a-token", ""):
+        params = stdio_params(gw, token)
+        done = subprocess.run([params.command, *params.args], env=params.env, input="", capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 3, done  # configuration_error
+        assert "PROOFLINE_GATEWAY_TOKEN" in done.stderr and done.stdout == "", done
+
+
+# --- progress ---------------------------------------------------------------------------------------
+
+
+def progress_call(name: str, arguments: dict[str, Any], seen: list[tuple[float, float | None, str | None]]):  # noqa: ANN201
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append((progress, total, message))
+
+    async def step(client: Client) -> Any:
+        return await client.call_tool(name, arguments, read_timeout_seconds=60, progress_callback=on_progress)
+    return step
+
+
+def timeline(stack: Any, action_id: str) -> list[tuple[int, str]]:
+    with stack.conn.cursor() as cur:
+        cur.execute("SELECT seq, event FROM ledger_events WHERE action_id = %s ORDER BY seq", (action_id,))
+        return [(r["seq"], r["event"]) for r in cur.fetchall()]
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+def test_a_call_with_a_progress_token_gets_the_ledger_stages_as_they_land(gw: dict[str, Any], transport: str) -> None:
+    stack, seen = gw["stack"], []
+    session = agent_session if transport == "http" else stdio_session
+    [result] = session(gw, "ops", progress_call("ticket.create", create_args(), seen))
+    body = result.structured_content
+    assert not result.is_error and body["outcome"] == Outcome.completed_verified.value, body
+    chain = timeline(stack, body["action_id"])
+    # One notification per ledger event, in chain order, up to and including the settlement: the
+    # progress is the event's position, the message its name, and no total is claimed.
+    assert [(float(seq), None, event) for seq, event in chain[:len(seen)]] == seen
+    assert seen[0][2] == "published" and "tool_called" in [m for _, _, m in seen]
+    settled_at = next(seq for seq, event in chain if event == "final_state")
+    assert seen[-1][0] >= settled_at
+
+
+# --- MCP Tasks --------------------------------------------------------------------------------------
+
+
+class TaskAnswer(types.Result):
+    """``tools/call`` answered as a task (the Tasks extension's result shape)."""
+
+    result_type: Literal["task"] = Field(alias="resultType")
+    task: types.Task
+
+
+class Tasks(ClientExtension):
+    """The client's side of the Tasks extension: a task answer is polled to its result."""
+
+    identifier = TASKS
+
+    def __init__(self) -> None:
+        self.polled: list[str] = []
+
+    def claims(self) -> list[ResultClaim[Any]]:
+        return [ResultClaim(result_type="task", model=TaskAnswer, resolve=self.resolve)]
+
+    async def resolve(self, answer: TaskAnswer, ctx: ClaimContext) -> types.CallToolResult:
+        task_id = answer.task.task_id
+        while True:
+            task = await get_task(ctx.session, task_id)
+            self.polled.append(task.status)
+            if task.status in ("completed", "failed", "cancelled"):
+                return await task_result(ctx.session, task_id)
+            await anyio.sleep((task.poll_interval or 500) / 1000)
+
+
+async def get_task(session: Any, task_id: str) -> types.GetTaskResult:
+    return await session.send_request(types.GetTaskRequest(params=types.GetTaskRequestParams(task_id=task_id)),
+                                      types.GetTaskResult, request_read_timeout_seconds=30)
+
+
+async def task_result(session: Any, task_id: str) -> types.CallToolResult:
+    return await session.send_request(
+        types.GetTaskPayloadRequest(params=types.GetTaskPayloadRequestParams(task_id=task_id)), types.CallToolResult,
+        request_read_timeout_seconds=60)
+
+
+def tasks_session(gw: dict[str, Any], agent: str, extension: Tasks, *steps: Any) -> list[Any]:
+    async def go() -> list[Any]:
+        headers = {"Authorization": f"Bearer {gw['tokens'][agent]}"}
+        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(60.0)) as http:
+            async with Client(streamable_http_client(gw["url"], http_client=http), extensions=[extension]) as client:
+                return [await step(client) for step in steps]
+
+    return anyio.run(go)
+
+
+def test_a_client_declaring_tasks_gets_a_task_it_polls_to_the_proven_outcome(gw: dict[str, Any]) -> None:
+    tasks = Tasks()
+
+    async def capabilities(client: Client) -> Any:
+        return client.server_capabilities
+
+    caps, result = tasks_session(gw, "ops", tasks, capabilities, call("ticket.create", create_args()))
+    assert TASKS in (caps.extensions or {})
+    # The SDK's client resolved the task through the extension: polled, then its result fetched.
+    body = result.structured_content
+    assert not result.is_error and body["outcome"] == Outcome.completed_verified.value, body
+    assert tasks.polled[-1] == "completed" and set(tasks.polled) <= {"working", "completed"}
+    assert result.meta["io.modelcontextprotocol/related-task"]["taskId"] == body["action_id"]
+    assert gw["stack"].action(body["action_id"]).outcome == Outcome.completed_verified
+
+
+def test_a_proposal_is_a_working_task_until_approved_then_completed(gw: dict[str, Any]) -> None:
+    stack = gw["stack"]
+    ticket = sor.put_ticket(stack.sor_db, "acme", f"to close {uid()}", "ops")
+    version = sor.get_ticket(stack.sor_db, ticket)["ticket"]["version"]
+    args = {"target": {"id": ticket, "expected_version": version},
+            "arguments": {"ticket_id": ticket, "expected_version": version}}
+
+    async def propose(client: Client) -> TaskAnswer:
+        answer = await client.session.call_tool("ticket.close", args, read_timeout_seconds=60, allow_claimed=True)
+        assert isinstance(answer, TaskAnswer), answer
+        return answer
+
+    [answer] = tasks_session(gw, "ops", Tasks(), propose)
+    task_id = answer.task.task_id
+    # Answered once published: the worker has yet to find that the policy makes it a proposal.
+    assert task_id.startswith("gw-ops-") and answer.task.status == "working"
+    assert answer.task.ttl is None and answer.task.poll_interval
+    wait_for(lambda: stack.action(task_id).status == ActionStatus.proposed, 30, what="the proposal")
+
+    async def get(client: Client) -> types.GetTaskResult:
+        return await get_task(client.session, task_id)
+
+    # Polling is stateless: a new session (any gateway process) answers for the task.
+    [working] = tasks_session(gw, "ops", Tasks(), get)
+    assert (working.status, working.status_message) == ("working", "proposed: waiting for an approver's decision")
+
+    async def other(client: Client) -> str:
+        with pytest.raises(MCPError) as refused:
+            await get_task(client.session, task_id)
+        return str(refused.value.error.code)
+
+    assert tasks_session(gw, "beta", Tasks(), other) == ["-32602"]  # another agent's task is unknown
+    proposals.approve(gw["settings"], stack.operator, CeleryDispatch(stack.app), task_id, gw["alice"])
+
+    async def poll_to_result(client: Client) -> tuple[list[str], types.CallToolResult]:
+        statuses: list[str] = []
+        while not statuses or statuses[-1] == "working":
+            statuses.append((await get_task(client.session, task_id)).status)
+            await anyio.sleep(0.2)
+        return statuses, await task_result(client.session, task_id)
+
+    [(statuses, result)] = tasks_session(gw, "ops", Tasks(), poll_to_result)
+    assert statuses[-1] == "completed", statuses
+    assert result.structured_content["outcome"] == Outcome.completed_verified.value
+    assert result.meta["io.modelcontextprotocol/related-task"] == {"taskId": task_id}
+    assert sor.get_ticket(stack.sor_db, ticket)["ticket"]["status"] == "closed"
+
+
+def test_a_2025_11_25_client_gets_a_task_for_a_task_augmented_call(gw: dict[str, Any]) -> None:
+    async def go() -> tuple[Any, Any, Any]:
+        async with Client(stdio_params(gw, gw["tokens"]["ops"]), mode="legacy", read_timeout_seconds=60) as client:
+            caps = client.server_capabilities
+            created = await _send_call(client, "ticket.create", create_args(), {}, 60_000, 60)
+            task_id = created.task.task_id
+            while (task := await get_task(client.session, task_id)).status == "working":
+                await anyio.sleep(0.2)
+            return caps, task, await task_result(client.session, task_id)
+
+    caps, task, result = anyio.run(go)
+    assert caps.tasks is not None and caps.tasks.requests.tools.call is not None
+    assert task.status == "completed" and task.task_id.startswith("gw-ops-")
+    assert result.structured_content["action_id"] == task.task_id
+    assert result.structured_content["outcome"] == Outcome.completed_verified.value
+
+
+def test_over_stdio_an_agent_removed_from_the_agents_file_is_refused_from_its_next_request(
+        gw: dict[str, Any], tmp_path: Any) -> None:
+    token, digest = new_token()
+    agents = tmp_path / "agents.yaml"
+    spec = {"token_sha256": digest, "workload_identity": "agent:temp-bot", "requester": "dana@acme.test",
+            "tenant": "acme", "action_types": ["ticket.create"]}
+    agents.write_text(yaml.safe_dump({"agents": {"temp": spec}}))
+    params = stdio_params({**gw, "agents": agents}, token)
+
+    async def go() -> tuple[list[str], int]:
+        async with Client(params, read_timeout_seconds=60) as client:
+            before = await list_tools(client)
+            agents.write_text(yaml.safe_dump({"agents": {}}))
+            with pytest.raises(MCPError) as refused:
+                await client.call_tool("ticket.create", create_args(), read_timeout_seconds=60)
+            assert "agents file" in refused.value.error.message
+            return before, refused.value.error.code
+
+    before, code = anyio.run(go)
+    assert before == ["proofline_action_status", "ticket.create"] and code == types.INVALID_REQUEST
