@@ -14,7 +14,8 @@ can follow the printed URL with an HTTP client.
 Test controls (loopback only, no authentication): ``POST /admin/revoke`` ``{"client_id": ...}``
 revokes every token the client holds; ``GET /admin/stats`` counts the tokens issued per client and
 grant; ``GET /admin/tokens`` lists every token value issued; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of tokens issued from then on; ``POST /admin/exchange``
-``{"mode": "normal" | "broader" | "longer" | "refuse"}`` makes the token-exchange grant misbehave.
+``{"mode": "normal" | "broader" | "longer" | "refuse", "advertised": true}`` makes the token-exchange
+grant misbehave, and its metadata list the grant or not.
 
 ``python -m proofline_kit.oauth --clients FILE --port-file FILE [--access-lifetime S]``
 """
@@ -296,11 +297,15 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
         return JSONResponse({"access": provider.access_lifetime})
 
     async def exchange_mode(request: Request) -> Response:
-        mode = str((await request.json())["mode"])
+        body = await request.json()
+        mode = str(body.get("mode", provider.exchange_mode))
         if mode not in EXCHANGE_MODES:
             return JSONResponse({"error": f"mode is one of {sorted(EXCHANGE_MODES)}"}, 400)
         provider.exchange_mode = mode
-        return JSONResponse({"mode": mode})
+        # Whether the metadata lists the grant (the grant itself keeps working either way).
+        listed = [g for g in metadata.grant_types_supported or [] if g != EXCHANGE_GRANT]
+        metadata.grant_types_supported = [*listed, EXCHANGE_GRANT] if body.get("advertised", True) else listed
+        return JSONResponse({"mode": mode, "advertised": EXCHANGE_GRANT in metadata.grant_types_supported})
 
     # The SDK's metadata names its own grants; this server also takes client credentials and exchanges.
     metadata = build_metadata(AnyHttpUrl(issuer), None, ClientRegistrationOptions(enabled=False),

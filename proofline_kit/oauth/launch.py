@@ -15,14 +15,17 @@ from typing import Any
 import httpx2 as httpx
 import yaml
 
+from proofline_kit.oauth.authorization import EXCHANGE_GRANT
 from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.stack import Stack, build_stack, start_workers, teardown_stack
 from worker.servers import load_servers
 
-#: The clients a test deployment registers: one per identity of the system of record, and a
-#: loopback client an operator logs in with (``proofline servers login``).
+#: The clients a test deployment registers: one per identity of the system of record (the writer
+#: may exchange its tokens, RFC 8693), and a loopback client an operator logs in with
+#: (``proofline servers login``).
 DEFAULT_CLIENTS: dict[str, dict[str, Any]] = {
-    "sor-writer": {"secret": "writer-secret-7f3a9c", "grant_types": ["client_credentials"], "scope": "sor:write"},
+    "sor-writer": {"secret": "writer-secret-7f3a9c", "grant_types": ["client_credentials", EXCHANGE_GRANT],
+                   "scope": "sor:write"},
     "sor-reader": {"secret": "reader-secret-2b8e41", "grant_types": ["client_credentials"], "scope": "sor:read"},
     "operator-cli": {"grant_types": ["authorization_code", "refresh_token"], "scope": "sor:write", "loopback": True},
 }
@@ -47,9 +50,11 @@ class AuthorizationServer:
     def set_lifetime(self, seconds: float) -> None:
         httpx.post(f"{self.url}/admin/lifetime", json={"access": seconds}, timeout=5).raise_for_status()
 
-    def set_exchange_mode(self, mode: str) -> None:
-        """How the token-exchange grant behaves from now on (``EXCHANGE_MODES``)."""
-        httpx.post(f"{self.url}/admin/exchange", json={"mode": mode}, timeout=5).raise_for_status()
+    def set_exchange_mode(self, mode: str, advertised: bool = True) -> None:
+        """How the token-exchange grant behaves from now on (``EXCHANGE_MODES``), and whether the
+        server's metadata lists it."""
+        httpx.post(f"{self.url}/admin/exchange", json={"mode": mode, "advertised": advertised},
+                   timeout=5).raise_for_status()
 
     def write_secret(self, client_id: str, path: Path) -> str:
         """The client's secret in a 0600 file, as an operator would deploy it."""
