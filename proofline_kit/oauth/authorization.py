@@ -7,7 +7,8 @@ token-exchange (RFC 8693) grants on the same token endpoint, and token introspec
 client, scopes, expiry and resource (RFC 8707) against.
 
 Clients are pre-registered from a JSON file ``{client_id: {"secret": ..., "grant_types": [...],
-"scope": "a b", "loopback": true}}``; a ``loopback`` client may redirect to any port of 127.0.0.1
+"scope": "a b", "loopback": true, "auth_method": "client_secret_post"}}`` (a client with a secret
+authenticates with ``client_secret_basic`` unless ``auth_method`` says otherwise); a ``loopback`` client may redirect to any port of 127.0.0.1
 (RFC 8252 §7.3). Consent is automatic: ``/authorize`` answers with the redirect at once, so a test
 can follow the printed URL with an HTTP client.
 
@@ -180,7 +181,7 @@ def load_clients(path: Path) -> dict[str, OAuthClientInformationFull]:
         clients[client_id] = kind(
             client_id=client_id, client_secret=secret, scope=spec.get("scope"),
             grant_types=spec.get("grant_types", ["client_credentials"]),
-            token_endpoint_auth_method="client_secret_basic" if secret else "none",
+            token_endpoint_auth_method=spec.get("auth_method") or ("client_secret_basic" if secret else "none"),
             redirect_uris=[AnyUrl("http://127.0.0.1/callback")] if spec.get("loopback") else None)
     return clients
 
