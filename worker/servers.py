@@ -214,6 +214,9 @@ class Server(BaseModel):
                 if endpoint.transport != "stdio" or not endpoint.sandbox.enabled:
                     raise ValueError(f"server_requests.roots: sandbox needs a sandboxed stdio server "
                                      f"(the {role} identity has no sandbox to declare paths from)")
+        if self.read.auth is not None and self.read.auth.token_exchange is not None:
+            # Reads carry the read identity's own token (worker/token_exchange.py): refused, not ignored.
+            raise ValueError("read_identity.auth.token_exchange: per-action tokens are for the write call only")
         return self
 
 

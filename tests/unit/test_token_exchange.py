@@ -127,3 +127,17 @@ def test_the_block_loads_and_may_only_narrow_the_identitys_scope(tmp_path: Path)
                          ({"scope": "a", "token_exchange": {"use": "sometimes"}}, "use")]:
         with pytest.raises(ConfigurationError, match=message):
             load(tmp_path, bad)
+
+
+def test_a_read_identity_cannot_ask_for_per_action_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "servers.yaml"
+    reader = {"type": "oauth", "client_id": "r", "client_secret_file": "r.secret", "scope": "sor:read",
+              "token_exchange": {"scope": "sor:read"}}
+    path.write_text(yaml.safe_dump({"servers": {"api": {"transport": "http", "url": URL,
+                                                        "read_identity": {"auth": reader}}}}))
+    load_servers.cache_clear()
+    try:
+        with pytest.raises(ConfigurationError, match="for the write call only"):
+            load_servers(path)
+    finally:
+        load_servers.cache_clear()
