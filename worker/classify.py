@@ -31,6 +31,7 @@ from proofline.errors import (
     McpTaskExpired,
     ResultTooLarge,
     ServerAuthFailed,
+    TokenExchangeRefused,
 )
 from worker.bounded_stdio import MESSAGE_TOO_LARGE
 from worker.results import measure
@@ -95,8 +96,10 @@ def _tool_error_class(result: Any, class_field: str) -> str | None:
 
 def classify(report: CallReport, contract: Contract, limit: int | None = None) -> Classification:
     if not report.sent:
-        # No OAuth token could be had before the request: its own reason (worker/oauth.py).
-        reason = ServerAuthFailed.code if isinstance(report.error, ServerAuthFailed) else "not_sent"
+        # No OAuth token could be had before the request (worker/oauth.py), or no per-action token
+        # was granted or accepted (worker/token_exchange.py): each its own reason.
+        reason = report.error.code if isinstance(report.error, ServerAuthFailed | TokenExchangeRefused) \
+            else "not_sent"
         return Classification(Outcome.failed_before_side_effect, reason,
                               evidence={"error": _error_summary(report.error) if report.error else None})
     if report.error is not None:

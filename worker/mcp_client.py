@@ -37,7 +37,7 @@ from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable
 from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
-from worker import calls, request_ids, sandbox
+from worker import calls, request_ids, sandbox, token_exchange
 from worker.bounded_stdio import bounded_stdio_client
 from worker.oauth import Identity
 from worker.sandbox_audit import Auditor
@@ -430,6 +430,22 @@ class McpSessions:
         if identity is not None:
             self._portal.call(identity.ensure)
         return identity
+
+    @contextmanager
+    def exchanged_token(self, server: Server, role: Role, tool: str, remaining_seconds: float) -> Iterator[Any]:
+        """Inside, the identity's requests carry a token exchanged for this call (RFC 8693,
+        worker/token_exchange.py) when its ``auth:`` block asks for one; yields it (or None). Raises
+        a TokenExchangeRefused (or ServerAuthFailed) before anything is sent."""
+        identity = self._identity(server, role)
+        if identity is None or identity.spec.token_exchange is None:
+            yield None
+            return
+        got = self._portal.call(token_exchange.exchange, identity, tool, remaining_seconds)
+        identity.carrying = got
+        try:
+            yield got
+        finally:
+            identity.carrying = None
 
     @contextmanager
     def acting_for(self, action_id: str) -> Iterator[None]:

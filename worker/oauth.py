@@ -165,6 +165,15 @@ class _Governed:
     fetch: Callable[[httpx2.AsyncClient], Awaitable[None]]
 
     async def _auth_flow(self, request: httpx2.Request) -> AsyncGenerator[httpx2.Request, httpx2.Response]:
+        carried = self.identity.carrying
+        if carried is not None:
+            # An action's exchanged token (worker/token_exchange.py): sent as it is, never replaced on
+            # a 401 (the request was sent; what it did is for recovery to read).
+            request.headers["Authorization"] = f"Bearer {carried.token}"
+            response = yield request
+            if response.status_code in (401, 403):
+                self.identity.report(REJECTED_EVENT, {"status": response.status_code, "exchanged": True})
+            return
         flow = super()._auth_flow(request)  # type: ignore[misc]
         refused = 0
         try:
@@ -260,6 +269,8 @@ class Identity:
         self.endpoint = endpoint
         #: Why the next token is fetched: none held yet, the one held is expiring, or it was refused.
         self.reason = "first"
+        #: The action's exchanged token while its call runs (worker/token_exchange.py), else None.
+        self.carrying: Any = None
         self.grant = self.spec.grant
         self.refresh_file = refresh_token_path(self.spec, server, role, state_dir) \
             if self.spec.grant == "refresh_token" else None
@@ -286,6 +297,11 @@ class Identity:
                                                   grant_types=["authorization_code", "refresh_token"]),
                 _Storage(self, info))
         self.provider._govern(self, self.spec.refresh_margin_seconds)
+
+    def client_secret(self) -> str | None:
+        """The client secret, read from its file now (a rotated one is used at once)."""
+        path = self.spec.client_secret_file
+        return read_secret_file(path, "client secret") if path else None
 
     def report(self, event: str, body: dict[str, Any]) -> None:
         self._report(event, {"server": self.server, "identity": self.role, **body})

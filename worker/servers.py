@@ -60,6 +60,25 @@ from worker.sandbox import SandboxSpec, reader_sandbox
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
+class TokenExchange(BaseModel):
+    """A per-action token for the write call (OAuth 2.0 Token Exchange, RFC 8693): the identity's
+    token is exchanged for one narrowed to the action's scope, this server as its resource, and a
+    lifetime no longer than the action's remaining deadline (worker/token_exchange.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: ``always``: every write call carries an exchanged token (an authorization server that does
+    #: not advertise the grant fails the call before sending); ``if_advertised``: only where the
+    #: authorization server's metadata lists the grant in ``grant_types_supported``.
+    use: Literal["always", "if_advertised"] = "always"
+    #: Space-separated scopes the per-action token is asked for (unset: the identity's ``scope``).
+    scope: str | None = None
+    #: Tool name -> the scopes its calls' tokens are asked for, instead of ``scope``.
+    tool_scopes: dict[str, str] = Field(default_factory=dict)
+    #: The longest a per-action token may live (seconds); the action's remaining deadline shortens it.
+    lifetime_seconds: int = Field(default=300, ge=1)
+
+
 class OAuthAuth(BaseModel):
     """OAuth 2.1 for one identity: the authorization server is discovered from the server's protected
     resource metadata (RFC 9728), every token is asked for the server's URL as its resource (RFC 8707)."""
@@ -87,6 +106,8 @@ class OAuthAuth(BaseModel):
     #: ``servers login`` only: the loopback port its redirect listener binds (0: any free port; an
     #: authorization server that registers exact redirect URIs needs a fixed one).
     redirect_port: int = Field(default=0, ge=0, le=65535)
+    #: The write call's per-action token (RFC 8693); unset, every request carries this identity's token.
+    token_exchange: TokenExchange | None = None
 
     @model_validator(mode="after")
     def _secrets(self) -> OAuthAuth:
@@ -95,7 +116,21 @@ class OAuthAuth(BaseModel):
         if self.token_endpoint_auth_method != "none" and self.client_secret_file is None:
             if self.grant == "client_credentials" or "token_endpoint_auth_method" in self.model_fields_set:
                 raise ValueError("auth: a client_secret_file is needed for " + self.token_endpoint_auth_method)
+        if self.token_exchange is not None:
+            self._narrower(self.token_exchange)
         return self
+
+    def _narrower(self, exchange: TokenExchange) -> None:
+        """Every scope a per-action token is asked for lies within the identity's own."""
+        held = set((self.scope or "").split())
+        asked = {"token_exchange.scope": exchange.scope or self.scope or "",
+                 **{f"token_exchange.tool_scopes.{tool}": value for tool, value in exchange.tool_scopes.items()}}
+        for where, value in asked.items():
+            if not value.split():
+                raise ValueError(f"auth: {where} names no scope (set token_exchange.scope or the identity's scope)")
+            wider = sorted(set(value.split()) - held) if held else []
+            if wider:
+                raise ValueError(f"auth: {where} asks for {' '.join(wider)}, beyond the identity's scope")
 
 
 class Endpoint(BaseModel):
@@ -179,6 +214,9 @@ class Server(BaseModel):
                 if endpoint.transport != "stdio" or not endpoint.sandbox.enabled:
                     raise ValueError(f"server_requests.roots: sandbox needs a sandboxed stdio server "
                                      f"(the {role} identity has no sandbox to declare paths from)")
+        if self.read.auth is not None and self.read.auth.token_exchange is not None:
+            # Reads carry the read identity's own token (worker/token_exchange.py): refused, not ignored.
+            raise ValueError("read_identity.auth.token_exchange: per-action tokens are for the write call only")
         return self
 
 

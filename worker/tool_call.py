@@ -8,10 +8,11 @@ False only when the failure proves the request never left.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
-from proofline.errors import McpTaskExpired, McpUnavailable, StaleLease
+from proofline.errors import McpTaskExpired, McpUnavailable, StaleLease, TokenExchangeRefused
 from proofline.telemetry import tracing
 from worker import calls, faultpoints, mcp_tasks
 from worker.classify import CallReport
@@ -22,8 +23,9 @@ from worker.servers import Server
 
 
 def _sent(exc: BaseException) -> bool:
-    """False only when the failure proves the request never left (connection refused or not opened)."""
-    if isinstance(exc, McpUnavailable | ConnectionRefusedError):
+    """False only when the failure proves the request never left (connection refused or not opened,
+    or no per-action token to send it with)."""
+    if isinstance(exc, McpUnavailable | ConnectionRefusedError | TokenExchangeRefused):
         return False
     if type(exc).__name__ == "ConnectError":
         return False
@@ -52,8 +54,16 @@ def call_tool(rt: Runtime, server: Server, envelope: Envelope, contract: Contrac
             mcp_tasks.advertised(rt.mcp.negotiated(server).capabilities) else None
     except McpUnavailable as exc:  # the session died since revalidation: nothing was sent
         return CallReport(sent=False, error=exc, unsandboxed=unsandboxed)
-    with Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds, settings.heartbeat_seconds,
-                   touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
+    # A per-action token where the identity's auth block asks for one (worker/token_exchange.py);
+    # refused or not granted, nothing is sent.
+    narrowed = ExitStack()
+    try:
+        narrowed.enter_context(rt.mcp.exchanged_token(server, "write", envelope.tool.name,
+                                                      remaining - (time.monotonic() - started)))
+    except (TokenExchangeRefused, McpUnavailable) as exc:
+        return CallReport(sent=False, error=exc, unsandboxed=unsandboxed)
+    with narrowed, Heartbeat(rt.conn, envelope.action_id, token, settings.lease_ttl_seconds,
+                             settings.heartbeat_seconds, touch=rt.touch, on_cancel=handle.cancel) as heartbeat:
         if not heartbeat.valid():
             # Frozen or slow past the lease: someone else may already be reconciling. Do not send.
             return CallReport(sent=False, error=StaleLease("lease lapsed before the request was sent"))

@@ -31,7 +31,7 @@ STAGES = {
     "plan_confirmed": "preconditions", "evidence_read": "verify", "evidence_signed": "verify",
     "operation_record_expired": "verify", "verification_superseded": "verify", "sandbox_violation": "call",
     "stale_write_refused": "call", "redelivery_ignored": "claim", "redelivery_reenqueued_verification": "claim",
-    "oauth_token_refreshed": "call", "oauth_token_rejected": "call",
+    "oauth_token_refreshed": "call", "oauth_token_rejected": "call", "token_exchanged": "call",
 }
 
 

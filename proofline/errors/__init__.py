@@ -270,6 +270,33 @@ class ServerAuthFailed(McpUnavailable):
     retryable = True
 
 
+class TokenExchangeRefused(ProoflineError):
+    """The per-action token (OAuth 2.0 Token Exchange, RFC 8693) was not obtained or not accepted
+    by the worker: the tools/call was not sent."""
+
+    code = "token_exchange_refused"
+
+
+class TokenExchangeFailed(TokenExchangeRefused):
+    """The authorization server did not exchange the identity's token for a per-action token (it
+    refused, answered with something that is not a token, or could not be reached): nothing was sent."""
+
+    code = "token_exchange_failed"
+
+
+class TokenExchangeTooBroad(TokenExchangeRefused):
+    """The exchanged token carries a scope the worker did not ask for: it is not used, nothing was sent."""
+
+    code = "token_exchange_too_broad"
+
+
+class TokenExchangeTooLong(TokenExchangeRefused):
+    """The exchanged token lives longer than the worker asked (or does not say how long it lives):
+    it is not used, nothing was sent."""
+
+    code = "token_exchange_too_long"
+
+
 class ExtractionFailed(ProoflineError):
     """A value could not be read out of a tool result as the contract declares."""
 

@@ -2,18 +2,21 @@
 
 The SDK supplies the metadata document (RFC 8414), the authorization endpoint (PKCE required), the
 token endpoint for the authorization-code and refresh-token grants, and revocation (RFC 7009); this
-module adds what a service identity and a resource server need: the client-credentials grant on the
-same token endpoint, and token introspection (RFC 7662) for the resource server to check a token's
+module adds what a service identity and a resource server need: the client-credentials and
+token-exchange (RFC 8693) grants on the same token endpoint, and token introspection (RFC 7662) for the resource server to check a token's
 client, scopes, expiry and resource (RFC 8707) against.
 
 Clients are pre-registered from a JSON file ``{client_id: {"secret": ..., "grant_types": [...],
-"scope": "a b", "loopback": true}}``; a ``loopback`` client may redirect to any port of 127.0.0.1
+"scope": "a b", "loopback": true, "auth_method": "client_secret_post"}}`` (a client with a secret
+authenticates with ``client_secret_basic`` unless ``auth_method`` says otherwise); a ``loopback`` client may redirect to any port of 127.0.0.1
 (RFC 8252 §7.3). Consent is automatic: ``/authorize`` answers with the redirect at once, so a test
 can follow the printed URL with an HTTP client.
 
 Test controls (loopback only, no authentication): ``POST /admin/revoke`` ``{"client_id": ...}``
 revokes every token the client holds; ``GET /admin/stats`` counts the tokens issued per client and
-grant; ``GET /admin/tokens`` lists every token value issued; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of tokens issued from then on.
+grant; ``GET /admin/tokens`` lists every token value issued; ``POST /admin/lifetime`` ``{"access": seconds}`` changes the lifetime of tokens issued from then on; ``POST /admin/exchange``
+``{"mode": "normal" | "broader" | "longer" | "refuse", "advertised": true}`` makes the token-exchange
+grant misbehave, and its metadata list the grant or not.
 
 ``python -m proofline_kit.oauth --clients FILE --port-file FILE [--access-lifetime S]``
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from mcp.server.auth.handlers.metadata import MetadataHandler
 from mcp.server.auth.handlers.token import TokenHandler
 from mcp.server.auth.middleware.client_auth import AuthenticationError, ClientAuthenticator
 from mcp.server.auth.provider import (
@@ -42,7 +46,7 @@ from mcp.server.auth.provider import (
     RefreshToken,
     construct_redirect_uri,
 )
-from mcp.server.auth.routes import create_auth_routes
+from mcp.server.auth.routes import build_metadata, create_auth_routes
 from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
 from mcp.shared.auth import InvalidRedirectUriError, OAuthClientInformationFull, OAuthToken
 from pydantic import AnyHttpUrl, AnyUrl
@@ -53,7 +57,15 @@ from starlette.routing import Route
 
 from proofline.listen import listening_socket
 
+METADATA_PATH = "/.well-known/oauth-authorization-server"
 NO_STORE = {"Cache-Control": "no-store", "Pragma": "no-cache"}
+EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
+ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
+#: How the token-exchange grant behaves (``POST /admin/exchange {"mode": ...}``): as it should; with
+#: a scope broader than asked; with a lifetime longer than asked; or refusing every exchange.
+EXCHANGE_MODES = frozenset({"normal", "broader", "longer", "refuse"})
+#: The scope the ``broader`` mode adds when the subject token holds nothing beyond what was asked.
+EXTRA_SCOPE = "sor:admin"
 
 
 class LoopbackClient(OAuthClientInformationFull):
@@ -80,6 +92,8 @@ class KitProvider:
         self.issued: Counter[str] = Counter()
         #: Every token value ever issued (revoked and expired ones too).
         self.ever: set[str] = set()
+        #: The token-exchange grant's behaviour, one of EXCHANGE_MODES.
+        self.exchange_mode = "normal"
 
     async def get_client(self, client_id: str) -> OAuthClientInformationFull | None:
         return self.clients.get(client_id)
@@ -139,12 +153,13 @@ class KitProvider:
         return len(gone)
 
     def issue(self, client_id: str, scopes: list[str], resource: str | None, grant: str,
-              with_refresh: bool = False) -> OAuthToken:
+              with_refresh: bool = False, lifetime_seconds: float | None = None) -> OAuthToken:
         now = time.time()
         value = "at-" + secrets.token_urlsafe(24)
-        lifetime = max(1, int(self.access_lifetime))
+        life = self.access_lifetime if lifetime_seconds is None else lifetime_seconds
+        lifetime = max(1, int(life))
         self.access[value] = AccessToken(token=value, client_id=client_id, scopes=scopes,
-                                         expires_at=int(now + self.access_lifetime), resource=resource)
+                                         expires_at=int(now + life), resource=resource)
         self.issued[f"{client_id} {grant}"] += 1
         self.ever.add(value)
         refresh = None
@@ -166,7 +181,7 @@ def load_clients(path: Path) -> dict[str, OAuthClientInformationFull]:
         clients[client_id] = kind(
             client_id=client_id, client_secret=secret, scope=spec.get("scope"),
             grant_types=spec.get("grant_types", ["client_credentials"]),
-            token_endpoint_auth_method="client_secret_basic" if secret else "none",
+            token_endpoint_auth_method=spec.get("auth_method") or ("client_secret_basic" if secret else "none"),
             redirect_uris=[AnyUrl("http://127.0.0.1/callback")] if spec.get("loopback") else None)
     return clients
 
@@ -187,6 +202,47 @@ async def _basic_client(provider: KitProvider, request: Request, form: Any) -> O
     return client
 
 
+def _refused(error: str, description: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": error, "error_description": description}, status, NO_STORE)
+
+
+async def exchange(provider: KitProvider, client: OAuthClientInformationFull, form: Any) -> Response:
+    """The token-exchange grant (RFC 8693 §2): an access token of the same client, exchanged for one
+    with the scope asked (within the subject token's), the same resource, and the lifetime asked in
+    the ``expires_in`` extension parameter (no longer than the server's own); misbehaving as
+    ``provider.exchange_mode`` says."""
+    if EXCHANGE_GRANT not in (client.grant_types or []):
+        return _refused("unauthorized_client", "this client may not exchange tokens")
+    if provider.exchange_mode == "refuse":
+        return _refused("invalid_grant", "token exchange is refused (test mode)")
+    if form.get("subject_token_type") != ACCESS_TOKEN_TYPE:
+        return _refused("invalid_request", "subject_token_type must be an access token")
+    subject = await provider.load_access_token(str(form.get("subject_token") or ""))
+    if subject is None or subject.client_id != client.client_id:
+        return _refused("invalid_grant", "the subject token is not an active token of this client")
+    asked = str(form.get("scope") or "").split() or list(subject.scopes)
+    if any(s not in subject.scopes for s in asked):
+        return _refused("invalid_scope", "the scope asked is beyond the subject token's")
+    resource = str(form.get("resource") or subject.resource or "") or None
+    if subject.resource and resource != subject.resource:
+        return _refused("invalid_target", "the resource asked is not the subject token's")
+    try:
+        wanted = float(form.get("expires_in") or provider.access_lifetime)
+    except ValueError:
+        return _refused("invalid_request", "expires_in must be a number of seconds")
+    lifetime = max(1.0, min(wanted, provider.access_lifetime))
+    scopes = asked
+    if provider.exchange_mode == "broader":
+        scopes = list(dict.fromkeys([*asked, *subject.scopes]))
+        if scopes == asked:
+            scopes.append(EXTRA_SCOPE)
+    elif provider.exchange_mode == "longer":
+        lifetime = wanted + 60
+    issued = provider.issue(client.client_id, scopes, resource, "token_exchange", lifetime_seconds=lifetime)
+    return JSONResponse({**issued.model_dump(exclude_none=True), "issued_token_type": ACCESS_TOKEN_TYPE}, 200,
+                        NO_STORE)
+
+
 def build_app(provider: KitProvider, issuer: str) -> Starlette:
     """The SDK's authorization-server routes, with the token endpoint taking client credentials too."""
     sdk = create_auth_routes(provider, AnyHttpUrl(issuer),  # type: ignore[arg-type]
@@ -197,7 +253,7 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
 
     async def token(request: Request) -> Response:
         form = await request.form()  # Starlette keeps the parsed form: the SDK's handler reads it again
-        if form.get("grant_type") != "client_credentials":
+        if form.get("grant_type") not in ("client_credentials", EXCHANGE_GRANT):
             return await sdk_token.handle(request)
         client = await _basic_client(provider, request, form)
         if client is None:
@@ -205,6 +261,8 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
                 client = await authenticator.authenticate_request(request)
             except AuthenticationError as exc:
                 return JSONResponse({"error": "invalid_client", "error_description": exc.message}, 401, NO_STORE)
+        if form.get("grant_type") == EXCHANGE_GRANT:
+            return await exchange(provider, client, form)
         if "client_credentials" not in (client.grant_types or []):
             return JSONResponse({"error": "unauthorized_client"}, 400, NO_STORE)
         allowed = (client.scope or "").split()
@@ -239,10 +297,27 @@ def build_app(provider: KitProvider, issuer: str) -> Starlette:
         provider.access_lifetime = float((await request.json())["access"])
         return JSONResponse({"access": provider.access_lifetime})
 
-    routes = [r for r in sdk if r.path != "/token"] + [
+    async def exchange_mode(request: Request) -> Response:
+        body = await request.json()
+        mode = str(body.get("mode", provider.exchange_mode))
+        if mode not in EXCHANGE_MODES:
+            return JSONResponse({"error": f"mode is one of {sorted(EXCHANGE_MODES)}"}, 400)
+        provider.exchange_mode = mode
+        # Whether the metadata lists the grant (the grant itself keeps working either way).
+        listed = [g for g in metadata.grant_types_supported or [] if g != EXCHANGE_GRANT]
+        metadata.grant_types_supported = [*listed, EXCHANGE_GRANT] if body.get("advertised", True) else listed
+        return JSONResponse({"mode": mode, "advertised": EXCHANGE_GRANT in metadata.grant_types_supported})
+
+    # The SDK's metadata names its own grants; this server also takes client credentials and exchanges.
+    metadata = build_metadata(AnyHttpUrl(issuer), None, ClientRegistrationOptions(enabled=False),
+                              RevocationOptions(enabled=True))
+    metadata.grant_types_supported = [*(metadata.grant_types_supported or []), "client_credentials", EXCHANGE_GRANT]
+    routes = [r for r in sdk if r.path not in ("/token", METADATA_PATH)] + [
+        Route(METADATA_PATH, MetadataHandler(metadata).handle, methods=["GET"]),
         Route("/token", token, methods=["POST"]), Route("/introspect", introspect, methods=["POST"]),
         Route("/admin/revoke", revoke_client, methods=["POST"]), Route("/admin/stats", stats, methods=["GET"]),
-        Route("/admin/lifetime", lifetime, methods=["POST"]), Route("/admin/tokens", tokens, methods=["GET"])]
+        Route("/admin/lifetime", lifetime, methods=["POST"]), Route("/admin/tokens", tokens, methods=["GET"]),
+        Route("/admin/exchange", exchange_mode, methods=["POST"])]
     return Starlette(routes=routes)
 
 

@@ -13,7 +13,9 @@ from the next request on.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -48,6 +50,9 @@ class RequireOAuth:
         self.app, self.scope, self.path = app, scope, path
         self.issuer = issuer.rstrip("/")
         self.verifier = IntrospectionVerifier(issuer)
+        #: ``SOR_OAUTH_SEEN_LOG``: one JSON line per admitted request (its JSON-RPC method, the token's
+        #: client, scopes, expiry, resource and SHA-256 prefix), for a test to read what it was sent.
+        self.seen_log = os.environ.get("SOR_OAUTH_SEEN_LOG") or None
 
     def _resource(self, scope: dict) -> str:
         host = dict(scope.get("headers") or []).get(b"host", b"127.0.0.1").decode("latin-1")
@@ -81,7 +86,33 @@ class RequireOAuth:
                         challenge + ', error="insufficient_scope"')
             return
         ADMITTED[token.client_id] += 1
+        if self.seen_log is not None:
+            receive = await self._note(token, receive)
         await self.app(scope, receive, send)
+
+    async def _note(self, token: AccessToken, receive: Any) -> Any:
+        """Append what this request carried to the seen log; returns a ``receive`` replaying its body."""
+        messages, body = [], b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            body += message.get("body", b"")
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        try:
+            request = json.loads(body) if body else {}
+            method, params = request.get("method"), request.get("params") or {}
+        except (ValueError, AttributeError):
+            method, params = None, {}
+        line = {"method": method, "tool": params.get("name") if method == "tools/call" else None, "client_id": token.client_id, "scopes": token.scopes, "exp": token.expires_at,
+                "resource": token.resource, "sha256_prefix": hashlib.sha256(token.token.encode()).hexdigest()[:12]}
+        with open(self.seen_log, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        return replay
 
 
 async def _send(send: Any, status: int, body: bytes, content_type: bytes, challenge: str | None = None) -> None:

@@ -149,5 +149,8 @@ def test_oauth_servers_guide(stack: Stack, tmp_path: Path) -> None:
     assert "create_ticket among its tools: True" in out, out  # reached with the writer's token
     assert "received the authorization" in out and "stored the refresh token for sor (write)" in out, out
     assert "600 state/secrets/oauth-sor-write.refresh" in out, out
+    # Per-action tokens: the grant is advertised, the block loads, a scope wider than the identity's is refused.
+    assert "token exchange advertised: True" in out and '"scope": "sor:write"' in out, out
+    assert "a wider per-action scope is refused: True" in out, out
     for secret in ("guide-writer-secret-1", "guide-reader-secret-2"):
         assert secret not in out

@@ -4,47 +4,24 @@ read identities a client of their own (worker/oauth.py)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ledger.states import ActionStatus, Outcome
-from proofline_kit.oauth.launch import AuthorizationServer, start_authorization_server
-from tests.conftest import Stack, build_stack, start_workers, teardown_stack
-from worker.servers import load_servers
+from proofline_kit.oauth.launch import AuthorizationServer
+from proofline_kit.oauth.launch import oauth_stack as oauth_stack_of
+from tests.conftest import Stack
 
 
 @pytest.fixture(scope="module")
 def oauth_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, AuthorizationServer]]:
-    tmp = tmp_path_factory.mktemp("oauth-stack")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
-    auth = start_authorization_server(tmp / "as", env)
-    try:
-        stack = build_stack("http", tmp / "stack", server_env={"SOR_OAUTH_ISSUER": auth.url})
-    except BaseException:
-        auth.stop()
-        raise
-    try:
-        doc = yaml.safe_load(stack.servers_file.read_text())
-        sor = doc["servers"]["sor"]
-        sor["auth"] = {"type": "oauth", "client_id": "sor-writer", "scope": "sor:write", "issuer": auth.url,
-                       "client_secret_file": auth.write_secret("sor-writer", tmp / "writer.secret"),
-                       "refresh_margin_seconds": 1}
-        sor["read_identity"]["auth"] = {"type": "oauth", "client_id": "sor-reader", "scope": "sor:read",
-                                        "client_secret_file": auth.write_secret("sor-reader", tmp / "reader.secret"),
-                                        "refresh_margin_seconds": 1}
-        stack.servers_file.write_text(yaml.safe_dump(doc))
-        load_servers.cache_clear()
-        start_workers(stack)
-        yield stack, auth
-    finally:
-        teardown_stack(stack)
-        auth.stop()
-        load_servers.cache_clear()
+    with oauth_stack_of(tmp_path_factory.mktemp("oauth-stack"),
+                        {"client_id": "sor-writer", "scope": "sor:write", "refresh_margin_seconds": 1},
+                        {"client_id": "sor-reader", "scope": "sor:read", "refresh_margin_seconds": 1}) as both:
+        yield both
 
 
 def ticket(stack: Stack):

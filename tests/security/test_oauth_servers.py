@@ -4,6 +4,7 @@ early refresh, expiry and revocation mid-run, and what a refusal is classified a
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -18,12 +19,13 @@ import httpx2 as httpx
 import pytest
 import yaml
 
-from proofline.errors import ServerAuthFailed
-from proofline_kit.oauth.launch import AuthorizationServer, start_authorization_server
+from proofline.errors import ServerAuthFailed, TokenExchangeFailed
+from proofline_kit.oauth.launch import DEFAULT_CLIENTS, AuthorizationServer, start_authorization_server
 from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
 from worker.mcp_client import McpSessions
 from worker.servers import load_servers
+from worker.token_exchange import fingerprint
 from worker.tool_call import _sent
 
 
@@ -31,7 +33,8 @@ from worker.tool_call import _sent
 def oauth(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """An authorization server, and a system-of-record writer and reader that require its tokens."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
-    auth = start_authorization_server(tmp_path / "as", env)
+    auth = start_authorization_server(tmp_path / "as", env, clients={**DEFAULT_CLIENTS, "sor-writer-post": {
+        **DEFAULT_CLIENTS["sor-writer"], "secret": "writer-post-secret-61b0", "auth_method": "client_secret_post"}})
     db = tmp_path / "var" / "sor.sqlite3"
     sor.init_db(db)
     procs = []
@@ -41,7 +44,8 @@ def oauth(tmp_path: Path) -> Iterator[dict[str, Any]]:
             port_file = tmp_path / f"sor-{role}.port"
             procs.append(start_process([sys.executable, "-m", "proofline_kit.sor", "--transport", "http", "--port", "0",
                                         "--port-file", str(port_file), "--role", role, "--db", str(db)],
-                                       {**env, "SOR_OAUTH_ISSUER": auth.url}, tmp_path / f"sor-{role}.log"))
+                                       {**env, "SOR_OAUTH_ISSUER": auth.url, "SOR_OAUTH_SEEN_LOG": str(tmp_path / "seen.jsonl")},
+                                       tmp_path / f"sor-{role}.log"))
             urls[role] = f"http://127.0.0.1:{wait_port_file(port_file, procs[-1])}/mcp"
         yield {"as": auth, "urls": urls, "tmp": tmp_path}
     finally:
@@ -221,5 +225,89 @@ def test_a_refusal_after_sending_is_the_servers_error_not_a_failure_to_send(oaut
         [rejected] = events(m, "oauth_token_rejected")
         assert rejected["refetch_failed"] == "OAuthTokenError"  # the token endpoint refused the secret
         assert "rotated-elsewhere" not in repr(rejected)
+    finally:
+        m.close()
+
+
+def seen(o: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the writer and the reader admitted, in order, each with the token it carried."""
+    path = o["tmp"] / "seen.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_an_exchanged_token_goes_with_the_calls_inside_and_with_those_only(oauth: dict[str, Any]) -> None:
+    server = servers_file(oauth, token_exchange={"scope": "sor:write", "lifetime_seconds": 60})
+    m = McpSessions(oauth["tmp"])
+    try:
+        with m.acting_for("act-x"):
+            listed(m, server, "write")
+            with m.exchanged_token(server, "write", "create_ticket", 30.9) as got:
+                listed(m, server, "write")
+            listed(m, server, "write")
+        assert got is not None and 25 <= got.asked.lifetime_seconds <= 30 and 1 <= got.expires_in <= 30
+        sent = [e["sha256_prefix"] for e in seen(oauth) if e["method"] == "tools/list"]
+        own = fingerprint(m._identities[("sor", "write")].provider.context.current_tokens.access_token)
+        assert sent[-3:] == [own, fingerprint(got.token), own]
+        [event] = events(m, "token_exchanged")
+        assert (event["action_id"], event["identity"], event["sha256_prefix"]) == ("act-x", "write",
+                                                                                   fingerprint(got.token))
+        assert event["resource"] == oauth["urls"]["writer"] and got.token not in repr(event)
+        assert oauth["as"].stats()["issued"]["sor-writer token_exchange"] == 1
+    finally:
+        m.close()
+
+
+def test_a_refused_exchanged_token_is_not_replaced_after_sending(oauth: dict[str, Any]) -> None:
+    server = servers_file(oauth, token_exchange={"scope": "sor:write"})
+    m = McpSessions(oauth["tmp"])
+    try:
+        listed(m, server, "write")
+        with m.exchanged_token(server, "write", "create_ticket", 60.0):
+            oauth["as"].revoke_client("sor-writer")  # the exchanged token with the rest
+            with pytest.raises(Exception) as raised:  # noqa: PT011 - the SDK's error for a refused request
+                listed(m, server, "write")
+        assert _sent(raised.value)  # a write would take the unknown-outcome path
+        taken = m.take_audit()
+        assert [(e["status"], e["exchanged"]) for e in named(taken, "oauth_token_rejected")] == [(401, True)]
+        assert oauth["as"].stats()["issued"]["sor-writer client_credentials"] == 1  # no token fetched for it
+    finally:
+        m.close()
+
+
+def test_an_authorization_server_that_does_not_list_the_grant(oauth: dict[str, Any]) -> None:
+    oauth["as"].set_exchange_mode("normal", advertised=False)
+    m = McpSessions(oauth["tmp"])
+    try:
+        # if_advertised: the identity's own token, and no exchange asked for.
+        lenient = servers_file(oauth, token_exchange={"use": "if_advertised", "scope": "sor:write"})
+        with m.exchanged_token(lenient, "write", "create_ticket", 60.0) as got:
+            assert got is None
+            listed(m, lenient, "write")
+        m.close()
+        # always: refused before anything reaches the server.
+        before = len(seen(oauth))
+        strict = servers_file(oauth, token_exchange={"scope": "sor:write"})
+        m = McpSessions(oauth["tmp"])
+        with pytest.raises(TokenExchangeFailed, match="does not advertise"), \
+                m.exchanged_token(strict, "write", "create_ticket", 60.0):
+            pass
+        assert len(seen(oauth)) == before
+        assert "sor-writer token_exchange" not in oauth["as"].stats()["issued"]
+    finally:
+        m.close()
+
+
+def test_a_client_authenticated_in_the_form_exchanges_too(oauth: dict[str, Any]) -> None:
+    server = servers_file(oauth, token_endpoint_auth_method="client_secret_post", client_id="sor-writer-post",
+                          client_secret_file=oauth["as"].write_secret("sor-writer-post", oauth["tmp"] / "post.secret"),
+                          token_exchange={"scope": "sor:write", "tool_scopes": {"close_ticket": "sor:write"}})
+    m = McpSessions(oauth["tmp"])
+    try:
+        with m.exchanged_token(server, "write", "close_ticket", 45.0) as got:
+            assert listed(m, server, "write") > 0
+        # The identity's own token was fetched first, inside the 45 s: the lifetime asked is what was left.
+        assert got is not None and got.scopes == ("sor:write",) and 35 <= got.asked.lifetime_seconds <= 45
+        assert oauth["as"].stats()["issued"]["sor-writer-post token_exchange"] == 1
+        assert seen(oauth)[-1]["sha256_prefix"] == fingerprint(got.token)
     finally:
         m.close()
