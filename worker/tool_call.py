@@ -11,7 +11,7 @@ import time
 
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
-from proofline.errors import McpTaskExpired, McpUnavailable, StaleLease
+from proofline.errors import McpTaskExpired, McpUnavailable, SandboxAuditOverflow, StaleLease
 from proofline.telemetry import tracing
 from worker import calls, faultpoints, mcp_tasks
 from worker.classify import CallReport
@@ -23,6 +23,8 @@ from worker.servers import Server
 
 def _sent(exc: BaseException) -> bool:
     """False only when the failure proves the request never left (connection refused or not opened)."""
+    if isinstance(exc, SandboxAuditOverflow):
+        return exc.sent  # it says itself whether it stopped the call before or after sending
     if isinstance(exc, McpUnavailable | ConnectionRefusedError):
         return False
     if type(exc).__name__ == "ConnectError":
