@@ -126,6 +126,7 @@ class Auditor:
         self._overflow: str | None = None  # why lines were lost since the last take
         self._cache: dict[str, dict[str, Any] | None] = {}
         self._buffer = b""
+        self._skipping = False
         self._fd: int | None = None
         self._eof = False
         self._stop = threading.Event()
@@ -172,11 +173,18 @@ class Auditor:
                 self._feed(chunk)
 
     def _feed(self, chunk: bytes) -> None:
+        if self._skipping:
+            # The rest of a line dropped for its length: never parsed as a line of its own.
+            end = chunk.find(b"\n")
+            if end < 0:
+                return
+            chunk, self._skipping = chunk[end + 1:], False
         lines = (self._buffer + chunk).split(b"\n")
         self._buffer = lines.pop()
         if len(self._buffer) > MAX_LINE:
+            self.lines += 1
             self._lost(1, "line_too_long")  # not a line strace writes; drop it rather than grow
-            self._buffer = b""
+            self._buffer, self._skipping = b"", True
         found = 0
         for raw in lines:
             self.lines += 1
