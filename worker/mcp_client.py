@@ -41,7 +41,7 @@ from worker import calls, request_ids, sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.oauth import Identity
 from worker.sandbox_egress import Forwarder
-from worker.sandbox_reader import OVERFLOW_EVENT, Auditor, owned_prefix
+from worker.sandbox_reader import OVERFLOW_EVENT, Auditor, alive, owned_prefix
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
@@ -75,15 +75,6 @@ def _count_violation(n: int = 1) -> None:
 def _audited(found: dict[str, Any]) -> None:
     # Counted by the auditor (all of them); logged here for the ones it keeps, not once per line of a flood.
     log.warning("sandbox denied a server", extra={"event": "sandbox_violation", **found})
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a running (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
@@ -306,7 +297,7 @@ class _Session:
             return None
         if self._child_pid is None:
             self._child_pid = sandbox.read_status(self.status_path).get("child-pid")
-        return frozenset({self._child_pid}) if self._child_pid and _alive(self._child_pid) else frozenset()
+        return frozenset({self._child_pid}) if self._child_pid and alive(self._child_pid) else frozenset()
 
     async def tool_hashes(self, max_age: float) -> dict[str, str]:
         """The server's tool contract hashes, from this session's cache while it is valid."""
@@ -321,7 +312,7 @@ class _Session:
             return self.checked or None
         status = sandbox.read_status(self.status_path)
         if "exit-code" not in status:
-            if "child-pid" not in status or _alive(status["child-pid"]):
+            if "child-pid" not in status or alive(status["child-pid"]):
                 return None  # never started, or still running: nothing to say yet
             deadline = time.monotonic() + STATUS_WAIT_SECONDS
             while "exit-code" not in status and time.monotonic() < deadline:

@@ -59,7 +59,8 @@ def owned_prefix(kind: str) -> str:
     return f"proofline-{kind}-{os.getpid()}-"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -78,7 +79,7 @@ def reap_orphans(folder: str | None = None) -> list[str]:
         return removed
     for name in names:
         m = _OWNED.match(name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+        if m is None or int(m.group(1)) == os.getpid() or alive(int(m.group(1))):
             continue
         path = os.path.join(folder, name)
         if os.path.isdir(path) and not os.path.islink(path):

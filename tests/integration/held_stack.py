@@ -14,7 +14,8 @@ from tests.conftest import build_stack, start_workers
 def test_hold_a_stack(tmp_path: Path) -> None:
     s = build_stack("stdio", tmp_path)
     start_workers(s, concurrency=1)
-    ticket = s.envelope("ticket.create", arguments={"tenant": "acme", "title": "held", "owner": "alice"})
+    ticket = s.envelope("ticket.create", target={"type": "ticket_queue", "id": "acme-ops"},
+                        arguments={"tenant": "acme", "title": "held", "owner": "alice"})
     s.publish(ticket)
     s.wait_settled(ticket.action_id)  # the worker's pool process has its sandboxed, audited server now
     Path(os.environ["HELD_STACK_READY"]).write_text(str(os.getpid()))

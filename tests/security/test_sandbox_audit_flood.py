@@ -47,16 +47,25 @@ def overflows(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [f for f in found if f.get("_event") == OVERFLOW_EVENT]
 
 
-def timed_out_flood(m: McpSessions, server: Any) -> None:
+def dropped_mid_flood(world: dict[str, Any], **sandbox: Any) -> tuple[Any, list[dict[str, Any]]]:
     """A call that keeps opening a hidden path for far longer than its timeout, then the session
-    dropped as the worker drops a session whose call failed after it was sent."""
+    dropped as the worker drops a session whose call failed after it was sent: (auditor, take)."""
     async def go(client):  # noqa: ANN001
         return await client.call_tool("flood", {"path": "/etc/shadow", "count": 0, "seconds": 60},
                                       read_timeout_seconds=2)
 
-    with pytest.raises(Exception):  # noqa: B017 - the SDK's request timeout
-        m.run(server, "write", go)
-    m.discard(server, "write")
+    m = open_sessions(world, hostile=hostile_spec(world["tools"], **sandbox))
+    server = world["servers"]["hostile"]
+    try:
+        run_tool(m, server, "write", "status", {})
+        auditor = m._sessions[("hostile", "write")].auditor  # noqa: SLF001
+        assert auditor is not None
+        with pytest.raises(Exception):  # noqa: B017 - the SDK's request timeout
+            m.run(server, "write", go)
+        m.discard(server, "write")
+        return auditor, m.take_audit()
+    finally:
+        m.close()
 
 
 def test_a_flood_of_denied_opens_is_counted_to_the_last(world: dict[str, Any]) -> None:
@@ -81,16 +90,7 @@ def test_a_flood_of_denied_opens_is_counted_to_the_last(world: dict[str, Any]) -
 
 def test_a_session_dropped_mid_flood_reads_strace_to_its_end(world: dict[str, Any],
                                                              capfd: pytest.CaptureFixture[str]) -> None:
-    m = open_sessions(world, hostile=hostile_spec(world["tools"]))
-    server = world["servers"]["hostile"]
-    try:
-        run_tool(m, server, "write", "status", {})
-        auditor = m._sessions[("hostile", "write")].auditor  # noqa: SLF001
-        assert auditor is not None
-        timed_out_flood(m, server)
-        found = m.take_audit()
-    finally:
-        m.close()
+    auditor, found = dropped_mid_flood(world)
     # Read to the end (strace closed its end once the server was gone), so nothing is unaccounted
     # for and strace never wrote into a closed pipe.
     assert auditor.ended and auditor.dropped == 0 and overflows(found) == []
@@ -102,16 +102,7 @@ def test_a_session_dropped_mid_flood_reads_strace_to_its_end(world: dict[str, An
 
 def test_a_session_closed_before_straces_end_is_an_overflow_record(world: dict[str, Any]) -> None:
     """No time to drain (``drain_seconds: 0``): what was read is counted, the rest is said to be missing."""
-    m = open_sessions(world, hostile=hostile_spec(world["tools"], audit={"drain_seconds": 0}))
-    server = world["servers"]["hostile"]
-    try:
-        run_tool(m, server, "write", "status", {})
-        auditor = m._sessions[("hostile", "write")].auditor  # noqa: SLF001
-        assert auditor is not None
-        timed_out_flood(m, server)
-        found = m.take_audit()
-    finally:
-        m.close()
+    auditor, found = dropped_mid_flood(world, audit={"drain_seconds": 0})
     [lost] = overflows(found)
     assert lost["reason"] == "closed_before_end" and lost["server"] == "hostile" and lost["in_flight"]
     assert lost["lines_seen"] > MAX_KEPT and lost["violations"] == counted(found, "/etc/shadow")
