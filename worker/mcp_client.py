@@ -504,8 +504,7 @@ class McpSessions:
                 session.auditor.settle()
                 if not session.auditor.armed:
                     # strace writes the marker before the server starts: without it nothing is audited.
-                    self._portal.call(session.stop)
-                    session.cleanup()
+                    self._retire(session)
                     raise McpUnavailable(f"{server.name}/{role}: the sandbox audit did not start")
             self._sessions[key] = session
             return session
