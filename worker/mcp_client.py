@@ -236,6 +236,7 @@ class _Session:
         self.stopping = False
         self._ready: anyio.Event | None = None
         self._stop: anyio.Event | None = None
+        self._starting: anyio.CancelScope | None = None
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
         self.auditor: Auditor | None = None
@@ -273,10 +274,11 @@ class _Session:
                                      # never more than a few times.
                                      input_required_max_rounds=INPUT_ROUNDS, **governed)
             client.advertised = self.gate.advertised if self.gate is not None else frozenset()
-            async with client:
-                self.client = client
-                self._ready.set()
-                await self._stop.wait()
+            with anyio.CancelScope() as self._starting:  # stop() before ready: the start is abandoned
+                async with client:
+                    self.client = client
+                    self._ready.set()
+                    await self._stop.wait()
         except BaseException as exc:  # noqa: BLE001 - a dead session is recorded, never raised here
             self.error = exc
         finally:
@@ -357,6 +359,9 @@ class _Session:
         self.stopping = True
         if self._stop is not None:
             self._stop.set()
+        if self.client is None and self._starting is not None:
+            # Still connecting (a server slow to start): cancel it, which ends the server's process.
+            self._starting.cancel()
 
 
 class CallCancelled(Exception):
@@ -491,7 +496,7 @@ class McpSessions:
             try:
                 self._portal.call(session.wait_ready)
             except TimeoutError as exc:
-                session.cleanup()
+                self._retire(session)  # the server, its tracer and its files go too
                 raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
             if session.client is None:
                 found = session.violation()

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,6 +135,43 @@ def test_an_attempt_hidden_in_an_oversize_line_is_an_overflow(world: dict[str, A
         assert refused.value.sent and refused.value.code == "sandbox_audit_overflow"
         [strict] = overflows(m.take_audit())
         assert strict["server"] == "strict" and strict["lines_dropped"] == 1
+    finally:
+        m.close()
+
+
+def test_a_server_too_slow_to_start_is_ended_with_its_tracer(world: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that does not open in time is abandoned: its server, its tracer and its audit
+    folder go with it (nothing keeps tracing, or writing to a pipe nobody reads)."""
+    from proofline.errors import McpUnavailable
+    from worker import mcp_client
+
+    monkeypatch.setattr(mcp_client, "CONNECT_TIMEOUT_SECONDS", 3.0)
+    sleepy = hostile_spec(world["tools"])
+    sleepy["env"] = {**sleepy["env"], "HOSTILE_START_SLEEP": "120"}
+    m = open_sessions(world, sleepy=sleepy)
+    me = psutil.Process()
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{os.getpid()}-*")))
+    tracers: list[psutil.Process] = []
+    refused = threading.Event()
+
+    def note_tracers() -> None:  # the tracers this process starts, noted while the session is refused
+        while not refused.wait(0.1):
+            tracers.extend(p for p in me.children() if p.name() == "strace" and p not in tracers)
+
+    watcher = threading.Thread(target=note_tracers)
+    watcher.start()
+    try:
+        try:
+            with pytest.raises(McpUnavailable, match="no session within"):
+                run_tool(m, world["servers"]["sleepy"], "write", "status", {})
+        finally:
+            refused.set()
+            watcher.join()
+        assert tracers, "the audited server was being started"
+        wait_for(lambda: all(gone(t) for t in tracers), 20, what="the slow server's tracer to end")
+        after = set(glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{os.getpid()}-*")))
+        assert after <= before
     finally:
         m.close()
 
