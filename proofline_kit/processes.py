@@ -1,12 +1,20 @@
 """Processes a test or a soak starts itself: started in their own session, stopped by process
-group, and waited on by condition (never by a fixed sleep)."""
+group, and waited on by condition (never by a fixed sleep).
+
+A process in its own session does not get the terminal's signals, so it would outlive the test run
+that started it: every group started here is *owned* (:func:`own`) and killed when this process
+exits (atexit) or is told to stop (SIGTERM, SIGHUP, SIGINT: the groups go first, then the signal's
+usual course). A test run stopped by its runner leaves no worker, beat, server or broker behind.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +45,66 @@ def gone(proc: psutil.Process) -> bool:
         return True
 
 
+#: Process groups this process started and has not stopped yet, by group id (the leader's pid).
+_owned: dict[int, subprocess.Popen] = {}
+_owned_lock = threading.Lock()
+_handlers_installed = False
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def own(proc: subprocess.Popen) -> subprocess.Popen:
+    """Kill ``proc``'s process group (started with ``start_new_session=True``) when this process
+    exits or is stopped by a signal, unless it was stopped before. Returns ``proc``."""
+    global _handlers_installed
+    with _owned_lock:
+        _owned[proc.pid] = proc
+        install = not _handlers_installed and threading.current_thread() is threading.main_thread()
+        if install:
+            _handlers_installed = True
+    if install:
+        atexit.register(kill_owned)
+        for sig in STOP_SIGNALS:
+            previous = signal.getsignal(sig)
+            signal.signal(sig, lambda signum, frame, previous=previous: _stopped(signum, frame, previous))
+    return proc
+
+
+def _disown(pgid: int) -> None:
+    with _owned_lock:
+        _owned.pop(pgid, None)
+
+
+def kill_owned() -> None:
+    """SIGKILL every owned process group that is still there (each child's own children included)."""
+    with _owned_lock:
+        groups, _owned_copy = list(_owned), dict(_owned)
+        _owned.clear()
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in _owned_copy.values():
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stopped(signum: int, frame: object, previous: object) -> None:
+    kill_owned()
+    if callable(previous):
+        previous(signum, frame)  # pytest's own SIGINT handling, for one
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def start_process(argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    """``argv`` in a new session (its own process group), output appended to ``log``."""
+    """``argv`` in a new session (its own process group, owned: see :func:`own`), output appended to ``log``."""
     with open(log, "ab") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)
+        return own(subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
+                                    start_new_session=True))
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -58,11 +121,13 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
     if proc.poll() is None:
         proc.wait(5)
+    _disown(proc.pid)
 
 
 def stop_group(pgid: int, grace: float = 20.0) -> None:
     """Stop a process group a test started with ``start_new_session=True`` (a shell script and what
     it left running in the background): SIGTERM, then SIGKILL after ``grace`` seconds."""
+    _disown(pgid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)

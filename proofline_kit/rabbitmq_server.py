@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kombu import Connection
 
-from proofline_kit.processes import OwnedServer, stop_process, unused_port, wait_for
+from proofline_kit.processes import OwnedServer, own, stop_process, unused_port, wait_for
 from proofline_kit.resources import RABBITMQ_SCRIPTS, rabbitmqctl
 
 ATTEMPTS = 4
@@ -84,8 +84,8 @@ class RabbitServer(OwnedServer):
                "RABBITMQ_ENABLED_PLUGINS_FILE": str(plugins), "RABBITMQ_MNESIA_BASE": str(self.workdir / "mnesia"),
                "RABBITMQ_LOG_BASE": str(self.workdir / "log"), "RABBITMQ_PID_FILE": str(self.workdir / "node.pid")}
         with open(self.workdir / "rabbitmq.out", "ab") as log:
-            proc = subprocess.Popen([str(SCRIPTS / "rabbitmq-server")], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=self.workdir, start_new_session=True)
+            proc = own(subprocess.Popen([str(SCRIPTS / "rabbitmq-server")], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True))
 
         def up() -> str | None:
             if proc.poll() is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from proofline_kit.processes import OwnedServer, unused_port, wait_for
+from proofline_kit.processes import OwnedServer, own, unused_port, wait_for
 
 ATTEMPTS = 5
 
@@ -55,7 +55,7 @@ class RedisServer(OwnedServer):
                 "--databases", str(self.databases), "--daemonize", "no", "--dir", str(self.workdir),
                 *(["--requirepass", self.password] if self.password else [])]
         with open(self.workdir / "redis.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = own(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         client = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_connect_timeout=0.2)
 
         def ours() -> str | None:

@@ -30,6 +30,7 @@ from proofline.errors import (
     ExtractionFailed,
     McpTaskExpired,
     ResultTooLarge,
+    SandboxAuditOverflow,
     ServerAuthFailed,
     TokenExchangeRefused,
 )
@@ -114,6 +115,10 @@ def classify(report: CallReport, contract: Contract, limit: int | None = None) -
                 "error": summary, "result_size": data.get("size"), "result_digest": data.get("sha256"),
                 "result_limit": data.get("limit"), "result_excerpt": str(data.get("excerpt", ""))[:1024],
                 "read_by": "transport"})
+        if isinstance(report.error, SandboxAuditOverflow):
+            # The call was sent and may have acted; the audit of what the server tried is incomplete.
+            return Classification(Outcome.unknown_outcome, report.error.code,
+                                  evidence={"error": summary, **report.error.as_evidence()})
         if isinstance(report.error, McpTaskExpired):
             # The task can no longer say what it did; it was created, so it may have acted.
             return Classification(Outcome.unknown_outcome, report.error.code,

@@ -34,14 +34,14 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from proofline.envelope import reported_version
-from proofline.errors import McpUnavailable
+from proofline.errors import McpUnavailable, SandboxAuditOverflow
 from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
 from worker import calls, request_ids, sandbox, token_exchange
 from worker.bounded_stdio import bounded_stdio_client
 from worker.oauth import Identity
-from worker.sandbox_audit import Auditor
 from worker.sandbox_egress import Forwarder
+from worker.sandbox_reader import OVERFLOW_EVENT, Auditor, alive, owned_prefix
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
@@ -66,24 +66,15 @@ def sandbox_violations() -> int:
     return _violations
 
 
-def _count_violation() -> None:
+def _count_violation(n: int = 1) -> None:
     global _violations
     with _violations_lock:
-        _violations += 1
+        _violations += n
 
 
 def _audited(found: dict[str, Any]) -> None:
-    _count_violation()
+    # Counted by the auditor (all of them); logged here for the ones it keeps, not once per line of a flood.
     log.warning("sandbox denied a server", extra={"event": "sandbox_violation", **found})
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a running (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
@@ -245,6 +236,7 @@ class _Session:
         self.stopping = False
         self._ready: anyio.Event | None = None
         self._stop: anyio.Event | None = None
+        self._starting: anyio.CancelScope | None = None
         self.status_path: str | None = None
         self.checked: dict[str, Any] | None = None
         self.auditor: Auditor | None = None
@@ -258,12 +250,12 @@ class _Session:
             sandbox.require_policy(name, role, endpoint.sandbox, environment)
             if endpoint.sandbox.enabled:
                 unaudited = sandbox.require_audit(name, role, endpoint.sandbox, environment)
-                fd, self.status_path = tempfile.mkstemp(prefix="proofline-sandbox-", suffix=".json")
+                fd, self.status_path = tempfile.mkstemp(prefix=owned_prefix("sandbox"), suffix=".json")
                 os.close(fd)
                 if endpoint.sandbox.egress is not None:
                     self.egress = Forwarder(name, role, endpoint.sandbox.egress)
                 if unaudited is None:
-                    self.auditor = Auditor(name, role, on_violation=_audited)
+                    self.auditor = Auditor(name, role, on_violation=_audited, counted=_count_violation)
                 else:
                     log.warning("sandboxed server runs without auditing", extra={
                         "event": "sandbox_audit_disabled", "server": name, "role": role, "reason": unaudited})
@@ -282,10 +274,11 @@ class _Session:
                                      # never more than a few times.
                                      input_required_max_rounds=INPUT_ROUNDS, **governed)
             client.advertised = self.gate.advertised if self.gate is not None else frozenset()
-            async with client:
-                self.client = client
-                self._ready.set()
-                await self._stop.wait()
+            with anyio.CancelScope() as self._starting:  # stop() before ready: the start is abandoned
+                async with client:
+                    self.client = client
+                    self._ready.set()
+                    await self._stop.wait()
         except BaseException as exc:  # noqa: BLE001 - a dead session is recorded, never raised here
             self.error = exc
         finally:
@@ -306,7 +299,7 @@ class _Session:
             return None
         if self._child_pid is None:
             self._child_pid = sandbox.read_status(self.status_path).get("child-pid")
-        return frozenset({self._child_pid}) if self._child_pid and _alive(self._child_pid) else frozenset()
+        return frozenset({self._child_pid}) if self._child_pid and alive(self._child_pid) else frozenset()
 
     async def tool_hashes(self, max_age: float) -> dict[str, str]:
         """The server's tool contract hashes, from this session's cache while it is valid."""
@@ -321,7 +314,7 @@ class _Session:
             return self.checked or None
         status = sandbox.read_status(self.status_path)
         if "exit-code" not in status:
-            if "child-pid" not in status or _alive(status["child-pid"]):
+            if "child-pid" not in status or alive(status["child-pid"]):
                 return None  # never started, or still running: nothing to say yet
             deadline = time.monotonic() + STATUS_WAIT_SECONDS
             while "exit-code" not in status and time.monotonic() < deadline:
@@ -346,6 +339,16 @@ class _Session:
             except OSError:
                 pass
 
+    @property
+    def fails_closed(self) -> bool:
+        """Whether a call whose audit lost lines fails (``sandbox.audit.on_overflow``)."""
+        return self.auditor is not None and self.endpoint.sandbox.audit_policy.fails_closed(self.environment)
+
+    def drain(self) -> None:
+        """Read the audit to its end (the server is gone or going), so nothing it wrote is lost."""
+        if self.auditor is not None:
+            self.auditor.finish(self.endpoint.sandbox.audit_policy.drain_seconds)
+
     async def wait_ready(self) -> None:
         while self._ready is None:
             await anyio.sleep(0.001)
@@ -356,6 +359,9 @@ class _Session:
         self.stopping = True
         if self._stop is not None:
             self._stop.set()
+        if self.client is None and self._starting is not None:
+            # Still connecting (a server slow to start): cancel it, which ends the server's process.
+            self._starting.cancel()
 
 
 class CallCancelled(Exception):
@@ -461,17 +467,29 @@ class McpSessions:
         with self._audit_lock:
             self._audit.append({"_event": event, **body, "in_flight": True, "action_id": action_id})
 
-    def _collect(self, session: _Session, in_flight: bool) -> None:
+    def _collect(self, session: _Session, in_flight: bool) -> list[dict[str, Any]]:
+        """Keep what the session's audit and request gate found; returns the audit's overflow records."""
         if session.gate is not None:
             limit = session.gate.policy().max_per_call
             for action_id, count in session.gate.take_suppressed(limit).items():
                 self._note_request(SUPPRESSED_EVENT, {"server": session.name, "role": session.role,
                                                       "suppressed": count, "recorded": limit}, action_id)
         if session.auditor is None:
-            return
-        for found in session.auditor.take():
-            with self._audit_lock:
-                self._audit.append({**found, "in_flight": in_flight, "action_id": self.action_id})
+            return []
+        taken = session.auditor.take()
+        with self._audit_lock:
+            self._audit.extend({**found, "in_flight": in_flight, "action_id": self.action_id} for found in taken)
+        return [f for f in taken if f.get("_event") == OVERFLOW_EVENT]
+
+    def _retire(self, session: _Session) -> dict[str, Any] | None:
+        """End a session for good: its violation (before stopping it, which is no violation), then
+        its audit read to the end and kept, then its files. Returns the violation, if any."""
+        found = session.violation()
+        self._portal.call(session.stop)
+        session.drain()
+        self._collect(session, in_flight=True)
+        session.cleanup()
+        return found
 
     def take_audit(self) -> list[dict[str, Any]]:
         """Every audit finding not yet taken, each with the ``action_id`` whose call was in flight
@@ -487,9 +505,7 @@ class McpSessions:
             if session is not None and not session.dead:
                 return session
             if session is not None:
-                self._collect(session, in_flight=True)
-                session.violation()
-                session.cleanup()
+                self._retire(session)
             endpoint = server.write if role == "write" else server.read
             identity = self._authorize(server, role)
             session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server),
@@ -499,7 +515,7 @@ class McpSessions:
             try:
                 self._portal.call(session.wait_ready)
             except TimeoutError as exc:
-                session.cleanup()
+                self._retire(session)  # the server, its tracer and its files go too
                 raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
             if session.client is None:
                 found = session.violation()
@@ -512,8 +528,7 @@ class McpSessions:
                 session.auditor.settle()
                 if not session.auditor.armed:
                     # strace writes the marker before the server starts: without it nothing is audited.
-                    self._portal.call(session.stop)
-                    session.cleanup()
+                    self._retire(session)
                     raise McpUnavailable(f"{server.name}/{role}: the sandbox audit did not start")
             self._sessions[key] = session
             return session
@@ -546,7 +561,10 @@ class McpSessions:
         client = session.client
         if client is None:  # died between lookup and use; nothing was sent
             raise McpUnavailable(f"{server.name}/{role}: session closed before the request")
-        self._collect(session, in_flight=False)
+        if self._collect(session, in_flight=False) and session.fails_closed:
+            self.discard(server, role)
+            raise SandboxAuditOverflow(f"{server.name}/{role}: the sandbox audit lost lines before the call; "
+                                       "nothing was sent", sent=False, server=server.name, role=role)
         before = request_ids.counter(client)
         try:
             if cancel_handle is None:
@@ -555,7 +573,10 @@ class McpSessions:
             return self._portal.call(_cancellable, fn, client, cancel_handle)
         finally:
             self.last_request = request_ids.minted(session.session_id, before, request_ids.counter(client))
-            self._collect(session, in_flight=True)
+            lost = self._collect(session, in_flight=True)
+            if lost and session.fails_closed:  # recorded either way; fail_closed refuses the call's result too
+                raise SandboxAuditOverflow(f"{server.name}/{role}: the sandbox audit lost lines during the call "
+                                           f"({lost[-1]['reason']})", sent=True, server=server.name, role=role)
 
     def tool_hashes(self, server: Server, max_age: float, role: Role = "write") -> tuple[dict[str, str], str | None]:
         """The contract hashes of the tools ``server`` lists, and why they were listed now (None when
@@ -593,11 +614,7 @@ class McpSessions:
             session = self._sessions.pop((server.name, role), None)
         if session is None:
             return None
-        self._collect(session, in_flight=True)
-        found = session.violation()
-        self._portal.call(session.stop)
-        session.cleanup()
-        return found
+        return self._retire(session)
 
     def close(self) -> None:
         with self._lock:
@@ -607,6 +624,8 @@ class McpSessions:
                 self._portal.call(session.stop)
             except Exception:  # noqa: BLE001 - closing at exit must not raise
                 pass
+        for session in sessions:
+            session.drain()  # strace's output to its end: no write into a closed pipe
             session.cleanup()
         for identity in list(self._identities.values()):
             try:

@@ -16,6 +16,7 @@ it was started with, so the worker's own environment must never reach it.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -25,6 +26,7 @@ from functools import lru_cache
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -34,6 +36,8 @@ from worker.sandbox_egress import EgressPlan, EgressPolicy
 
 BWRAP = "bwrap"
 STRACE = "strace"
+#: The wrapper that makes the tracer die with the worker process that started it.
+DEATHSIG = str(Path(__file__).with_name("deathsig.py"))
 SHELL = "/bin/sh"
 #: The uid/gid a sandboxed server runs as (``nobody``/``nogroup``) unless the servers file says otherwise.
 DEFAULT_UID = DEFAULT_GID = 65534
@@ -55,6 +59,26 @@ OWN_FILESYSTEMS = ("/tmp", "/proc", "/dev/shm", "/dev/pts", "/dev/mqueue")
 #: (soft CPU limit), SIGXFSZ, SIGSYS, SIGABRT (allocation failure inside C code).
 VIOLATION_SIGNALS = {9: "SIGKILL", 11: "SIGSEGV", 7: "SIGBUS", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS",
                      6: "SIGABRT"}
+
+
+class AuditPolicy(BaseModel):
+    """The ``sandbox.audit`` block, when it is more than on/off: what an audit that lost lines means."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: ``record``: the call stands and an overflow record says what the audit missed; ``fail_closed``:
+    #: a call whose audit lost lines fails (as a call that was sent, when it was). None: ``record``
+    #: in development, ``fail_closed`` in production.
+    on_overflow: Literal["record", "fail_closed"] | None = None
+    #: How long a session being closed waits for strace's output to end (it ends once the server
+    #: has exited) before what is still unread is an overflow.
+    drain_seconds: float = Field(5.0, ge=0, le=60)
+
+    def fails_closed(self, environment: str) -> bool:
+        """Whether an overflow fails the call, in ``environment``."""
+        if self.on_overflow is None:
+            return environment == Environment.production
+        return self.on_overflow == "fail_closed"
 
 
 class SandboxSpec(BaseModel):
@@ -82,8 +106,9 @@ class SandboxSpec(BaseModel):
     cpu_seconds: int = Field(3600, ge=1)
     open_files: int = Field(256, ge=16)
     processes: int = Field(64, ge=1)
-    #: Denied-path auditing (worker/sandbox_audit.py): None means on where strace is installed.
-    audit: bool | None = None
+    #: Denied-path auditing (worker/sandbox_audit.py): None means on where strace is installed; a
+    #: block (:class:`AuditPolicy`) asks for it like ``true`` and says what an overflow does.
+    audit: bool | AuditPolicy | None = None
     #: Why this server runs without auditing; production refuses to drop it silently without one.
     audit_reason: str | None = None
 
@@ -96,6 +121,16 @@ class SandboxSpec(BaseModel):
         if not isinstance(value, bool | EgressPolicy):
             raise ValueError("sandbox.network must be true, false or {allow: [HOST:PORT, ...]}")
         return value
+
+    @field_validator("audit", mode="before")
+    @classmethod
+    def _audit(cls, value: object) -> object:
+        return AuditPolicy(**value) if isinstance(value, dict) else value
+
+    @property
+    def audit_policy(self) -> AuditPolicy:
+        """What an overflow of this server's audit does (the defaults unless a block says)."""
+        return self.audit if isinstance(self.audit, AuditPolicy) else AuditPolicy()
 
     @property
     def host_network(self) -> bool:
@@ -162,7 +197,8 @@ def require_audit(server: str, role: str, spec: SandboxSpec, environment: str,
     if not spec.enabled:
         return "unsandboxed"
     available = strace_available() if available is None else available
-    if spec.audit is True and not available:
+    asked = spec.audit is True or isinstance(spec.audit, AuditPolicy)
+    if asked and not available:
         raise ConfigurationError(f"server {server!r} ({role}) asks for sandbox.audit but strace is not installed",
                                  server=server, role=role)
     if spec.audit is not False and available:
@@ -312,7 +348,7 @@ def bwrap_args(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str]
 def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cwd: str, base_dir: Path,
            status_path: str | None = None, runtime_paths: Sequence[str] | None = None,
            audit_path: str | None = None, roots: list[Roots] | None = None,
-           egress: EgressPlan | None = None) -> Launch:
+           egress: EgressPlan | None = None, parent_pid: int | None = None) -> Launch:
     """The launcher for one sandboxed server: ``sh`` sets the rlimits (inherited across exec by
     bwrap and the server; no preexec_fn in the worker), opens the status file on fd 3, then execs
     bwrap. The rlimits are hard limits too, so the server cannot raise them again.
@@ -323,9 +359,11 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
 
     With ``audit_path``, strace runs outermost (outside the limits and the namespaces: the server
     cannot see, signal or starve it) and writes the server's failed file, network and privileged
-    syscalls to that path (a FIFO the worker reads; worker/sandbox_audit.py). Inside the sandbox a
+    syscalls to that path (a FIFO the worker reads; worker/sandbox_reader.py). Inside the sandbox a
     ``sh`` first tries to enter :data:`AUDIT_MARKER` (a failed, traced ``chdir`` that marks where
-    bwrap's own set-up ends) and then execs the server."""
+    bwrap's own set-up ends) and then execs the server. strace itself starts under
+    :data:`DEATHSIG`, so it dies with ``parent_pid`` (this process unless given), and the server
+    with it: a killed worker leaves no tracer behind."""
     if runtime_paths is None:
         runtime_paths = interpreter_paths()
     inner = list(command)
@@ -347,7 +385,8 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
     if audit_path is not None:
         from worker.sandbox_audit import strace_args
 
-        argv = [STRACE, *strace_args(audit_path), "--", *argv]
+        argv = [sys.executable, "-I", "-S", DEATHSIG, str(parent_pid or os.getpid()), STRACE,
+                *strace_args(audit_path), "--", *argv]
     return Launch(argv[0], argv[1:], launcher_environment())
 
 

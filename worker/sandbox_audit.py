@@ -32,15 +32,11 @@ from __future__ import annotations
 
 import os
 import re
-import select
-import shutil
-import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
 
-from worker.sandbox import AUDIT_MARKER, Roots
+from worker.sandbox import Roots
 
 DENIED_SYSCALLS = frozenset({
     "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
@@ -82,11 +78,7 @@ WRITING = frozenset({
 _WRITE_FLAGS = re.compile(r"\bO_(WRONLY|RDWR|CREAT|TRUNC|APPEND)\b")
 NOT_FOUND = {"ENOENT", "ENOTDIR", "ELOOP"}
 DENIED = {"EROFS": "read_only", "EACCES": "permission_denied", "EPERM": "permission_denied"}
-#: Violations kept per session between two takes; more are counted and summarised.
-MAX_KEPT = 64
-MAX_LINE = 64 * 1024
 SYMLINK_HOPS = 40
-OPEN_WAIT_SECONDS = 0.5
 
 _LINE = re.compile(r"^(\d+) +(\w+)\((.*)\) += (-?\d+|\?) (E[A-Z0-9]+)")
 _HEX = re.compile(r'"((?:\\x[0-9a-f]{2})*)"')
@@ -293,115 +285,12 @@ def classify(record: dict[str, Any], roots: Roots, *, exists: Callable[[str], bo
     return None
 
 
-class Auditor:
-    """Reads one audited sandbox's strace output (a FIFO) and keeps the violations it finds.
-
-    A thread drains the FIFO so strace never blocks on it; :meth:`take` first reads whatever is
-    already written (strace writes a line before the traced process continues, so by the time the
-    server has answered a call every failure of that call is in the FIFO) and then hands over what
-    was found since the last take. ``on_violation`` runs once per violation (counting, logging)."""
-
-    def __init__(self, server: str, role: str, on_violation: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.server, self.role = server, role
-        self.on_violation = on_violation
-        self.roots = Roots()
-        self.directory = tempfile.mkdtemp(prefix="proofline-audit-")  # mode 0700, the worker's only
-        self.path = os.path.join(self.directory, "trace")
-        os.mkfifo(self.path, 0o600)
-        self.armed = False
-        self.total = 0
-        self._found: list[dict[str, Any]] = []
-        self._dropped = 0
-        self._buffer = b""
-        self._fd: int | None = None
-        self._eof = False
-        self._stop = threading.Event()
-        self._opened = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()  # close() wakes the reader at once
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._drain, name=f"audit-{server}-{role}", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY)  # returns once strace opens its end (or close() does)
-        except OSError:
-            return
-        os.set_blocking(fd, False)
-        with self._lock:
-            self._fd = fd
-        self._opened.set()
-        while not self._stop.is_set() and not self._eof:
-            ready, _, _ = select.select([fd, self._wake_r], [], [])
-            if fd in ready:
-                self.settle()
-
-    def settle(self) -> None:
-        """Read and classify everything strace has written so far."""
-        if not self._opened.is_set():
-            # strace opens the FIFO as it starts, long before a session is ready; this only waits
-            # out the instant between the reader's open returning and it publishing the descriptor.
-            self._opened.wait(OPEN_WAIT_SECONDS)
-        with self._lock:
-            while self._fd is not None and not self._eof:
-                try:
-                    chunk = os.read(self._fd, 65536)
-                except BlockingIOError:
-                    return
-                if not chunk:
-                    self._eof = True
-                    return
-                self._feed(chunk)
-
-    def _feed(self, chunk: bytes) -> None:
-        lines = (self._buffer + chunk).split(b"\n")
-        self._buffer = lines.pop()
-        if len(self._buffer) > MAX_LINE:
-            self._buffer = b""  # not a line strace writes; drop it rather than grow
-        for raw in lines:
-            record = parse(raw.decode("ascii", "replace"))
-            if record is None:
-                continue
-            if not self.armed:
-                self.armed = any(p == AUDIT_MARKER for p, _ in paths(record))
-                continue
-            found = classify(record, self.roots)
-            if found is None:
-                continue
-            found = {"server": self.server, "role": self.role, **found}
-            self.total += 1
-            if len(self._found) < MAX_KEPT:
-                self._found.append(found)
-            else:
-                self._dropped += 1
-            if self.on_violation is not None:
-                self.on_violation(found)
-
-    def take(self) -> list[dict[str, Any]]:
-        """The violations found since the last take (past :data:`MAX_KEPT`, one summary entry)."""
-        self.settle()
-        with self._lock:
-            out, self._found = self._found, []
-            if self._dropped:
-                out.append({"server": self.server, "role": self.role, "kind": "suppressed", "count": self._dropped})
-                self._dropped = 0
-        return out
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return  # closed already
-        self._stop.set()
-        os.write(self._wake_w, b"x")
-        if self._fd is None:
-            try:  # unblock a reader still waiting for strace to open the FIFO
-                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-        self._thread.join(timeout=2)
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        shutil.rmtree(self.directory, ignore_errors=True)
+def context_free(record: dict[str, Any]) -> bool:
+    """Whether :func:`classify` decides ``record`` without the process's working directory (every
+    path absolute or relative to a directory strace reported): then the same line, from any of
+    the sandbox's processes, is the same verdict, and the reader may reuse it (a flood of one
+    denied open costs one classification, not one per line)."""
+    if record["syscall"] in NETWORK_SYSCALLS:
+        family, address = _address(record)
+        return family != "AF_UNIX" or not address or address.startswith(("/", "@"))
+    return all(raw.startswith("/") or directory for raw, directory in paths(record))

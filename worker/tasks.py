@@ -23,6 +23,7 @@ from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.sandbox_probe import bwrap_problem
+from worker.sandbox_reader import reap_orphans
 from worker.servers import check_sandbox_policy, sandboxed_identities
 from worker.summary import task_line, with_outcome
 from worker.task_base import GuardedTask
@@ -75,6 +76,17 @@ def _scrub_logs(logger: logging.Logger | None = None, **_: Any) -> None:
 @signals.worker_process_shutdown.connect
 def _close(**_: Any) -> None:
     close_sessions()
+
+
+@signals.worker_init.connect
+@signals.worker_process_init.connect
+def _reap_sandbox_files(**_: Any) -> None:
+    """Remove the audit folders and status files of pool processes that were killed (a replaced
+    pool process starts here; its predecessor could not clean up): worker/sandbox_reader.py."""
+    removed = reap_orphans()
+    if removed:
+        log.warning("removed sandbox files of dead worker processes", extra={
+            "event": "sandbox_files_reaped", "count": len(removed)})
 
 
 @signals.worker_init.connect

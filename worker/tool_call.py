@@ -12,7 +12,7 @@ from contextlib import ExitStack
 
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
-from proofline.errors import McpTaskExpired, McpUnavailable, StaleLease, TokenExchangeRefused
+from proofline.errors import McpTaskExpired, McpUnavailable, SandboxAuditOverflow, StaleLease, TokenExchangeRefused
 from proofline.telemetry import tracing
 from worker import calls, faultpoints, mcp_tasks
 from worker.classify import CallReport
@@ -25,6 +25,8 @@ from worker.servers import Server
 def _sent(exc: BaseException) -> bool:
     """False only when the failure proves the request never left (connection refused or not opened,
     or no per-action token to send it with)."""
+    if isinstance(exc, SandboxAuditOverflow):
+        return exc.sent  # it says itself whether it stopped the call before or after sending
     if isinstance(exc, McpUnavailable | ConnectionRefusedError | TokenExchangeRefused):
         return False
     if type(exc).__name__ == "ConnectError":

@@ -454,6 +454,19 @@ class ResultTooLarge(ProoflineError):
     code = "result_too_large"
 
 
+class SandboxAuditOverflow(ProoflineError):
+    """The sandboxed server's audit lost lines during the call (lines dropped, or strace's output
+    left unread when the session closed), and the server's ``sandbox.audit.on_overflow`` is
+    ``fail_closed``: the call is not accepted on an incomplete audit. ``sent`` (in the context)
+    says whether the request had left; when it had, whatever the server did is unknown."""
+
+    code = "sandbox_audit_overflow"
+
+    @property
+    def sent(self) -> bool:
+        return bool(self.context.get("sent", True))
+
+
 class ConditionInvalid(LimitExceeded):
     """A condition the envelope adds does not compile."""
 

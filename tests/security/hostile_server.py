@@ -188,10 +188,37 @@ def allocate(megabytes: int) -> dict[str, Any]:
 
 
 @server.tool()
+def flood(path: str, count: int, seconds: float = 0.0) -> dict[str, Any]:
+    """Try to open ``path`` ``count`` times (each a denied syscall the audit sees); with ``seconds``,
+    keep trying until that much time has passed (a call that outlives its timeout)."""
+    failed, end = 0, time.monotonic() + seconds
+    while failed < count or time.monotonic() < end:
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+        except OSError:
+            failed += 1
+    return {"failed": failed}
+
+
+@server.tool()
+def exec_long(path: str, args: int, size: int) -> dict[str, Any]:
+    """Try to run ``path`` with ``args`` arguments of ``size`` bytes each: one denied syscall whose
+    audit line is longer than any reader keeps (an attempt hidden in an oversize line)."""
+    try:
+        os.execv(path, [path, *(["A" * size] * args)])
+    except OSError as exc:
+        return {"ok": False, "errno": exc.errno}
+    return {"ok": True}
+
+
+@server.tool()
 def status() -> dict[str, Any]:
     """A harmless read, so a contract has a precondition read and a verification read."""
     return {"found": True, "pid": os.getpid()}
 
 
 if __name__ == "__main__":
+    # A slow start (HOSTILE_START_SLEEP seconds before serving), deaf to its stdin closing meanwhile:
+    # a worker that dies then leaves nothing to end this process but its sandbox and tracer.
+    time.sleep(float(os.environ.get("HOSTILE_START_SLEEP", "0")))
     server.run("stdio")

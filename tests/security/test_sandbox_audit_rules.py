@@ -7,10 +7,12 @@ descriptors annotated, every string in hex).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from worker.sandbox import AUDIT_MARKER, SandboxSpec, bwrap_binary, launch
-from worker.sandbox_audit import Auditor, classify, parse, strace_args
+from worker.sandbox import AUDIT_MARKER, DEATHSIG, SandboxSpec, bwrap_binary, launch
+from worker.sandbox_audit import classify, parse, strace_args
+from worker.sandbox_reader import Auditor
 
 ROOTS_KW = {"read_only": ("/usr", "/venv", "/srv/tool"), "writable": ("/srv/var",),
             "symlinks": (("/bin", "usr/bin"),), "cwd": "/srv/var", "read_only_data": ("/srv/data",)}
@@ -124,8 +126,11 @@ def test_the_auditor_ignores_set_up_and_counts_after_the_marker(tmp_path: Path) 
 
 def test_the_launcher_puts_strace_outside_everything() -> None:
     out = launch(SandboxSpec(), command=["/venv/bin/python", "-m", "tool"], env={}, cwd="/tmp", base_dir=Path("/"),
-                 status_path="/s.json", runtime_paths=[], audit_path="/private/trace")
+                 status_path="/s.json", runtime_paths=[], audit_path="/private/trace", parent_pid=4242)
     argv = [out.command, *out.args]
+    # strace starts under the wrapper that ties it to the worker process (dies with pid 4242).
+    assert argv[:5] == [sys.executable, "-I", "-S", DEATHSIG, "4242"]
+    argv = argv[5:]
     assert argv[: 1 + len(strace_args("/private/trace"))] == ["strace", *strace_args("/private/trace")]
     rest = argv[argv.index("--") + 1:]
     assert rest[0] == "/bin/sh" and "ulimit -v" in rest[2]  # the limits apply to bwrap and below only

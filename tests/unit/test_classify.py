@@ -15,7 +15,7 @@ from mcp.types import CallToolResult, TextContent
 
 from ledger.states import Outcome
 from proofline.contracts import ToolErrors, contract_for
-from proofline.errors import McpUnavailable
+from proofline.errors import McpUnavailable, SandboxAuditOverflow
 from proofline.settings import ROOT
 from worker.classify import REFUSED_BEFORE_RUNNING, CallReport, classify
 from worker.tool_call import _sent
@@ -245,3 +245,21 @@ def test_connect_failures_were_not_sent(exc):
 )
 def test_other_failures_count_as_sent(exc):
     assert _sent(exc) is True
+
+
+def test_a_fail_closed_audit_overflow_says_whether_the_call_was_sent():
+    """A call refused on an incomplete sandbox audit (worker/sandbox_reader.py) after it was sent is
+    an unknown outcome under its own code; refused before sending, nothing happened."""
+    after = SandboxAuditOverflow("lost lines during the call", sent=True, server="s", role="write")
+    before = SandboxAuditOverflow("lost lines before the call", sent=False, server="s", role="write")
+    assert _sent(after) is True and _sent(before) is False
+    assert _sent(raised(RuntimeError("outer"), cause=before)) is False
+    verdict = classify(CallReport(sent=_sent(after), error=after), contract("ticket.create"))
+    assert verdict.outcome == Outcome.unknown_outcome and verdict.reason_code == "sandbox_audit_overflow"
+    assert verdict.evidence["server"] == "s"
+    unsent = classify(CallReport(sent=_sent(before), error=before), contract("ticket.create"))
+    assert unsent.outcome == Outcome.failed_before_side_effect
+    # It pickles with its context (Celery moves exceptions between processes).
+    import pickle
+
+    assert pickle.loads(pickle.dumps(before)).sent is False

@@ -149,3 +149,20 @@ def test_exit_statuses(tmp_path: Path) -> None:
     status.write_text('{ "child-pid": 42, "net-namespace": 1 }\nnot json\n{ "exit-code": 137 }\n')
     assert read_status(status) == {"child-pid": 42, "net-namespace": 1, "exit-code": 137}
     assert read_status(tmp_path / "absent") == {}
+
+
+def test_the_audit_block_asks_for_the_audit_and_says_what_an_overflow_does() -> None:
+    from worker.sandbox import AuditPolicy, SandboxSpec, require_audit
+
+    default = SandboxSpec().audit_policy
+    assert not default.fails_closed("development") and default.fails_closed("production")
+    strict = SandboxSpec(audit={"on_overflow": "fail_closed", "drain_seconds": 1})
+    assert isinstance(strict.audit, AuditPolicy) and strict.audit_policy.fails_closed("development")
+    assert strict.audit_policy.drain_seconds == 1
+    assert not SandboxSpec(audit={"on_overflow": "record"}).audit_policy.fails_closed("production")
+    # A block asks for the audit like ``true``: refused where strace is missing.
+    assert require_audit("s", "write", strict, "production", available=True) is None
+    with pytest.raises(ConfigurationError, match="strace is not installed"):
+        require_audit("s", "write", strict, "development", available=False)
+    with pytest.raises(ValueError):
+        SandboxSpec(audit={"on_overflow": "ignore"})
