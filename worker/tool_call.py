@@ -12,7 +12,13 @@ from contextlib import ExitStack
 
 from proofline.contracts import Contract
 from proofline.envelope import Envelope
-from proofline.errors import McpTaskExpired, McpUnavailable, SandboxAuditOverflow, StaleLease, TokenExchangeRefused
+from proofline.errors import (
+    McpTaskExpired,
+    McpUnavailable,
+    SandboxAuditOverflow,
+    StaleLease,
+    TokenExchangeRefused,
+)
 from proofline.telemetry import tracing
 from worker import calls, faultpoints, mcp_tasks
 from worker.classify import CallReport
