@@ -13,8 +13,10 @@ Three rules, applied to a copy at any depth:
 - **declared names**: the envelope's ``evidence.redact_fields`` and the contract's
   ``sensitive_fields`` (``args.note`` declares ``note``), matched the same way.
 - **values**: in every string, payment card numbers that pass the Luhn check, ``Bearer``/``Basic``
-  credentials and PEM private keys; and the values the action's own arguments hold under a secret
-  or declared name, wherever they reappear (an echo in a tool result or an error message).
+  credentials, PEM private keys, the password of a URL or DSN, a value free text names as a secret
+  (``the password is …``, ``DB_PASSWORD=…``), AWS key ids, GitHub and Slack tokens and JWTs; and
+  the values the action's own arguments hold under a secret or declared name, wherever they
+  reappear (an echo in a tool result or an error message).
 """
 
 from __future__ import annotations
