@@ -13,8 +13,10 @@ Three rules, applied to a copy at any depth:
 - **declared names**: the envelope's ``evidence.redact_fields`` and the contract's
   ``sensitive_fields`` (``args.note`` declares ``note``), matched the same way.
 - **values**: in every string, payment card numbers that pass the Luhn check, ``Bearer``/``Basic``
-  credentials and PEM private keys; and the values the action's own arguments hold under a secret
-  or declared name, wherever they reappear (an echo in a tool result or an error message).
+  credentials, PEM private keys, the password of a URL or DSN, a value free text names as a secret
+  (``the password is …``, ``DB_PASSWORD=…``), AWS key ids, GitHub and Slack tokens and JWTs; and
+  the values the action's own arguments hold under a secret or declared name, wherever they
+  reappear (an echo in a tool result or an error message).
 """
 
 from __future__ import annotations
@@ -48,16 +50,30 @@ _IDENTIFIER_QUALIFIERS = frozenset({
 _CARD = re.compile(r"(?<![\w\-./:])[2-6](?:[ -]?\d){12,18}(?![\w\-/:])(?!\.\w)")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9\-._~+/]+=*")
 _PEM = re.compile(r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END \1PRIVATE KEY-----|\Z)", re.S)
-# A URL or DSN that carries a password: ``scheme://user:password@host`` keeps the user, not the password.
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s/:@]*):([^\s@/]+)@")
-# A secret named in free text: ``password=…``, ``token: …``, ``the api key is …``.
+# A URL or DSN that carries a password: ``scheme://user:password@host`` keeps the user and the host.
+# The password runs to the last ``@`` before whitespace or a double quote: written in free text it is
+# often not percent-encoded, and may hold ``/``, ``:`` or ``@`` itself.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s/:@\"]*):[^\s\"]+@")
+# A secret named in free text: ``password=…``, ``token: …``, ``the api key is …``, ``{"pwd": "…"}``.
+# Password words count inside any name (``PGPASSWORD``, ``db_password``); token and key words must
+# start a word part, and one an identifier qualifies (``fencing_token``) is left to the callback.
 _NAMED_SECRET = re.compile(
-    r"(?i)\b((?:password|passwd|passphrase|pwd|secret|client[ _-]?secret|token|access[ _-]?token|"
-    r"refresh[ _-]?token|api[ _-]?key|access[ _-]?key|private[ _-]?key)s?)(\s*[:=]\s*|\s+is\s+|\s+was\s+)"
-    r"([\"']?)([^\s\"',;)}\]]+)")
-# Cheap first looks, so most strings skip the full patterns.
-_MAYBE_NAMED = re.compile(r"(?i)pass|pwd|secret|token|key")
-_MAYBE_CREDENTIAL = re.compile(r"(?i)bearer|basic")
+    r"(?i)((?:password|passwd|passphrase|secret(?:[ _-]?(?:access[ _-]?)?key)?)s?|"
+    r"(?<![a-z0-9])(?:pwd|tokens?|(?:api|access|private|signing|encryption|master)[ _-]?keys?))"
+    r"([\"']?(?:\s*[:=]\s*|\s+(?:is|was|are)(?:\s*[:=])?\s+))"
+    # The value (not one already redacted): quoted up to its closing quote, or a run of non-space up
+    # to trailing punctuation.
+    r"(?!\[redacted\])(?:([\"'])(?:(?!\3).)+\3|\S+?(?=[)\]}\"',;.!?:]*(?:\s|\Z)))")
+# Well-known credential shapes that need no naming word: AWS access key ids, GitHub tokens, Slack
+# tokens and JSON Web Tokens (a header and a payload, both base64url JSON objects).
+_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(?:(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9])"
+    r"|gh[pousr]_[A-Za-z0-9]{36,255}(?![A-Za-z0-9])|github_pat_[A-Za-z0-9_]{22,255}"
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)")
+# Cheap first looks, so most strings skip the full patterns (substring tests on the lowered text
+# cost a fraction of a case-insensitive regex search).
+_MAYBE_NAMED = ("pass", "pwd", "secret", "token", "key")
+_MAYBE_SHAPE = ("eyj", "xox", "gh", "github_pat_", "akia", "asia", "abia", "acca")
 _MAYBE_CARD = re.compile(r"\d{4}")
 #: Shorter argument values are not hunted for inside other text (a 3-letter value would erase words).
 MIN_SECRET_LENGTH = 6
@@ -108,6 +124,17 @@ def _luhn(digits: str) -> bool:
     return total % 10 == 0
 
 
+def _named(match: re.Match[str]) -> str:
+    name, glue, quote = match.group(1), match.group(2), match.group(3) or ""
+    start = match.start()
+    if start and match.string[start - 1] in "_-." and not name.lower().startswith(("pass", "secret")):
+        # ``fencing_token=17``, ``idempotency-key: pl1-…``: an identifier, as the names rule says.
+        before = _parts(match.string[max(0, start - 40):start - 1])
+        if before and before[-1] in _IDENTIFIER_QUALIFIERS:
+            return match.group(0)
+    return f"{name}{glue}{quote}{MARK}{quote}"
+
+
 def _card(match: re.Match[str]) -> str:
     digits = re.sub(r"[ -]", "", match.group(0))
     return MARK if 13 <= len(digits) <= 19 and _luhn(digits) else match.group(0)
@@ -130,7 +157,8 @@ def remember_secret(value: str) -> None:
 
 def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
     """Replace known secret values, card numbers, bearer credentials, PEM private keys, the password
-    of a URL or DSN, and a value free text names as a secret (``password=…``, ``the token is …``)."""
+    of a URL or DSN, a value free text names as a secret (``password=…``, ``the token is …``) and
+    well-known credential shapes (AWS access key ids, GitHub and Slack tokens, JSON Web Tokens)."""
     held = _PROCESS_SECRETS
     if held:
         secrets = (*secrets, *held)
@@ -141,12 +169,15 @@ def scrub_text(text: str, secrets: Iterable[str] = ()) -> str:
         return text
     if "PRIVATE KEY-----" in text:
         text = _PEM.sub(MARK, text)
-    if _MAYBE_CREDENTIAL.search(text):
+    low = text.lower()
+    if "bearer" in low or "basic" in low:
         text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", text)
     if "://" in text and "@" in text:
         text = _USERINFO.sub(lambda m: f"{m.group(1)}:{MARK}@", text)
-    if _MAYBE_NAMED.search(text):
-        text = _NAMED_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}{MARK}", text)
+    if any(word in low for word in _MAYBE_NAMED):
+        text = _NAMED_SECRET.sub(_named, text)
+    if any(shape in low for shape in _MAYBE_SHAPE):
+        text = _SHAPES.sub(MARK, text)
     if _MAYBE_CARD.search(text):
         text = _CARD.sub(_card, text)
     return text
