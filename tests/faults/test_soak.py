@@ -4,8 +4,8 @@ restarted, the network to the system of record misbehaves, the writer lies or is
 verification reads go down and the keys are rotated; then, once healed and quiet, every
 invariant over the whole history must hold.
 
-Sized by ``PROOFLINE_SOAK_ACTIONS`` (work items, default 200), ``PROOFLINE_SOAK_SECONDS`` (fault
-window, default 60) and ``PROOFLINE_SOAK_SEED`` (default 1). A failure names the seed to replay with
+Sized by ``PROOFLINE_SOAK_ACTIONS`` (work items, default 500), ``PROOFLINE_SOAK_SECONDS`` (fault
+window, default 120) and ``PROOFLINE_SOAK_SEED`` (default 1). A failure names the seed to replay with
 ``python -m ops.soak`` and the offending action ids.
 """
 
@@ -20,8 +20,8 @@ import pytest
 from ops.soak import SoakConfig, run_soak, summary
 from ops.soak_check import INVARIANTS
 
-ACTIONS = int(os.environ.get("PROOFLINE_SOAK_ACTIONS", "200"))
-SECONDS = float(os.environ.get("PROOFLINE_SOAK_SECONDS", "60"))
+ACTIONS = int(os.environ.get("PROOFLINE_SOAK_ACTIONS", "500"))
+SECONDS = float(os.environ.get("PROOFLINE_SOAK_SECONDS", "120"))
 SEED = int(os.environ.get("PROOFLINE_SOAK_SEED", "1"))
 MAX_WAIT = 240.0
 
