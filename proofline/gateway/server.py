@@ -17,7 +17,8 @@ mapped to its agent on each request in the same way.
 
 A call with a ``progressToken`` streams the action's ledger events as progress
 (``proofline/gateway/progress.py``); a client that declares Tasks gets the action as an MCP Task
-(``proofline/gateway/tasks.py``).
+(``proofline/gateway/tasks.py``). ``<action type>.read`` tools answer a contract's read of one target
+through a worker (``proofline/gateway/reads.py``).
 """
 
 from __future__ import annotations

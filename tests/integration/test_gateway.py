@@ -10,7 +10,11 @@ another tenant is refused before anything is published, and a retried call is on
 The same gateway over stdio (``--stdio``, the agent chosen by ``PROOFLINE_GATEWAY_TOKEN``); a call
 that asks for progress gets the action's ledger stages as ``notifications/progress``; a client that
 declares the Tasks extension gets a task (its id the action id) that it polls with ``tasks/get``
-and ``tasks/result``, through a proposal and its approval."""
+and ``tasks/result``, through a proposal and its approval.
+
+Read tools: ``ticket.close.read`` is listed read-only and answers the system of record's current
+value through a worker; another tenant's target is refused; a forged or unsigned ``proofline.read``
+task is refused by the worker and writes nothing."""
 
 from __future__ import annotations
 
