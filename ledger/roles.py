@@ -135,6 +135,10 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # an approver's answer to a server's elicitation (recovery/elicitation_answers.py, migration
     # 0022), on the chain ``elicitation:<id>``; the question and its expiry are the worker's
     ("elicitation_answered", OP),
+    # agents' contract reads through the gateway (ledger/reads.py, migration 0023), on the chain
+    # ``read:<request id>``: the controller records the request, a worker the answer
+    ("read_requested", ("controller",)),
+    ("read_answered", W),
     # retention (ledger/retention_ddl.py, migration 0019): written only inside the owner's
     # SECURITY DEFINER functions (a prune, an explicit retention class), by no role directly
     ("ledger_pruned", ()),
@@ -144,6 +148,8 @@ EVENT_RIGHTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 EVIDENCE_EVENTS = ("evidence_read_by_auditor",)
 #: The event rights migration 0022 adds: an answer to an elicitation is an operator-role write.
 ELICITATION_EVENTS = ("elicitation_answered",)
+#: The event rights migration 0023 adds: a gateway read's request (controller) and answer (worker).
+READ_EVENTS = ("read_requested", "read_answered")
 #: The event rights migration 0015 adds to a database migrated before it.
 AUTHORITY_EVENTS = ("approval_recorded", "proposal_denied", "approval_revoked", "authority_promoted",
                     "authority_demoted", "authority_policy_changed")
@@ -155,6 +161,17 @@ def _array(values: tuple[str, ...] | None) -> str:
     if values is None:
         return "NULL"
     return "ARRAY[" + ", ".join(f"'{v}'" for v in values) + "]::text[]"
+
+
+def event_rights_sql(events: tuple[str, ...]) -> str:
+    """The insert a migration runs to add the rights of ``events`` (from :data:`EVENT_RIGHTS`)."""
+    rights = dict(EVENT_RIGHTS)
+    rows = ", ".join(f"('{e}', {_array(rights[e])})" for e in events)
+    return f"INSERT INTO ledger_event_rights (event, roles) VALUES {rows} ON CONFLICT DO NOTHING"
+
+
+def drop_event_rights_sql(events: tuple[str, ...]) -> str:
+    return "DELETE FROM ledger_event_rights WHERE event IN (" + ", ".join(f"'{e}'" for e in events) + ")"
 
 
 def transition_rows(since: str | None = None) -> list[str]:

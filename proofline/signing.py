@@ -153,6 +153,18 @@ def sign_evidence(statement: dict[str, Any], key: SigningKey) -> dict[str, Any]:
             "signature": encode_signature(key.sign(EVIDENCE_CONTEXT + canonical_bytes(statement)))}
 
 
+def signer(keyring: Keyring, key_id: str, role: KeyRole, what: str,
+           refuse: Callable[[str, str], Exception]) -> PublicKey:
+    """The keyring entry of ``key_id`` when it is a ``role`` key; else ``refuse(cause, detail)`` is raised
+    (``unknown_key``, ``wrong_key_role``). ``what`` names the signed thing in the detail."""
+    key = keyring.get(key_id)
+    if key is None:
+        raise refuse("unknown_key", f"{what} signed with unknown key {key_id[:64]!r}")
+    if key.role != role:
+        raise refuse("wrong_key_role", f"{what} signed with {key.role.value} key {key_id}, not a {role.value} key")
+    return key
+
+
 def verify_evidence(seal: Any, keyring: Keyring, stored_at: datetime | None, now: datetime | None = None) -> PublicKey:
     """The worker key that signed ``seal``, or :class:`EvidenceUnsigned` with its ``cause``.
 
@@ -166,11 +178,7 @@ def verify_evidence(seal: Any, keyring: Keyring, stored_at: datetime | None, now
     key_id, signature = seal.get("key_id"), seal.get("signature")
     if not isinstance(key_id, str) or not isinstance(signature, str):
         raise refuse("malformed", "evidence key_id and signature must be strings")
-    key = keyring.get(key_id)
-    if key is None:
-        raise refuse("unknown_key", f"evidence signed with unknown key {key_id[:64]!r}")
-    if key.role != KeyRole.worker:
-        raise refuse("wrong_key_role", f"evidence signed with {key.role.value} key {key_id}, not a worker key")
+    key = signer(keyring, key_id, KeyRole.worker, "evidence", refuse)
     if key.revoked:
         raise refuse("revoked_key", f"evidence signed with revoked worker key {key_id}")
     if key.expired(now or datetime.now(UTC)) and (stored_at is None or stored_at >= key.not_after):  # type: ignore[operator]

@@ -66,6 +66,7 @@ task_routes = _broker.task_routes(_settings, broker_url, {
     "proofline.execute": {"queue": "actions"},
     "proofline.verify": {"queue": "verify"},
     "proofline.recheck": {"queue": "verify"},
+    "proofline.read": {"queue": "verify"},
     "proofline.compensate": {"queue": "compensate"},
     # Deciding and signing recovery envelopes: only processes holding the recovery key consume it.
     "proofline.recover": {"queue": "recovery"},

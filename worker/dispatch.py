@@ -132,6 +132,10 @@ class CeleryDispatch:
         self._send("proofline.recheck", [check_id, attempt],
                    queue=queue_for_tenant(tenant, self.tenant_shards, VERIFY_QUEUE))
 
+    def read(self, message: dict[str, Any], tenant: str | None = None) -> None:
+        # A gateway read runs as the worker role, through the read identity: the tenant's verify shard.
+        self._send("proofline.read", [message], queue=queue_for_tenant(tenant, self.tenant_shards, VERIFY_QUEUE))
+
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
         # The summary is written by ``_hide_arguments`` as the message is published; a placeholder
         # here only stops Celery computing a full repr of the envelope first.

@@ -36,6 +36,7 @@ EXECUTE = "proofline.execute"
 COMPENSATE = "proofline.compensate"
 VERIFY = "proofline.verify"
 RECHECK = "proofline.recheck"
+READ = "proofline.read"
 
 app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("worker.celery_config")
@@ -195,6 +196,21 @@ def recheck_task(self, check_id: int, attempt: int) -> dict[str, Any]:
     from recovery.recheck import recheck
 
     return _follow_up(self, "recheck", str(check_id), lambda rt, _, d: recheck(rt, int(check_id), int(attempt), d))
+
+
+@app.task(name=READ, bind=True, acks_late=True, ignore_result=True)
+def read_task(self, message: Any = None) -> str:
+    """A gateway read (``worker/contract_read.py``): verified, read once, answered in the ledger. Not
+    retried: a read the system of record could not answer is answered ``read_unavailable``."""
+    from worker.contract_read import answer_read
+
+    current_redactor.set(POLICY)
+    rt = runtime()
+    try:
+        return str(answer_read(rt, message))
+    except psycopg.OperationalError:
+        rt.reset_connection()
+        raise
 
 
 @app.task(name="proofline.recover", **TASK_OPTIONS)

@@ -180,3 +180,10 @@ class ElicitationRefused(ProoflineError):
     by a key that may not answer, not matching the question, or content outside its requested schema."""
 
     code = "elicitation_refused"
+
+
+class ReadRefused(ProoflineError):
+    """A gateway read was refused: its task was unsigned, signed by a key that may not ask for reads,
+    tampered with, not the request the ledger recorded, or already answered."""
+
+    code = "read_refused"

@@ -17,7 +17,8 @@ mapped to its agent on each request in the same way.
 
 A call with a ``progressToken`` streams the action's ledger events as progress
 (``proofline/gateway/progress.py``); a client that declares Tasks gets the action as an MCP Task
-(``proofline/gateway/tasks.py``).
+(``proofline/gateway/tasks.py``). ``<action type>.read`` tools answer a contract's read of one target
+through a worker (``proofline/gateway/reads.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from proofline.errors import ProoflineError, WaitTimedOut
 from proofline.gateway import progress, tools
 from proofline.gateway import tasks as gateway_tasks
 from proofline.gateway.agents import Agent, agent_slug, authenticate, load_agents
+from proofline.gateway.reads import Reader, read_tool
+from proofline.reads import SUFFIX as READ_SUFFIX
 from proofline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class Gateway:
         self.wait_seconds = wait_seconds
         self.console_url = console_url
         self.token = token
+        self.reader = Reader(settings, wait_seconds)
         # One controller client per worker thread: a client holds one connection and one listener.
         self._local = threading.local()
 
@@ -93,6 +97,9 @@ class Gateway:
         for action_type in agent.action_types:
             try:
                 listed.append(tools.governed_tool(self.settings, action_type)[0])
+                read = read_tool(self.settings, action_type)
+                if read is not None:  # the contract's own read of one target, for the agent's tenant
+                    listed.append(read)
             except ProoflineError as exc:  # an action type it cannot serve now is not offered
                 log.warning("gateway tool not offered", extra={"event": "gateway_tool_unavailable",
                                                                "action_type": action_type, "reason_code": exc.code})
@@ -106,6 +113,9 @@ class Gateway:
         key = meta.get(IDEMPOTENCY_META_KEY)
         if params.name == tools.STATUS_TOOL:
             return await anyio.to_thread.run_sync(self._status, agent, str(args.get("action_id", "")))
+        if params.name.endswith(READ_SUFFIX) and params.name[:-len(READ_SUFFIX)] in agent.action_types:
+            return await anyio.to_thread.run_sync(self._contract_read, agent, params.name[:-len(READ_SUFFIX)], args,
+                                                  ctx.request_id)
         if params.name not in agent.action_types:
             return tools.refusal("action_type_not_permitted", f"{params.name!r} is not an action this agent may use")
         published = await anyio.to_thread.run_sync(self._publish, agent, params.name, args, ctx.request_id,
@@ -132,6 +142,13 @@ class Gateway:
             return tools.outcome_result(self.client.status(action_id), self.console_url)
         except KeyError:
             return tools.refusal("unknown_action", f"no action {action_id!r} of this agent")
+
+    def _contract_read(self, agent: Agent, action_type: str, args: dict[str, Any], request_id: Any
+                       ) -> types.CallToolResult:
+        try:
+            return self.reader.read(agent, action_type, args, request_id)
+        except ProoflineError as exc:  # nothing was asked of a worker, or it could not be recorded
+            return tools.refusal(exc.code, exc.detail[:500])
 
     def _owns(self, agent: Agent, action_id: str) -> bool:
         return action_id.startswith(f"gw-{agent_slug(agent.name)}-")

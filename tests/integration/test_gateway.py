@@ -10,7 +10,11 @@ another tenant is refused before anything is published, and a retried call is on
 The same gateway over stdio (``--stdio``, the agent chosen by ``PROOFLINE_GATEWAY_TOKEN``); a call
 that asks for progress gets the action's ledger stages as ``notifications/progress``; a client that
 declares the Tasks extension gets a task (its id the action id) that it polls with ``tasks/get``
-and ``tasks/result``, through a proposal and its approval."""
+and ``tasks/result``, through a proposal and its approval.
+
+Read tools: ``ticket.close.read`` is listed read-only and answers the system of record's current
+value through a worker; another tenant's target is refused; a forged or unsigned ``proofline.read``
+task is refused by the worker and writes nothing."""
 
 from __future__ import annotations
 
@@ -30,11 +34,14 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import Field
 
+from ledger import reads as read_store
+from ledger import store as ledger_store
 from ledger.states import ActionStatus, Outcome
 from proofline.authority import AuthorityPolicy, sign_policy
 from proofline.gateway.agents import new_token
 from proofline.gateway.tasks import IDENTIFIER as TASKS
 from proofline.keys import KeyRole, add_approver, load_signing_key
+from proofline.reads import sign_request
 from proofline_kit.sor import store as sor
 from recovery import proposals
 from tests.conftest import build_stack, start_process, start_workers, stop_process, teardown_stack, wait_for
@@ -118,7 +125,8 @@ def test_without_a_token_nothing_is_served(gw: dict[str, Any]) -> None:
 def test_each_agent_lists_its_own_governed_tools(gw: dict[str, Any]) -> None:
     [ops] = agent_session(gw, "ops", list_tools)
     [beta] = agent_session(gw, "beta", list_tools)
-    assert ops == ["proofline_action_status", "refund.issue", "ticket.close", "ticket.create"]
+    assert ops == ["proofline_action_status", "refund.issue", "refund.issue.read", "ticket.close", "ticket.close.read",
+                   "ticket.create"]
     assert beta == ["proofline_action_status", "ticket.create"]
 
     async def schema(client: Client) -> dict[str, Any]:
@@ -431,3 +439,98 @@ def test_over_stdio_an_agent_removed_from_the_agents_file_is_refused_from_its_ne
 
     before, code = anyio.run(go)
     assert before == ["proofline_action_status", "ticket.create"] and code == types.INVALID_REQUEST
+
+
+# --- read tools -------------------------------------------------------------------------------------
+
+
+def test_a_contract_read_is_listed_read_only_and_answers_the_current_value(gw: dict[str, Any]) -> None:
+    stack = gw["stack"]
+    ticket = sor.put_ticket(stack.sor_db, "acme", f"to read {uid()}", "ops")
+
+    async def read_tool(client: Client) -> types.Tool:
+        return next(t for t in (await client.list_tools()).tools if t.name == "ticket.close.read")
+
+    tool, first = agent_session(gw, "ops", read_tool, call("ticket.close.read", {"target": {"id": ticket}}))
+    assert tool.annotations.read_only_hint is True and tool.annotations.destructive_hint is False
+    assert tool.input_schema["required"] == ["target"] and "execution" not in tool.model_dump(exclude_none=True)
+    body = first.structured_content
+    assert not first.is_error, body
+    assert body["value"]["ticket"]["id"] == ticket and body["value"]["ticket"]["status"] == "open"
+    # The system of record's value now: changed behind the gateway's back, the next read shows it.
+    sor.close_ticket(stack.sor_db, ticket, body["value"]["ticket"]["version"])
+    [second] = agent_session(gw, "ops", call("ticket.close.read", {"target": {"id": ticket}}))
+    assert second.structured_content["value"]["ticket"]["status"] == "closed"
+    assert second.structured_content["value"]["ticket"]["version"] == body["value"]["ticket"]["version"] + 1
+    # Each read is recorded on its own chain: who asked, which contract, which target, which MCP request.
+    with stack.conn.cursor() as cur:
+        state = read_store.state(cur, body["request_id"])
+    request = state["request"]
+    assert (request["agent"], request["tenant"], request["workload_identity"]) == ("ops", "acme", "agent:ops-bot")
+    assert (request["action_type"], request["target"]) == ("ticket.close", {"type": "ticket", "id": ticket})
+    assert request["mcp_request_id"] and state["answer"]["found"] is True
+    assert timeline(stack, f"read:{body['request_id']}") == [(1, "read_requested"), (2, "read_answered")]
+
+
+def test_a_read_of_another_tenants_target_is_refused(gw: dict[str, Any]) -> None:
+    stack = gw["stack"]
+    theirs = sor.put_ticket(stack.sor_db, "beta", f"beta's {uid()}", "ops")
+    [other, missing] = agent_session(gw, "ops", call("ticket.close.read", {"target": {"id": theirs}}),
+                                     call("ticket.close.read", {"target": {"id": f"no-such-{uid()}"}}))
+    assert other.is_error and other.structured_content["refused"] == "target_not_found", other.structured_content
+    assert "value" not in other.structured_content and "beta" not in json.dumps(other.structured_content)
+    # Another tenant's target and a missing one answer the same: a read tells no tenant what another has.
+    assert missing.is_error and missing.structured_content["refused"] == "target_not_found"
+    with stack.conn.cursor() as cur:
+        answer = read_store.state(cur, other.structured_content["request_id"])["answer"]
+    assert answer == {"found": False, "refused": "target_not_found", "signed_by": answer["signed_by"]}
+    # An agent without the action type has no read tool, and calling one is refused before anything.
+    [listed] = agent_session(gw, "beta", list_tools)
+    assert "ticket.close.read" not in listed
+    [denied] = agent_session(gw, "beta", call("ticket.close.read", {"target": {"id": theirs}}))
+    assert denied.is_error and denied.structured_content["refused"] == "action_type_not_permitted"
+
+
+def test_a_forged_or_unsigned_read_task_is_refused_by_the_worker(gw: dict[str, Any], tmp_path: Any) -> None:
+    stack = gw["stack"]
+    ticket = sor.put_ticket(stack.sor_db, "acme", f"forged {uid()}", "ops")
+    request = {"request_id": uid(), "agent": "ops", "workload_identity": "agent:ops-bot", "requester": "dana@acme.test",
+               "tenant": "acme", "action_type": "ticket.close", "contract_version": 1, "contract_digest": "",
+               "target": {"type": "ticket", "id": ticket}, "mcp_request_id": "1"}
+    with ledger_store.transaction(stack.conn) as cur:  # recorded as the controller role records it
+        read_store.request_txn(cur, request, "gateway:ops")
+    controller = load_signing_key(stack.settings.signing_key_file, KeyRole.controller)
+    signed = sign_request(request, controller)
+    # The controller role cannot answer a read, whatever it signs.
+    with pytest.raises(Exception, match="not allowed"):
+        with ledger_store.transaction(stack.conn) as cur:
+            read_store.answer_txn(cur, request["request_id"], {"found": True, "value": {"forged": True}}, "gateway")
+    add_approver(stack.settings.keyring_file, tmp_path / "mallory.key", "mallory@example.com", development=True)
+    mallory = load_signing_key(tmp_path / "mallory.key", KeyRole.approver)
+    log = stack.workdir / "worker-w0.log"
+    before = log.read_text().count("read task refused")
+    dispatch = CeleryDispatch(stack.app)
+    forged = [
+        {"request": request},                                                          # unsigned
+        {**signed, "request": {**request, "tenant": "beta"}},                          # tampered: another tenant
+        {**signed, "signature": sign_request({**request, "request_id": uid()}, controller)["signature"]},
+        {"request": request, "key_id": mallory.key_id,                                 # not a controller key
+         "signature": signed["signature"]},
+        sign_request({**request, "target": {"type": "ticket", "id": "other"}}, controller),  # never recorded
+    ]
+    for message in forged:
+        dispatch.read(message, "acme")
+    wait_for(lambda: log.read_text().count("read task refused") >= before + len(forged), 60,
+             what="the worker to refuse every forged read task")
+    with stack.conn.cursor() as cur:
+        assert read_store.state(cur, request["request_id"])["answer"] is None
+    # The request signed as recorded is answered: the worker was there all along, refusing.
+    dispatch.read(signed, "acme")
+
+    def answered() -> Any:
+        with stack.conn.cursor() as cur:
+            return read_store.state(cur, request["request_id"])["answer"]
+
+    wait_for(answered, 60, what="the signed read to be answered")
+    assert answered()["found"] is True and answered()["value"]["ticket"]["id"] == ticket
+    assert timeline(stack, f"read:{request['request_id']}") == [(1, "read_requested"), (2, "read_answered")]

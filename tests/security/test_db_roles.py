@@ -14,11 +14,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger import seal, store
+from ledger import reads, seal, store
 from ledger.roles import ACTION_TRANSITIONS, EVENT_RIGHTS, IDEMPOTENCY_TRANSITIONS, ROLES
 from ledger.states import ActionStatus, IdempotencyStatus, KillSwitchScope, Outcome
 from proofline.envelope import build_envelope
-from proofline.errors import PrivilegeRefused
+from proofline.errors import PrivilegeRefused, ReadRefused
 from proofline.ledger_check import check_chains
 from recovery.cancel import cancel
 from recovery.operator import clear_switch, resolve, set_switch
@@ -314,6 +314,28 @@ def test_controller_publishes_and_cannot_go_further(conns):
         assert store.insert_action_txn(cur, other, status=ActionStatus.pending)
         store.append_event_txn(cur, other["action_id"], "pending", "controller", {})
     assert action(conns, aid).status == ActionStatus.published
+
+
+def test_a_gateway_read_is_asked_by_the_controller_and_answered_by_a_worker_only(conns):
+    request = {"request_id": f"rd-{uuid.uuid4().hex}", "tenant": "acme", "action_type": "ticket.close",
+               "target": {"type": "ticket", "id": "t-1"}}
+    chain = f"read:{request['request_id']}"
+    for role in ("worker", "operator", "reader"):  # nobody but a controller asks for a read
+        refused(conns[role], lambda cur, r=role: reads.request_txn(cur, request, r),
+                Denied if role == "reader" else PrivilegeRefused)
+    with store.transaction(conns["controller"]) as cur:
+        reads.request_txn(cur, request, "gateway:ops")
+    for role in ("controller", "operator"):  # nobody but a worker answers one
+        err = refused(conns[role], lambda cur, r=role: reads.answer_txn(cur, request["request_id"], {"found": True}, r),
+                      sqlstate="PL003")
+        assert "read_answered" in str(err)
+    with store.transaction(conns["worker"]) as cur:
+        reads.answer_txn(cur, request["request_id"], {"found": True, "value": {"v": 1}}, "w1")
+    # Answered once: a second delivery of the same task writes nothing.
+    refused(conns["worker"], lambda cur: reads.answer_txn(cur, request["request_id"], {"found": False}, "w1"),
+            ReadRefused)
+    assert [e["event"] for e in store.timeline(conns["reader"].cursor(), chain)] == ["read_requested",
+                                                                                      "read_answered"]
 
 
 def test_recovery_publishes_a_derived_action_for_a_parent_in_recovery_only(conns):

@@ -23,7 +23,7 @@ from proofline.settings import ROOT
 DOMAIN = {"proofline", "proofline.bounded", "proofline.canonical", "proofline.cel_limits", "proofline.cel_watchdog",
           "proofline.approvals", "proofline.authority", "proofline.conditions", "proofline.contracts", "proofline.elicitations",
           "proofline.envelope", "proofline.errors", "proofline.errors.authority", "proofline.errors.operator", "proofline.errors.evidence_store", "proofline.keys", "proofline.auditor_keys", "proofline.vault", "proofline.ledger_check", "proofline.plan",
-          "proofline.pins", "proofline.recheck", "proofline.server_requests", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
+          "proofline.pins", "proofline.reads", "proofline.recheck", "proofline.server_requests", "proofline.settings", "proofline.shards", "proofline.signing", "proofline.validation",
           "proofline.telemetry.observe"}
 #: Instrumentation every layer reports through (metric and span definitions, log context): at the
 #: bottom like the domain, but outside the no-I/O-at-import check, because prometheus_client reads
