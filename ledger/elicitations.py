@@ -11,9 +11,6 @@ from ledger import store
 from proofline.elicitations import ANSWERED, ASKED, CHAIN_PREFIX, EXPIRED, chain
 from proofline.errors import ElicitationRefused
 
-_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
-_STATE = """SELECT event, evidence, at FROM ledger_events WHERE action_id = %s
-            AND event IN ('elicitation_asked', 'elicitation_answered', 'elicitation_expired') ORDER BY seq"""
 # Pending questions: the chain-key range of the unique (action_id, seq) index, then the exact prefix.
 _PENDING = f"""SELECT q.action_id, q.evidence, q.at FROM ledger_events q
    WHERE q.action_id >= %(lo)s AND q.action_id < %(hi)s AND left(q.action_id, {len(CHAIN_PREFIX)}) = %(prefix)s
@@ -29,9 +26,8 @@ def ask_txn(cur: store.Cursor, elicitation_id: str, actor: str, question: dict[s
 
 def state(cur: store.Cursor, elicitation_id: str) -> dict[str, Any]:
     """``{"question", "asked_at", "answer" (the signed answer as recorded), "expired"}`` of one chain."""
-    cur.execute(_STATE, (chain(elicitation_id),))
     found: dict[str, Any] = {"question": None, "asked_at": None, "answer": None, "expired": False}
-    for row in cur.fetchall():
+    for row in store.timeline(cur, chain(elicitation_id)):
         if row["event"] == ASKED and found["question"] is None:
             found["question"], found["asked_at"] = row["evidence"], row["at"]
         elif row["event"] == ANSWERED and found["answer"] is None:
@@ -43,7 +39,7 @@ def state(cur: store.Cursor, elicitation_id: str) -> dict[str, Any]:
 
 def answer_txn(cur: store.Cursor, elicitation_id: str, signed: dict[str, Any], by: str) -> None:
     """Record a signed answer to a pending question (the caller has verified it)."""
-    cur.execute(_LOCK, (chain(elicitation_id),))
+    store.lock_chain_txn(cur, chain(elicitation_id))
     now = state(cur, elicitation_id)
     if now["question"] is None:
         raise ElicitationRefused(f"no elicitation {elicitation_id[:64]!r} was asked", elicitation_id=elicitation_id[:64])
@@ -57,7 +53,7 @@ def answer_txn(cur: store.Cursor, elicitation_id: str, signed: dict[str, Any], b
 def expire_txn(cur: store.Cursor, elicitation_id: str, actor: str, waited_seconds: float) -> dict[str, Any] | None:
     """Give up on a question: records the expiry and returns None, or returns the signed answer that
     made it in first."""
-    cur.execute(_LOCK, (chain(elicitation_id),))
+    store.lock_chain_txn(cur, chain(elicitation_id))
     now = state(cur, elicitation_id)
     if now["answer"] is not None:
         return now["answer"]

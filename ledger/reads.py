@@ -13,10 +13,6 @@ from ledger import store
 from proofline.errors import ReadRefused
 from proofline.reads import ANSWERED, REQUESTED, chain
 
-_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
-_STATE = """SELECT event, actor, evidence, at FROM ledger_events WHERE action_id = %s
-            AND event IN ('read_requested', 'read_answered') ORDER BY seq"""
-
 
 def request_txn(cur: store.Cursor, request: dict[str, Any], actor: str) -> None:
     """Record an agent's read request (the controller role's write)."""
@@ -25,9 +21,10 @@ def request_txn(cur: store.Cursor, request: dict[str, Any], actor: str) -> None:
 
 def state(cur: store.Cursor, request_id: str) -> dict[str, Any]:
     """``{"request", "answer"}`` of one read's chain (either None when not recorded)."""
-    cur.execute(_STATE, (chain(request_id),))
     found: dict[str, Any] = {"request": None, "answer": None}
-    for row in cur.fetchall():
+    for row in store.timeline(cur, chain(request_id)):
+        if row["event"] not in (REQUESTED, ANSWERED):
+            continue
         key = "request" if row["event"] == REQUESTED else "answer"
         if found[key] is None:
             found[key] = row["evidence"]
@@ -37,7 +34,7 @@ def state(cur: store.Cursor, request_id: str) -> dict[str, Any]:
 def answer_txn(cur: store.Cursor, request_id: str, answer: dict[str, Any], actor: str) -> None:
     """Record the answer to a recorded, unanswered request (the worker role's write). ``answer`` is
     stored as given: the caller has redacted it."""
-    cur.execute(_LOCK, (chain(request_id),))
+    store.lock_chain_txn(cur, chain(request_id))
     now = state(cur, request_id)
     if now["request"] is None:
         raise ReadRefused(f"no read {request_id[:64]!r} was requested", cause="not_requested")

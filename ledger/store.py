@@ -460,6 +460,12 @@ def events_after(cur: Cursor, action_id: str, after_seq: int, limit: int = 100) 
     return list(cur.fetchall())
 
 
+def lock_chain_txn(cur: Cursor, chain: str) -> None:
+    """Hold ``chain``'s append lock (the one the ledger_chain trigger takes for each insert) until the
+    transaction ends, so that reading the chain and appending to it are one step."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("proofline:ledger:" + chain,))
+
+
 def timeline(cur: Cursor, action_id: str) -> list[dict[str, Any]]:
     cur.execute(
         "SELECT seq, at, event, actor, evidence, hash FROM ledger_events WHERE action_id = %s ORDER BY seq",

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from proofline.canonical import canonical_bytes
 from proofline.errors import ElicitationRefused
 from proofline.keys import Keyring, KeyRole, SigningKey
-from proofline.signing import encode_signature
+from proofline.signing import encode_signature, signer
 
 #: The ledger chain a question and its answer are recorded on.
 CHAIN_PREFIX = "elicitation:"
@@ -107,13 +107,13 @@ def verify_answer(signed: Any, keyring: Keyring, *, elicitation_id: str, questio
     if not isinstance(signed, dict) or not isinstance(signed.get("answer"), dict):
         raise ElicitationRefused("an answer is an object with an 'answer' statement", elicitation_id=elicitation_id)
     key_id, signature = signed.get("key_id"), signed.get("signature")
-    key = keyring.get(key_id) if isinstance(key_id, str) else None
-    if key is None or key.revoked or not isinstance(signature, str):
-        raise ElicitationRefused("answer signed with an unknown or revoked key", elicitation_id=elicitation_id,
-                                 key_id=str(key_id)[:64])
-    if key.role != KeyRole.approver:
-        raise ElicitationRefused(f"answer signed by a {key.role.value} key; only approver keys answer",
-                                 elicitation_id=elicitation_id, key_id=key.key_id)
+    if not isinstance(key_id, str) or not isinstance(signature, str):
+        raise ElicitationRefused("an answer carries a key_id and a signature", elicitation_id=elicitation_id)
+    key = signer(keyring, key_id, KeyRole.approver, "answer",
+                 lambda cause, detail: ElicitationRefused(detail, elicitation_id=elicitation_id, cause=cause))
+    if key.revoked:
+        raise ElicitationRefused(f"answer signed with revoked key {key_id}", elicitation_id=elicitation_id,
+                                 cause="revoked_key")
     try:
         key.public.verify(base64.b64decode(signature, validate=True), _CONTEXT + canonical_bytes(signed["answer"]))
         answer = ElicitationAnswer.model_validate(signed["answer"])

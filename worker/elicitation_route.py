@@ -10,6 +10,7 @@ write is hostile until its signature says otherwise.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -30,8 +31,6 @@ POLL_SECONDS = 0.25
 
 
 def _bounded(value: Any) -> Any:
-    import json
-
     text = json.dumps(value, default=str)
     if len(text.encode()) <= MAX_QUESTION_BYTES:
         return value

@@ -167,5 +167,5 @@ def test_an_answer_row_the_worker_cannot_verify_is_never_passed_on(asked) -> Non
     row, question, seen, env = run_asking(stack, forge)
     assert seen == [{"action": "cancel"}]
     [request] = [r for r in evidence_of(stack, env.action_id, "server_request") if r["method"] == "elicitation/create"]
-    assert request["answer"]["refused"] == "elicitation_refused" and "only approver keys" in request["answer"]["detail"]
+    assert request["answer"]["refused"] == "elicitation_refused" and "controller key" in request["answer"]["detail"]
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
