@@ -147,10 +147,17 @@ class RequestGate:
                     # The call's request timeout is the server's silence; here the runtime is the one
                     # answering, so it holds the timeout open (the absolute deadline still applies).
                     waiting.start_soon(_hold_request_timeout, aid)
-                    got = await anyio.to_thread.run_sync(lambda: self._route.ask(
-                        action_id=aid, server=self.server, role=self.role, message=getattr(params, "message", ""),
-                        schema=getattr(params, "requested_schema", None),
-                        wait_seconds=policy.elicitation_wait_seconds, request_id=request_id), abandon_on_cancel=True)
+                    try:
+                        got = await anyio.to_thread.run_sync(lambda: self._route.ask(
+                            action_id=aid, server=self.server, role=self.role, message=getattr(params, "message", ""),
+                            schema=getattr(params, "requested_schema", None),
+                            wait_seconds=policy.elicitation_wait_seconds, request_id=request_id),
+                            abandon_on_cancel=True)
+                    except Exception as exc:  # noqa: BLE001 - no ledger to ask through: the server hears cancel
+                        log.warning("elicitation could not be put to approvers: %s", type(exc).__name__,
+                                    extra={"event": "elicitation_unavailable", "action_id": aid})
+                        got = {"action": "cancel", "routed": "approver", "refused": "elicitation_unavailable",
+                               "detail": f"{type(exc).__name__}: {str(exc)[:200]}"}
                     waiting.cancel_scope.cancel()
                 content = got.pop("content", None)
                 self._record(aid, method, ctx.request_id, got, **detail)  # the content stays on its own chain
