@@ -39,7 +39,7 @@ from mcp import Client
 
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
-from worker.mcp_client import endpoint_target
+from worker.connect import endpoint_target
 from worker.sandbox_audit import Auditor
 from worker.servers import Endpoint, load_servers
 

@@ -48,7 +48,7 @@ UNION ALL SELECT 'step-1', 'run-x', 1, 'acme', 'ticket.create', 'sor', 'create_t
 
 
 def timed(conn: psycopg.Connection, condition: str, repeat: int) -> tuple[float, list[str]]:
-    sql, times, found = CLAIM_SQL.format(condition=condition), [], []
+    sql, times, found = CLAIM_SQL.format(condition=condition, limit="limit"), [], []
     for _ in range(repeat):
         started = time.perf_counter()
         with conn.transaction():

@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TextIO
 
@@ -54,10 +54,11 @@ class _Line:
             self.head, self.parts = joined[:4096], []
             self.digest = hashlib.sha256(joined)
 
-    def finish(self) -> SessionMessage | Exception | None:
+    def raw(self) -> bytes | None:
+        """The line as it came (within the limit), or in place of an oversize one the JSON-RPC error
+        for its request id; None for an oversize line whose id cannot be read."""
         if self.digest is None:
-            text = b"".join(self.parts).decode("utf-8", errors="replace")
-            return sdk_stdio._parse_line(text)  # noqa: SLF001 - the SDK's own parser, same errors
+            return b"".join(self.parts)
         found = _ID.search(self.head)
         if found is None:
             return None
@@ -66,7 +67,46 @@ class _Line:
             "message": f"message of {self.size} bytes exceeds the limit of {self.limit}",
             "data": {"size": self.size, "sha256": self.digest.hexdigest(), "limit": self.limit,
                      "excerpt": self.head[:EXCERPT_BYTES].decode("utf-8", errors="replace")}}}
-        return sdk_stdio._parse_line(json.dumps(error))  # noqa: SLF001
+        return json.dumps(error).encode()
+
+    def finish(self) -> SessionMessage | Exception | None:
+        raw = self.raw()
+        if raw is None:
+            return None
+        return sdk_stdio._parse_line(raw.decode("utf-8", errors="replace"))  # noqa: SLF001 - the SDK's own parser
+
+
+def split_lines(chunk: bytes, line: _Line, limit: int) -> tuple[list[_Line], _Line]:
+    """The lines ``chunk`` completes (``line`` first) and the line it leaves open."""
+    done: list[_Line] = []
+    start = 0
+    while True:
+        end = chunk.find(b"\n", start)
+        if end < 0:
+            if start < len(chunk):
+                line.add(chunk[start:])
+            return done, line
+        line.add(chunk[start:end])
+        start = end + 1
+        done.append(line)
+        line = _Line(limit)
+
+
+@asynccontextmanager
+async def pumping(reader: Callable[[], Awaitable[None]], writer: Callable[[], Awaitable[None]],
+                  shutdown: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """Run a transport's ``reader`` and ``writer`` tasks while the session uses its streams; on the
+    way out, ``shutdown`` runs shielded from cancellation (so it finishes however the session ended,
+    a cancelled one included), then both tasks are cancelled."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        tg.start_soon(writer)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await shutdown()
+            tg.cancel_scope.cancel()
 
 
 @asynccontextmanager
@@ -88,17 +128,9 @@ async def bounded_stdio_client(server: StdioServerParameters, max_message_bytes:
             async with read_writer:
                 try:
                     async for chunk in process.stdout:
-                        start = 0
-                        while True:
-                            end = chunk.find(b"\n", start)
-                            if end < 0:
-                                if start < len(chunk):
-                                    line.add(chunk[start:])
-                                break
-                            line.add(chunk[start:end])
-                            start = end + 1
-                            message = line.finish()
-                            line = _Line(max_message_bytes)
+                        done, line = split_lines(chunk, line, max_message_bytes)
+                        for complete in done:
+                            message = complete.finish()
                             if message is not None:
                                 try:
                                     await read_writer.send(message)
@@ -130,12 +162,5 @@ async def bounded_stdio_client(server: StdioServerParameters, max_message_bytes:
         await sdk_stdio._aclose_all(read_stream, write_stream, read_writer, write_reader)  # noqa: SLF001
         await anyio.lowlevel.checkpoint()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stdout_reader)
-        tg.start_soon(stdin_writer)
-        try:
-            yield read_stream, write_stream
-        finally:
-            with anyio.CancelScope(shield=True):
-                await shutdown()
-            tg.cancel_scope.cancel()
+    async with pumping(stdout_reader, stdin_writer, shutdown):
+        yield read_stream, write_stream

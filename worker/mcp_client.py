@@ -22,28 +22,25 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-import httpx2
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from mcp import Client, StdioServerParameters
-from mcp.client.stdio import stdio_client
+from mcp import Client
 
 from proofline.envelope import reported_version
 from proofline.errors import McpUnavailable, SandboxAuditOverflow
 from proofline.pins import Negotiated
 from proofline.server_requests import ServerRequestPolicy
-from worker import calls, request_ids, sandbox, token_exchange
-from worker.bounded_stdio import bounded_stdio_client
+from worker import calls, host_client, request_ids, sandbox, token_exchange
+from worker.connect import WatchedTransport, connectable, endpoint_target
 from worker.oauth import Identity
 from worker.sandbox_egress import Forwarder
 from worker.sandbox_reader import OVERFLOW_EVENT, Auditor, alive, owned_prefix
 from worker.server_requests import SUPPRESSED_EVENT, RequestGate, declared_roots, limit_capabilities
-from worker.server_stderr import errlog_for
 from worker.servers import Endpoint, Server
 from worker.tool_list import ToolListCache
 
@@ -77,118 +74,12 @@ def _audited(found: dict[str, Any]) -> None:
     log.warning("sandbox denied a server", extra={"event": "sandbox_violation", **found})
 
 
-def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
-                    environment: str = "development", status_path: str | None = None,
-                    max_message_bytes: int | None = None, audit: Auditor | None = None,
-                    watch: Callable[[WatchedTransport], None] | None = None,
-                    egress: Forwarder | None = None, auth: Any = None) -> Any:
-    """What ``mcp.Client`` connects to: a URL (or a transport carrying the identity's credentials, or
-    one whose connection pool is handed to ``watch`` for the tool-list cache), or a stdio command, sandboxed
-    unless the servers file disables it with a reason, read through a transport that bounds every
-    message to ``max_message_bytes`` when given. A sandbox with an egress allowlist reaches its
-    destinations through ``egress`` (without one it has no network). ``auth`` is the identity's
-    OAuth provider (worker/oauth.py), which the HTTP client authenticates every request with."""
-    if endpoint.transport == "http":
-        if endpoint.headers_from_files or endpoint.client_cert_file or endpoint.ca_file or watch is not None \
-                or auth is not None:
-            return _http_transport(endpoint, watch, auth)
-        return endpoint.url
-    argv = endpoint.argv()
-    cwd = endpoint.working_directory(base_dir)
-    unsandboxed = sandbox.require_policy(name, role, endpoint.sandbox, environment)
-    if unsandboxed is not None:
-        log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
-                                                            "role": role, "reason": unsandboxed})
-        return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
-                                              cwd=cwd), max_message_bytes, errlog_for(name, role))
-    roots: list[sandbox.Roots] = []
-    launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
-                            base_dir=base_dir, status_path=status_path, roots=roots,
-                            audit_path=audit.path if audit is not None else None,
-                            egress=egress.plan if egress is not None else None)
-    if audit is not None:
-        audit.roots = roots[0]
-    # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
-    # environment pins every one of them, so what bwrap starts with is exactly launch.env.
-    return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
-                    max_message_bytes, errlog_for(name, role))
-
-
-def _bounded(params: StdioServerParameters, max_message_bytes: int | None, errlog: Any) -> Any:
-    # The server's stderr goes through worker/server_stderr.py (one warning for a known flood).
-    return params if max_message_bytes is None else bounded_stdio_client(params, max_message_bytes, errlog=errlog)
-
-
 def negotiated(client: Client) -> Negotiated:
     """The protocol version ``client``'s session speaks and the capabilities its server declared."""
     session = client.session
     caps = session.server_capabilities
     return Negotiated(session.protocol_version,
                       caps.model_dump(mode="json", by_alias=True, exclude_none=True) if caps is not None else {})
-
-
-def connectable(target: Any, name: str, role: str) -> Any:
-    """What ``mcp.Client`` is given for ``target``: stdio parameters become a stdio transport whose
-    stderr goes through worker/server_stderr.py; anything else is used as it is."""
-    if isinstance(target, StdioServerParameters):
-        return stdio_client(target, errlog=errlog_for(name, role))
-    return target
-
-
-def _read_secret(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise McpUnavailable(f"cannot read the credential file {path}: {exc.strerror}") from None
-
-
-class WatchedTransport(httpx2.AsyncHTTPTransport):
-    """An HTTP transport that can say which connections it holds open, for the tool-list cache."""
-
-    def open_connections(self) -> frozenset[Any]:
-        """The pool's connections when every one is still usable; empty when any was closed or the
-        server ended it (end-of-file on an idle keep-alive connection, as when the server restarts)."""
-        held = list(self._pool.connections)
-        if any(c.is_closed() or c.has_expired() for c in held):
-            return frozenset()
-        return frozenset(held)
-
-
-def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None,
-                    auth: Any = None) -> Any:
-    """A streamable-HTTP transport whose client sends this identity's headers (and client
-    certificate), read from their files at each connect so a rotated secret is picked up; its
-    connection pool is handed to ``watch`` when given."""
-    import ssl
-
-    from mcp.client.streamable_http import streamable_http_client
-    from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
-
-    headers = {name: _read_secret(path) for name, path in endpoint.headers_from_files.items()}
-    verify: ssl.SSLContext | bool = True
-    if endpoint.ca_file or endpoint.client_cert_file:
-        verify = ssl.create_default_context(cafile=endpoint.ca_file)
-        if endpoint.client_cert_file and endpoint.client_key_file:
-            try:
-                verify.load_cert_chain(endpoint.client_cert_file, endpoint.client_key_file)
-            except OSError as exc:
-                raise McpUnavailable(f"cannot load the client certificate: {exc.strerror}") from None
-    credentialed = bool(headers) or verify is not True or auth is not None
-
-    @asynccontextmanager
-    async def transport() -> AsyncIterator[Any]:
-        # The transport carries the TLS settings (a client given a transport ignores its own).
-        pool = WatchedTransport(verify=verify, trust_env=not credentialed)
-        if watch is not None:
-            watch(pool)
-        async with httpx2.AsyncClient(
-            headers=headers, transport=pool, trust_env=not credentialed, auth=auth,
-            timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT),
-        ) as http:
-            async with streamable_http_client(endpoint.url or "", http_client=http) as streams:
-                yield streams
-
-    return transport()
 
 
 def message_limit(server: Server) -> int:
@@ -207,10 +98,15 @@ class _GovernedClient(Client):
     recorded, and the SDK would otherwise announce all three."""
 
     advertised: frozenset[str] = frozenset()
+    #: Request ids start past this one: a lent server's earlier borrowers minted the ids below it.
+    id_base: int = 0
 
     async def _build_session(self, exit_stack: Any) -> Any:
         session = await super()._build_session(exit_stack)
         limit_capabilities(session, self.advertised)
+        dispatcher = getattr(session, "_dispatcher", None)
+        if self.id_base and isinstance(getattr(dispatcher, "_next_id", None), int):
+            dispatcher._next_id = self.id_base  # type: ignore[union-attr]  # noqa: SLF001
         return session
 
 
@@ -220,8 +116,10 @@ class _Session:
     def __init__(self, endpoint: Endpoint, base_dir: Path, name: str = "?", role: str = "write",
                  environment: str = "development", max_message_bytes: int | None = None,
                  gate: RequestGate | None = None, action_id: Callable[[], str | None] = lambda: None,
-                 auth: Any = None) -> None:
+                 auth: Any = None, loan: host_client.Loan | None = None) -> None:
         self.endpoint = endpoint
+        #: The node's session host lent this session its server (worker/session_host.py), or None.
+        self.loan = loan
         self.auth = auth
         self.gate = gate
         self._action_id = action_id
@@ -248,7 +146,11 @@ class _Session:
         if endpoint.transport == "stdio":
             # Refused here (production, no reason) as a configuration error, before anything is spawned.
             sandbox.require_policy(name, role, endpoint.sandbox, environment)
-            if endpoint.sandbox.enabled:
+            if loan is not None:
+                self.status_path = loan.status_path
+                if loan.audited:
+                    self.auditor = host_client.RemoteAudit(loan, _count_violation)  # type: ignore[assignment]
+            elif endpoint.sandbox.enabled:
                 unaudited = sandbox.require_audit(name, role, endpoint.sandbox, environment)
                 fd, self.status_path = tempfile.mkstemp(prefix=owned_prefix("sandbox"), suffix=".json")
                 os.close(fd)
@@ -263,10 +165,13 @@ class _Session:
     async def run(self) -> None:
         self._ready, self._stop = anyio.Event(), anyio.Event()
         try:
-            target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
-                                     environment=self.environment, status_path=self.status_path,
-                                     max_message_bytes=self.max_message_bytes, audit=self.auditor,
-                                     watch=self._watch, egress=self.egress, auth=self.auth)
+            if self.loan is not None:
+                target = host_client.host_stdio_client(self.loan, self.max_message_bytes or 1 << 24)
+            else:
+                target = endpoint_target(self.endpoint, self.base_dir, name=self.name, role=self.role,
+                                         environment=self.environment, status_path=self.status_path,
+                                         max_message_bytes=self.max_message_bytes, audit=self.auditor,
+                                         watch=self._watch, egress=self.egress, auth=self.auth)
             governed = self.gate.callbacks(self._action_id) if self.gate is not None else {}
             client = _GovernedClient(connectable(target, self.name, self.role), mode=self.endpoint.protocol,
                                      message_handler=self.tools.notify,
@@ -274,6 +179,7 @@ class _Session:
                                      # never more than a few times.
                                      input_required_max_rounds=INPUT_ROUNDS, **governed)
             client.advertised = self.gate.advertised if self.gate is not None else frozenset()
+            client.id_base = self.loan.id_base if self.loan is not None else 0
             with anyio.CancelScope() as self._starting:  # stop() before ready: the start is abandoned
                 async with client:
                     self.client = client
@@ -328,7 +234,21 @@ class _Session:
             log.warning("sandboxed server killed", extra={"event": "sandbox_violation", **self.checked})
         return self.checked or None
 
+    def give_back(self) -> None:
+        """A lent server goes back to the host for the next borrower (this process is closing)."""
+        if self.loan is not None:
+            if isinstance(self.auditor, host_client.RemoteAudit):
+                self.auditor.end(False, 0.0)
+            else:
+                self.loan.end(False)
+
     def cleanup(self) -> None:
+        if self.loan is not None:
+            if isinstance(self.auditor, host_client.RemoteAudit):
+                self.auditor.close()
+            else:
+                self.loan.end(True)  # a failed or replaced session: the host stops its server
+            return  # the host owns the server's files
         if self.auditor is not None:
             self.auditor.close()
         if self.egress is not None:
@@ -508,9 +428,15 @@ class McpSessions:
                 self._retire(session)
             endpoint = server.write if role == "write" else server.read
             identity = self._authorize(server, role)
-            session = _Session(endpoint, self.base_dir, server.name, role, self.environment, message_limit(server),
+            limit = message_limit(server)
+            if endpoint.transport == "stdio":
+                # Refused first (production, no reason) as a configuration error, before anything is borrowed.
+                sandbox.require_policy(server.name, role, endpoint.sandbox, self.environment)
+            loan = host_client.borrow(endpoint, server.name, role, self.base_dir, self.environment, limit) \
+                if endpoint.transport == "stdio" else None
+            session = _Session(endpoint, self.base_dir, server.name, role, self.environment, limit,
                                self._gate(server, role, endpoint), lambda: self.action_id,
-                               identity.provider if identity is not None else None)
+                               identity.provider if identity is not None else None, loan)
             self._portal.start_task_soon(session.run)
             try:
                 self._portal.call(session.wait_ready)
@@ -625,6 +551,7 @@ class McpSessions:
             except Exception:  # noqa: BLE001 - closing at exit must not raise
                 pass
         for session in sessions:
+            session.give_back()  # a lent server stays with the host for this node's next process
             session.drain()  # strace's output to its end: no write into a closed pipe
             session.cleanup()
         for identity in list(self._identities.values()):

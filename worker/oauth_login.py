@@ -108,7 +108,7 @@ def login(server: Server, role: str, state_dir: Path, show: Callable[[str], None
 
 
 async def _login(endpoint: Endpoint, path: Path, show: Callable[[str], None], timeout: float) -> Path:
-    from worker.mcp_client import _http_transport
+    from worker.connect import _http_transport
 
     spec = endpoint.auth
     assert spec is not None and endpoint.url

@@ -50,8 +50,8 @@ MAX_CACHED = 4096
 OPEN_WAIT_SECONDS = 0.5
 #: Prefixes of the per-session files a worker keeps in the temporary folder (audit FIFO folder,
 #: bwrap status file); each is followed by the owning process's pid and a dash.
-OWNED_PREFIXES = ("proofline-audit-", "proofline-sandbox-")
-_OWNED = re.compile(r"^(?:proofline-audit-|proofline-sandbox-)(\d+)-")
+OWNED_PREFIXES = ("proofline-audit-", "proofline-sandbox-", "proofline-host-")
+_OWNED = re.compile(r"^(?:proofline-audit-|proofline-sandbox-|proofline-host-)(\d+)-")
 
 
 def owned_prefix(kind: str) -> str:

@@ -18,6 +18,7 @@ import re
 import uuid
 from typing import Any
 
+import redis as redis_py
 from kombu.transport import TRANSPORT_ALIASES, redis
 from kombu.utils.encoding import bytes_to_str
 
@@ -89,6 +90,13 @@ class GuardedChannel(redis.Channel):
         table of some 150 response callbacks for each (a third of the Celery main process's time
         per message, measured). The client holds no connection of its own (it borrows from the
         channel's pool per command), so one per channel and pool serves them all."""
+        pool_left = self._async_pool if asynchronous else self._pool
+        if pool_left is None and getattr(self.connection, "client", None) is None:
+            # kombu closes a channel by disconnecting its pools and then putting back what it
+            # delivered unacknowledged, through a new pool built from the connection's parameters.
+            # Closed because the connection was lost, there are none left: kombu's AttributeError
+            # there killed Celery's main process. A connection error is what the close ignores.
+            raise redis_py.exceptions.ConnectionError("the channel's connection is gone")
         if asynchronous:
             return super()._create_client(asynchronous=True)
         pool = self.pool

@@ -333,11 +333,14 @@ def hostile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                        "open": {**hostile_spec(tools), "sandbox": {"enabled": False, "reason": OPEN_REASON}}})
 
 
-def publish_hostile(s: Stack, tool: str, arguments: dict[str, Any], server: str = "hostile") -> str:
+def publish_hostile(s: Stack, tool: str, arguments: dict[str, Any], server: str = "hostile",
+                    described_as: str | None = None) -> str:
+    """Publish ``server.tool``, its live description read from ``described_as`` (default: the
+    server itself; a twin running the same program, for a server that takes minutes to start)."""
     from proofline.controller import describe_server
 
     env = s.envelope(f"{server}.{tool}", arguments=arguments, target={"type": "box", "id": "b1"},
-                     live=describe_server(s.settings, server), evidence={"redact_fields": []})
+                     live=describe_server(s.settings, described_as or server), evidence={"redact_fields": []})
     s.publish(env)
     return env.action_id
 

@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from proofline.errors import SandboxAuditOverflow
-from proofline_kit.processes import gone
+from proofline_kit.processes import gone, stop_processes
+from proofline_kit.stack import start_workers
 from tests.conftest import Stack, wait_for
 from tests.security import test_sandbox
 from tests.security.test_sandbox import hostile_spec, open_sessions, publish_hostile
@@ -210,12 +211,26 @@ def test_through_a_real_worker_a_fail_closed_overflow_is_an_unknown_outcome(floo
 
 
 def pool_processes(s: Stack) -> list[psutil.Process]:
-    return [c for w in s.workers for c in psutil.Process(w.pid).children(recursive=True)
-            if "celery" in " ".join(c.cmdline()) or "proofline" in " ".join(c.cmdline())]
+    """The worker's processes below its supervisor: Celery's main and pool processes, and the
+    session host (worker/session_host.py)."""
+    found = []
+    for w in s.workers:
+        for c in psutil.Process(w.pid).children(recursive=True):
+            try:
+                line = " ".join(c.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if "celery" in line or "proofline" in line:
+                found.append(c)
+    return found
+
+
+def is_session_host(cmdline: list[str]) -> bool:
+    return "worker.session_host" in cmdline
 
 
 def tracer_of(s: Stack) -> tuple[psutil.Process, psutil.Process] | None:
-    """(pool process, its strace) once a pool process has started an audited server."""
+    """(the process that started an audited server, its strace) once one has."""
     for proc in pool_processes(s):
         for child in proc.children():
             if child.name() == "strace":
@@ -223,19 +238,42 @@ def tracer_of(s: Stack) -> tuple[psutil.Process, psutil.Process] | None:
     return None
 
 
-def test_a_pool_process_killed_while_starting_an_audited_server_leaves_nothing(flood_stack: Stack) -> None:
-    s = flood_stack
-    publish_hostile(s, "status", {}, server="sleepy")
-    pool, tracer = wait_for(lambda: tracer_of(s), 60, what="a pool process starting the audited server")
+def killed_while_starting(s: Stack) -> tuple[int, list[str]]:
+    """Publish an action on the server that takes minutes to start, SIGKILL the process that is
+    starting it under strace, and wait for the tracer and the server to die with it; returns the
+    killed process's (pid, command line) once its audit folder is gone too."""
+    publish_hostile(s, "status", {}, server="sleepy", described_as="hostile")
+    starter, tracer = wait_for(lambda: tracer_of(s), 60, what="a process starting the audited server")
     traced = tracer.children(recursive=True)
-    folders = lambda: glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{pool.pid}-*"))  # noqa: E731
+    folders = lambda: glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{starter.pid}-*"))  # noqa: E731
     assert folders() and traced
-    os.kill(pool.pid, signal.SIGKILL)
-    # The tracer dies with its parent (and the server with the tracer); the replacement pool
-    # process removes the dead one's folder as it starts.
+    cmdline = starter.cmdline()
+    os.kill(starter.pid, signal.SIGKILL)
     wait_for(lambda: gone(tracer) and all(gone(p) for p in traced), 20, what="the tracer and server to die")
-    wait_for(lambda: not folders(), 60, what="the dead pool process's audit folder to go")
+    wait_for(lambda: not folders(), 60, what="the killed process's audit folder to go")
     assert s.workers_alive()
+    return starter.pid, cmdline
+
+
+def test_the_session_host_killed_while_starting_an_audited_server_leaves_nothing(flood_stack: Stack) -> None:
+    # Under the default settings the node's session host starts the stdio servers; the watcher in
+    # the worker's main process removes a killed host's audit folders and starts another host.
+    pid, cmdline = killed_while_starting(flood_stack)
+    assert is_session_host(cmdline), cmdline
+    wait_for(lambda: any(p.pid != pid and is_session_host(p.cmdline()) for p in pool_processes(flood_stack)),
+             60, what="a new session host")
+
+
+def test_a_pool_process_killed_while_starting_an_audited_server_leaves_nothing(flood_stack: Stack) -> None:
+    # Without a session host a pool process starts its own servers; the pool process Celery starts
+    # in the killed one's place removes the folder as it starts. (Last in this module: it replaces
+    # the stack's worker with one that runs no host.)
+    s = flood_stack
+    stop_processes(s.workers)
+    s.workers.clear()
+    start_workers(s, concurrency=1, env={**s.env, "PROOFLINE_STDIO_SESSION_HOST": "false"})
+    _, cmdline = killed_while_starting(s)
+    assert not is_session_host(cmdline) and "celery" in " ".join(cmdline), cmdline
 
 
 def test_the_reaper_leaves_live_processes_files_alone(tmp_path: Any) -> None:

@@ -9,7 +9,7 @@ from mcp.client.stdio import DEFAULT_INHERITED_ENV_VARS, StdioServerParameters
 
 from proofline.errors import ConfigurationError
 from proofline.settings import ROOT
-from worker.mcp_client import endpoint_target
+from worker.connect import endpoint_target
 from worker.sandbox import (
     SandboxSpec,
     bwrap_args,
