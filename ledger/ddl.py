@@ -43,6 +43,21 @@ CREATE TRIGGER ledger_events_chain BEFORE INSERT ON ledger_events
   FOR EACH ROW EXECUTE FUNCTION ledger_chain();
 """
 
+#: The chain function as migration 0001 created it (what 0024's downgrade puts back).
+CHAIN_FUNCTION_0001 = CHAIN_TRIGGER.split("CREATE TRIGGER")[0]
+#: The chain function since migration 0024: an action's row is locked before the chain's append
+#: lock, so every writer takes the two in one order. Before, the trigger took the append lock and
+#: then updated the row, while a transition (or a claim's ``FOR UPDATE``) held the row and then
+#: appended: a duplicate delivery recording ``redelivery_ignored`` while the holder moved the
+#: action on, or a worker's event while the reconciler held the rows it was re-driving, waited on
+#: each other (``DeadlockDetected``: a cycle of the kind the 10,000-item soak logged 180 times). A chain not an
+#: action's (``refused:``, ``elicitation:``, ``read:``) has no row, and takes the append lock alone.
+_ROW_FIRST = ("BEGIN\n"
+              "  -- The action's row first (what a transition holds before it appends), then the chain.\n"
+              "  PERFORM 1 FROM actions WHERE action_id = NEW.action_id FOR NO KEY UPDATE;\n")
+CHAIN_FUNCTION_ROW_FIRST = CHAIN_FUNCTION_0001.replace("BEGIN\n", _ROW_FIRST, 1)
+assert CHAIN_FUNCTION_ROW_FIRST != CHAIN_FUNCTION_0001
+
 INSERT_ONLY_TRIGGER = r"""
 CREATE OR REPLACE FUNCTION ledger_refuse_change() RETURNS trigger
 LANGUAGE plpgsql AS $$

@@ -22,7 +22,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import DOUBLE_PRECISION, JSONB
 
 from ledger.states import (
     ActionStatus,
@@ -167,6 +167,9 @@ leases = Table(
     Column("released_at", DateTime(timezone=True), nullable=True),
 )
 
+# The reconciler's drain measure reads leases by when they were taken (migration 0024).
+Index("leases_acquired_idx", leases.c.acquired_at)
+
 revoked_identities = Table(
     "revoked_identities",
     metadata,
@@ -235,6 +238,8 @@ message_deliveries = Table(
     Column("action_id", Text, nullable=True),
     Column("deliveries", Integer, nullable=False, server_default=text("0")),
     Column("unsettled", Integer, nullable=False, server_default=text("0")),
+    # Deliveries whose process was killed from outside, not counted as unsettled (worker/lost_delivery.py).
+    Column("excused", Integer, nullable=False, server_default=text("0")),
     Column("first_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     Column("last_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     Column("last_outcome", Text, nullable=True),
@@ -244,6 +249,16 @@ message_deliveries = Table(
     CheckConstraint(f"retention_class IN ({RETENTION})", name="message_deliveries_retention_known"),
 )
 Index("message_deliveries_action_idx", message_deliveries.c.action_id)
+
+# The newest send time each consumer took from each queue (worker/queue_marks.py; recovery/backlog.py).
+queue_marks = Table(
+    "queue_marks",
+    metadata,
+    Column("queue", Text, primary_key=True),
+    Column("consumer", Text, primary_key=True),
+    Column("sent_at", DOUBLE_PRECISION, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+)
 
 # The reconciler's last sweep per sweeping process (ledger/heartbeat.py; read by proofline doctor).
 reconciler_heartbeats = Table(

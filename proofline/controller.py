@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from kombu.exceptions import OperationalError
 from mcp import Client
 from pydantic import ValidationError
 
@@ -29,7 +32,7 @@ from proofline.arguments import check_arguments
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import Contract, contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope, reported_version
-from proofline.errors import IdempotencyConflict, MalformedEnvelope, UnknownTool
+from proofline.errors import BrokerUnavailable, IdempotencyConflict, MalformedEnvelope, UnknownTool
 from proofline.keys import KeyRole, load_signing_key
 from proofline.pins import (
     Negotiated,
@@ -194,11 +197,29 @@ def publish(settings: Settings, conn: Any, app: Any, envelope: Envelope, **optio
                            settings=settings, **options)
 
 
+def broker_error(exc: BaseException) -> str:
+    """What a broker error says; kombu's wrapper of a timeout says nothing, so its cause is named."""
+    cause = exc.__cause__ or exc.__context__
+    return str(exc) or (str(cause) if cause is not None and str(cause) else type(cause or exc).__name__)
+
+
+@contextmanager
+def handed_to_broker(action_id: str) -> Iterator[None]:
+    """Around a send after the ledger recorded ``published``: a broker that did not take the message
+    is ``broker_unavailable`` (retryable), never kombu's own error, and the record stays."""
+    try:
+        yield
+    except OperationalError as exc:
+        raise BrokerUnavailable(f"{action_id} is recorded as published but the broker did not take its message "
+                                f"({broker_error(exc)}); the reconciler sends it once the broker is back",
+                                action_id=action_id) from exc
+
+
 def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope: Envelope, **options: Any
                     ) -> dict[str, Any]:
     """``ledger.publication.publish_message`` inside a span of the action's trace when tracing is on."""
     attributes = {**tracing.about(envelope), "proofline.stage": "publish"}
-    with tracing.span("proofline.authorize_and_publish", **attributes):
+    with tracing.span("proofline.authorize_and_publish", **attributes), handed_to_broker(envelope.action_id):
         return _publish_message(conn, dispatch, message, envelope, **options)
 
 
@@ -228,7 +249,7 @@ def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[E
                     recorded.append(record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor))
         for message, outcome, span in zip(messages, recorded, spans, strict=True):
             if isinstance(outcome, dict):
-                with tracing.current(span):
+                with tracing.current(span), handed_to_broker(outcome["action_id"]):
                     dispatch.execute(message, task_id=outcome["task_id"])
     finally:
         for span in spans:

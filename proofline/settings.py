@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     #: ...unless its queue still holds messages (a backlog, not a loss) and it is younger than
     #: this: the longest a message lost behind a backlog goes unnoticed.
     redrive_backlog_max_seconds: float = Field(default=900.0, ge=0)
+    #: The fleet's re-drive budget: of the published actions nobody started, a periodic sweep
+    #: re-sends at most twice what the workers drained since the previous sweep (executions
+    #: started over the last 30 s or six periods, whichever is longer, as a rate), times this
+    #: share, less its own re-sends still waiting (``recovery/redrive_budget.py``).
+    redrive_budget_share: float = Field(default=1.0, gt=0)
+    #: ...and never fewer than this many per sweep, so lost messages are still re-sent while
+    #: nothing drains (at most 200, a sweep's limit).
+    redrive_budget_min: int = Field(default=10, ge=1, le=200)
     #: A verification with no progress for this long is started again.
     verify_stall_seconds: float = 180.0
     #: A post-condition re-check sent to a worker and not finished after this long (the worker
@@ -261,6 +269,10 @@ class Settings(BaseSettings):
     #: A task message delivered this many times without reaching a recorded outcome (its worker
     #: process died each time) is moved to the ``dead_letter`` queue on the next delivery.
     max_unsettled_deliveries: int = 3
+    #: A delivery whose pool process was killed from outside (SIGKILL or SIGTERM with no
+    #: out-of-memory kill on the node while it ran: an operator, a chaos tool, a supervisor) is not
+    #: counted against its message, up to this many per message; past it, every death counts.
+    max_excused_deliveries: int = Field(default=20, ge=0)
     #: AMQP brokers only: a quorum queue dead-letters a message after this many failed deliveries
     #: (``x-delivery-limit``). The second line behind ``max_unsettled_deliveries``, which it must
     #: exceed: the guard acts first whenever it can count, the broker when it could not (docs/how-to/rabbitmq.md).
@@ -273,6 +285,10 @@ class Settings(BaseSettings):
     #: RabbitMQ's own default applies (``quorum_cluster_size``, 3 on 3.10, at most the nodes that are
     #: in the cluster when the queue is declared).
     broker_quorum_group_size: int | None = Field(default=None, ge=1)
+    #: AMQP brokers only: how long a publish that met a lost connection or a cluster without a
+    #: queue leader keeps trying (the next node of the URL list at once, then every half second)
+    #: before it raises ``broker_unavailable``. What the ledger recorded stays recorded either way.
+    broker_publish_retry_seconds: float = Field(default=30.0, gt=0, le=600)
 
     @model_validator(mode="after")
     def _broker_limit_behind_the_guard(self) -> Settings:
@@ -297,6 +313,13 @@ class Settings(BaseSettings):
     #: Pool processes are replaced after this many tasks, or once they hold this much memory (KiB).
     worker_max_tasks_per_child: int = 1000
     worker_max_memory_per_child_kb: int = 512 * 1024
+    #: Stdio servers are started and kept by one session host per worker node (worker/session_host.py)
+    #: and lent to its pool processes, so a pool process that is killed or replaced does not take its
+    #: servers with it and its successor starts without launching any. Off: each pool process starts
+    #: its own, as a worker without the host does.
+    stdio_session_host: bool = True
+    #: Idle servers the session host keeps started ahead of need, per stdio identity.
+    stdio_session_spares: int = Field(default=1, ge=0, le=16)
     # --- containment: tenant fairness and quotas ---
     #: The execute queue is split into this many tenant shards (``actions``, ``actions.1`` ...);
     #: every publisher and every execute worker must agree on it.

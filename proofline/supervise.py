@@ -10,10 +10,12 @@ does the same when run bare, so nothing depends on a broker never crashing.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +29,22 @@ HEALTHY_RUN_SECONDS = 60.0
 CONFIGURATION_ERROR_EXIT = 78  # EX_CONFIG
 
 
+class RunHooks(Protocol):
+    """What a caller adds around each run (``worker/in_flight.py``'s held messages)."""
+
+    def env(self) -> dict[str, str]:
+        """Extra environment for the next run, read just before it starts."""
+
+    def ended(self, code: int) -> object:
+        """The run ended with ``code`` (negative: killed by that signal), before any restart."""
+
+
 def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: float = 1.0,
               max_backoff_seconds: float = 30.0, early_exit_seconds: float = EARLY_EXIT_SECONDS,
-              early_exits_limit: int = EARLY_EXITS_LIMIT) -> int:
+              early_exits_limit: int = EARLY_EXITS_LIMIT, hooks: RunHooks | None = None) -> int:
     """Run ``argv`` until it exits cleanly or is told to stop; restart it otherwise, with exponential
-    backoff (reset after a healthy run), and give up at once on repeated early exits."""
+    backoff (reset after a healthy run), and give up at once on repeated early exits. ``hooks``
+    are told about each run (a failing hook is logged and never stops the supervisor)."""
     stopping = False
     child: subprocess.Popen | None = None
 
@@ -46,10 +59,16 @@ def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: floa
     restarts = streak = early = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen(argv)
+        child = subprocess.Popen(argv, env={**os.environ, **hooks.env()} if hooks is not None else None)
         print(f"proofline: worker started (pid {child.pid})", file=sys.stderr, flush=True)
         code = child.wait()
         ran = time.monotonic() - started
+        if hooks is not None:
+            try:
+                hooks.ended(code)
+            except Exception:  # noqa: BLE001 - what a hook records never decides a restart
+                log.warning("a supervisor hook failed after the run ended", exc_info=True,
+                            extra={"event": "supervisor_hook_failed"})
         if stopping or code == 0:
             return code
         early = early + 1 if ran < early_exit_seconds else 0

@@ -33,7 +33,7 @@ from ledger import heartbeat, store
 from proofline.errors import ProoflineError
 from proofline.settings import Settings
 from proofline.telemetry import tracing
-from recovery import backlog, recheck_sweep
+from recovery import backlog, recheck_sweep, redrive_budget
 from recovery.expiry import close_overdue_txn, prune_deliveries_txn
 from recovery.settle import after_settle
 from recovery.sweep_gate import SweepRun, Swept, run_once
@@ -42,12 +42,17 @@ from worker.dispatch import Dispatch
 
 log = logging.getLogger(__name__)
 
+#: The most rows one claim of a sweep takes.
+SWEEP_LIMIT = 200
+#: Counts a periodic sweep stamps about its budget, not about work it found.
+BUDGET_COUNTS = ("redrive_budget", "drain_started", "redrives_waiting")
+
 CLAIM_SQL = """
 WITH due AS (
     SELECT a.action_id FROM actions a
     LEFT JOIN leases l ON l.action_id = a.action_id
     WHERE a.next_check_at < clock_timestamp() AND ({condition})
-    ORDER BY a.next_check_at LIMIT %(limit)s
+    ORDER BY a.next_check_at LIMIT %({limit})s
     FOR UPDATE OF a SKIP LOCKED
 )
 UPDATE actions a SET
@@ -63,7 +68,8 @@ FROM due WHERE a.action_id = due.action_id
 RETURNING a.action_id, a.tenant, a.status, a.kind, a.envelope, a.key_id, a.signature, a.sealed_message
 """
 
-#: (name, condition on a / l, what to do)
+#: (name, condition on a / l, what to do). Every claim takes up to ``limit`` rows; ``not_started``
+#: takes up to ``redrive_limit`` (the fleet's re-drive budget, ``recovery/redrive_budget.py``).
 SWEEPS = (
     # An action waiting out a failed precondition read has its retry on the way (worker/read_waits.py):
     # re-sent only once that retry is overdue, or a second chain of retries would read it again.
@@ -92,6 +98,8 @@ SWEEPS = (
 )
 
 NOT_STARTED = next(condition for name, condition, _ in SWEEPS if name == "not_started")
+#: The claim's row limit by sweep: the parameter it reads.
+LIMIT_PARAM = {"not_started": "redrive_limit"}
 
 
 @dataclass
@@ -110,18 +118,21 @@ class Taken:
 def take(cur: store.Cursor, actor: str, *, stale_seconds: float, verify_stale_seconds: float, limit: int = 200,
          deadline_grace_seconds: float = 60.0, delivery_retention_seconds: float = 2 * 3600.0,
          recheck_claim_seconds: float = 300.0, oldest: backlog.OldestWaiting | None = None,
-         backlog_max_seconds: float = 900.0, shards: int = 1) -> Taken:
+         backlog_max_seconds: float = 900.0, shards: int = 1, redrive_limit: int | None = None,
+         ready: backlog.ReadyCounts | None = None) -> Taken:
     """Everything a sweep writes, inside the caller's transaction; nothing is sent. With ``oldest``
     (the send time of the oldest message waiting in each queue), published actions that may still
-    wait behind a backlog are left for a later sweep (``recovery/backlog.py``)."""
+    wait behind a backlog are left for a later sweep (``recovery/backlog.py``). ``redrive_limit``:
+    at most this many ``not_started`` actions are re-sent (default: ``limit``); the rest stay due."""
     taken = Taken(counts={})
     taken.expired = close_overdue_txn(cur, actor, deadline_grace_seconds, limit)
     taken.counts["deadline_expired"] = len(taken.expired)
     taken.counts["deliveries_pruned"] = prune_deliveries_txn(cur, delivery_retention_seconds)
-    params = {"limit": limit, "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
+    params = {"limit": limit, "redrive_limit": limit if redrive_limit is None else min(limit, redrive_limit),
+              "backoff": max(stale_seconds, 1.0), "stale": stale_seconds,
               "verify_stale": verify_stale_seconds, "deferred": [], "backlog_max": backlog_max_seconds}
     if oldest is not None:
-        params["deferred"] = backlog.deferred_txn(cur, oldest, NOT_STARTED, params, shards)
+        params["deferred"] = backlog.deferred_txn(cur, oldest, NOT_STARTED, params, shards, ready)
         taken.counts["redrives_deferred_backlog"] = len(params["deferred"])
     claimed = _claim_all(cur, params)
     for (name, _, action), rows in zip(SWEEPS, claimed, strict=True):
@@ -145,8 +156,8 @@ def _claim_all(cur: store.Cursor, params: dict[str, Any]) -> list[list[dict[str,
     conn = cur.connection
     cursors = [conn.cursor() for _ in SWEEPS]
     with conn.pipeline():
-        for each, (_, condition, _) in zip(cursors, SWEEPS, strict=True):
-            each.execute(CLAIM_SQL.format(condition=condition), params)
+        for each, (name, condition, _) in zip(cursors, SWEEPS, strict=True):
+            each.execute(CLAIM_SQL.format(condition=condition, limit=LIMIT_PARAM.get(name, "limit")), params)
     return [list(each.fetchall()) for each in cursors]
 
 
@@ -169,7 +180,7 @@ def send(conn: Any, dispatch: Dispatch, actor: str, taken: Taken) -> None:
         with tracing.resume(row["trace"], "proofline.redrive"):
             _redrive(conn, dispatch, actor, row, action)
     recheck_sweep.send(dispatch, taken.rechecks)
-    if any(taken.counts.values()):
+    if any(n for name, n in taken.counts.items() if name not in BUDGET_COUNTS):
         log.info("reconciler re-drove work", extra={"event": "reconcile_sweep", **taken.counts})
 
 
@@ -183,6 +194,7 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
         taken = take(cur, actor, stale_seconds=stale_seconds, verify_stale_seconds=verify_stale_seconds, limit=limit,
                      deadline_grace_seconds=deadline_grace_seconds,
                      delivery_retention_seconds=delivery_retention_seconds, oldest=dispatch.oldest_waiting,
+                     ready=getattr(dispatch, "ready_counts", None),
                      backlog_max_seconds=backlog_max_seconds, shards=shards)
     send(conn, dispatch, actor, taken)
     return taken.counts
@@ -190,19 +202,28 @@ def sweep(conn: Any, dispatch: Dispatch, actor: str, *, stale_seconds: float, ve
 
 def sweep_once(conn: psycopg.Connection[dict[str, Any]], dispatch: Dispatch, settings: Settings) -> SweepRun | None:
     """The reconcile task's sweep: run if this process wins the period for the whole fleet, else
-    None. The period's claim, :func:`take`, the heartbeat (what ``proofline doctor`` reads) and the
+    None. It re-sends at most the fleet's re-drive budget of ``not_started`` actions
+    (``recovery/redrive_budget.py``). The period's claim, :func:`take`, the heartbeat (what ``proofline doctor`` reads) and the
     run's finish stamp are one transaction; :func:`send` runs once it committed."""
     actor = settings.worker_id
 
     def body(run: SweepRun, cur: store.Cursor) -> Swept:
         faultpoints.hit("during_sweep")  # the run holds its period and the lock here, uncommitted
+        budget = redrive_budget.measure_txn(cur, sweep=run.sweep, period_seconds=settings.reconcile_interval_seconds,
+                                            share=settings.redrive_budget_share, floor=settings.redrive_budget_min,
+                                            cap=SWEEP_LIMIT)
         taken = take(cur, actor, stale_seconds=settings.redrive_after_seconds,
                      verify_stale_seconds=settings.verify_stall_seconds,
                      deadline_grace_seconds=settings.deadline_grace_seconds,
                      # Longer than any deadline plus its grace: older counts can explain nothing still open.
                      delivery_retention_seconds=2 * settings.max_deadline_seconds + settings.deadline_grace_seconds,
                      recheck_claim_seconds=settings.recheck_claim_seconds, oldest=dispatch.oldest_waiting,
-                     backlog_max_seconds=settings.redrive_backlog_max_seconds, shards=settings.tenant_shards)
+                     ready=getattr(dispatch, "ready_counts", None),
+                     backlog_max_seconds=settings.redrive_backlog_max_seconds, shards=settings.tenant_shards,
+                     limit=SWEEP_LIMIT, redrive_limit=budget.limit)
+        if taken.counts["not_started"]:  # what bounded the re-sends (an idle sweep's counts stay all zero)
+            taken.counts.update(redrive_budget=budget.limit, drain_started=budget.started,
+                                redrives_waiting=budget.waiting)
         heartbeat.beat_txn(cur, actor, taken.counts)
         return Swept(taken.counts, then=lambda: send(conn, dispatch, actor, taken))
 

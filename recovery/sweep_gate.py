@@ -10,7 +10,11 @@ period. A run is one transaction, and its first statement does two things:
 - claims the period: ``INSERT INTO sweep_runs (sweep, slot, holder) ON CONFLICT DO NOTHING``,
   where ``slot`` is the database clock divided by the period. ``(sweep, slot)`` is unique, so a
   copy arriving later in the same period finds the slot taken and skips (its transaction wrote
-  nothing).
+  nothing);
+- unless the previous period's run finished less than half a period ago (:data:`REST_SHARE`):
+  then this copy skips (a later one in the same period may run it). Periods are slots of the clock, not gaps between runs, so a run
+  that took most of its period (a sweep re-sending hundreds of messages) used to be followed at
+  once by the next one, as soon as the slot turned: sweeps back to back.
 
 The body runs in the same transaction, behind a savepoint, and the run is stamped ``finished_at``
 with the body's counts (old runs pruned) before the one ``COMMIT``: a sweep that finds nothing
@@ -53,15 +57,26 @@ KEEP_SECONDS = 24 * 3600.0
 
 CLAIM_SQL = """
 WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(hashtextextended(%(lock)s, 0)) AS got),
+now_slot AS MATERIALIZED (SELECT floor(extract(epoch FROM clock_timestamp()) / %(period)s)::bigint AS slot),
+-- The previous period's run finished too recently: this period is skipped (no run back to back).
+rested AS MATERIALIZED (
+    SELECT NOT EXISTS (SELECT 1 FROM sweep_runs r, now_slot
+                       WHERE r.sweep = %(sweep)s AND r.slot = now_slot.slot - 1
+                         AND r.finished_at > clock_timestamp() - make_interval(secs => %(gap)s)) AS ok
+),
 claimed AS (
     INSERT INTO sweep_runs (sweep, slot, holder)
-    SELECT %(sweep)s, floor(extract(epoch FROM clock_timestamp()) / %(period)s)::bigint, %(holder)s
-    FROM lock WHERE lock.got
+    SELECT %(sweep)s, now_slot.slot, %(holder)s
+    FROM lock, now_slot, rested WHERE lock.got AND rested.ok
     ON CONFLICT (sweep, slot) DO NOTHING
     RETURNING run_id, slot
 )
-SELECT lock.got, claimed.run_id, claimed.slot FROM lock LEFT JOIN claimed ON true
+SELECT lock.got, rested.ok AS rested, claimed.run_id, claimed.slot FROM lock CROSS JOIN rested LEFT JOIN claimed ON true
 """
+
+#: A run starts no sooner than this share of a period after the previous period's run finished:
+#: a run that took most of its period is followed by a pause, not by the next run at once.
+REST_SHARE = 0.5
 
 FINISH_SQL = """
 WITH finished AS (
@@ -150,13 +165,15 @@ def run_once(conn: psycopg.Connection[dict[str, Any]], sweep: str, period_second
 def _claim(cur: store.Cursor, sweep: str, period_seconds: float, holder: str) -> tuple[int, int] | None:
     """Take the sweep's lock and its current period: ``(run_id, slot)``; or None when another run
     holds the lock or this period's run already happened."""
-    cur.execute(CLAIM_SQL, {"lock": lock_name(sweep), "sweep": sweep, "period": max(period_seconds, 0.001),
-                            "holder": holder})
+    period = max(period_seconds, 0.001)
+    cur.execute(CLAIM_SQL, {"lock": lock_name(sweep), "sweep": sweep, "period": period, "holder": holder,
+                            "gap": REST_SHARE * period})
     row = cur.fetchone()
     assert row is not None
     if row["run_id"] is None:
-        log.debug("sweep skipped", extra={"event": "sweep_skipped", "sweep": sweep,
-                                          "reason": "period already ran" if row["got"] else "another run holds it"})
+        reason = ("another run holds it" if not row["got"] else
+                  "the previous run finished moments ago" if not row["rested"] else "period already ran")
+        log.debug("sweep skipped", extra={"event": "sweep_skipped", "sweep": sweep, "reason": reason})
         return None
     return row["run_id"], row["slot"]
 

@@ -12,7 +12,7 @@ RabbitMQ (``amqp://``, ``amqps://``, ``pyamqp://``) gets:
   the message, so a controller never records ``published`` for a message the broker dropped;
 - a **cluster** is a ``;``-separated URL list: a connection that drops (its node died) is opened
   again on the next node of the list, and a publish that failed on the way is sent again there
-  (:data:`PUBLISH_RETRY`), so a node lost mid-publish costs a resend, never the message. A resend
+  (:func:`publish_retry`), so a node lost mid-publish costs a resend, never the message. A resend
   may duplicate a message the dead node had taken: the idempotency claim suppresses the copy;
 - a **delivery limit** (``x-delivery-limit``, ``Settings.broker_delivery_limit``) with a
   **dead-letter exchange**: a message returned that many times without an acknowledgement goes
@@ -50,9 +50,8 @@ INBOX = "dead_letter.broker"
 SWEEP_QUEUES = ("reconcile", "checkpoint")
 FIXED_QUEUES = ("compensate", "recovery", *SWEEP_QUEUES)
 #: How a publish that met a dropped connection is retried (kombu's ``ensure``): the first retry at
-#: once on the next node of the URL list, then every half second, for about ten seconds: longer
-#: than RabbitMQ takes to elect a new quorum-queue leader on a lost node (about a second here).
-PUBLISH_RETRY = {"max_retries": 20, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5}
+#: once on the next node of the URL list, then every half second (:func:`publish_retry`).
+PUBLISH_RETRY = {"interval_start": 0, "interval_step": 0.25, "interval_max": 0.5}
 #: Native delayed delivery prefixes the routing key with 28 binary digits (kombu 5.5+).
 _DELAY_PREFIX = re.compile(r"^(?:[01]\.){28}")
 
@@ -64,6 +63,13 @@ def whole_seconds(countdown: Any) -> Any:
     if isinstance(countdown, int | float) and countdown > 0:
         return math.ceil(countdown)
     return countdown
+
+
+def publish_retry(seconds: float) -> dict[str, Any]:
+    """kombu's retry policy for a publish that keeps trying for about ``seconds``
+    (``broker_publish_retry_seconds``): RabbitMQ elects a new quorum-queue leader within a second on
+    a quiet machine, and took longer than ten seconds under load (the publish then timed out)."""
+    return {"max_retries": 1 + math.ceil(seconds / PUBLISH_RETRY["interval_max"]), **PUBLISH_RETRY}
 
 
 def is_amqp(url: str) -> bool:
@@ -135,7 +141,7 @@ def celery_options(settings: Settings, url: str) -> dict[str, Any]:
         return {"broker_transport_options": {"visibility_timeout": settings.visibility_timeout}}
     return {
         "broker_transport_options": {"confirm_publish": True},
-        "task_publish_retry_policy": dict(PUBLISH_RETRY),
+        "task_publish_retry_policy": publish_retry(settings.broker_publish_retry_seconds),
         "task_queues": quorum_queues(settings),
         "task_create_missing_queues": False,
         "task_default_exchange": EXCHANGE,

@@ -50,7 +50,10 @@ worker_max_memory_per_child = _settings.worker_max_memory_per_child_kb
 
 task_acks_late = True
 task_reject_on_worker_lost = True
-task_acks_on_failure_or_timeout = True
+# A task that raised or timed out is acknowledged: its outcome is in the ledger (Celery 5.7 splits
+# the older task_acks_on_failure_or_timeout in two)
+task_acks_on_failure = True
+task_acks_on_timeout = True
 worker_prefetch_multiplier = 1
 # When the broker connection drops (a broker restart), a task mid-call goes on and records its
 # result; its message, which can no longer be acknowledged, comes back and is suppressed by the

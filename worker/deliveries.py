@@ -12,7 +12,10 @@ redeliveries only, before the pool sees them, and a first delivery costs the dat
   result, a retry, a recorded refusal or abandonment);
 - a count that keeps growing unsettled means the message ends its worker process every time (a
   crash, a kill, an out-of-memory): after ``max_unsettled_deliveries`` it is moved to the
-  ``dead_letter`` queue with a ledger record instead of being handed to a pool process again.
+  ``dead_letter`` queue with a ledger record instead of being handed to a pool process again;
+- a delivery whose process was killed from outside (``worker/lost_delivery.py``: SIGKILL or
+  SIGTERM with no out-of-memory kill on the node) is recorded as *excused* before the requeue and
+  not counted, up to ``max_excused_deliveries`` per message.
 
 A Celery retry is a new message under the same task id: its first delivery is not redelivered, so
 an earlier count of that id that was settled undercounts the retry's first unrecorded crash by one
@@ -33,7 +36,7 @@ INSERT INTO message_deliveries AS d (message_key, task_name, action_id, deliveri
 VALUES (%(key)s, %(task)s, %(action)s, %(first)s, %(first)s)
 ON CONFLICT (message_key) DO UPDATE SET deliveries = d.deliveries + 1, unsettled = d.unsettled + 1,
     last_at = clock_timestamp(), action_id = COALESCE(d.action_id, EXCLUDED.action_id)
-RETURNING deliveries, unsettled, last_error, dead_lettered_at
+RETURNING deliveries, unsettled, excused, last_error, dead_lettered_at
 """
 
 SETTLE_SQL = """
@@ -44,6 +47,17 @@ WHERE message_key = %(key)s
 
 ERROR_SQL = """
 UPDATE message_deliveries SET last_error = %(error)s, last_at = clock_timestamp() WHERE message_key = %(key)s
+"""
+
+#: A delivery lost to an outside kill: recorded, not counted as unsettled. A first delivery (no row
+#: yet) leaves a row of one excused delivery, so its redelivery counts one, not two.
+EXCUSE_SQL = """
+INSERT INTO message_deliveries AS d (message_key, task_name, action_id, deliveries, unsettled, excused, last_outcome)
+VALUES (%(key)s, %(task)s, %(action)s, 1, 0, 1, 'killed_from_outside')
+ON CONFLICT (message_key) DO UPDATE SET unsettled = GREATEST(d.unsettled - 1, 0), excused = d.excused + 1,
+    last_outcome = 'killed_from_outside', last_at = clock_timestamp()
+WHERE d.excused < %(cap)s AND d.dead_lettered_at IS NULL
+RETURNING deliveries, unsettled, excused
 """
 
 DEAD_SQL = """
@@ -75,6 +89,19 @@ def count(conn: Any, key: str, task_name: str, action_id: str | None, *, unrecor
         cur.execute(COUNT_SQL, {"key": key, "task": safe_str(task_name, 200), "first": 2 if unrecorded_before else 1,
                                 "action": safe_str(action_id, 200) if action_id else None})
         return dict(cur.fetchone())
+
+
+def excuse(conn: Any, key: str, task_name: str, action_id: str | None, cap: int) -> dict[str, Any] | None:
+    """Record one delivery of ``key`` as lost to an outside kill, so that it is not counted against
+    the message; None when the message already has ``cap`` excused deliveries (or was
+    dead-lettered): that death then counts like any other."""
+    if cap <= 0:
+        return None
+    with conn.cursor() as cur:
+        cur.execute(EXCUSE_SQL, {"key": key, "task": safe_str(task_name, 200), "cap": cap,
+                                 "action": safe_str(action_id, 200) if action_id else None})
+        row = cur.fetchone()
+        return dict(row) if row else None
 
 
 def settle(conn: Any, key: str, outcome: str, error: str | None = None) -> None:

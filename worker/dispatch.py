@@ -23,6 +23,7 @@ from proofline.settings import get_settings
 from proofline.shards import BASE_QUEUE, REDIS_PRIORITY_SUFFIXES, VERIFY_QUEUE, queue_for_tenant
 from worker import wire
 from worker.broker import whole_seconds
+from worker.queue_depth import amqp_ready
 
 _ACTION_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 #: The header every Proofline task message carries: when it was sent (epoch seconds).
@@ -92,6 +93,8 @@ class Dispatch(Protocol):
 
     def oldest_waiting(self, queues: list[str]) -> dict[str, float]: ...
 
+    def ready_counts(self, queues: list[str]) -> dict[str, int]: ...
+
     def settled(self, conn: Any, actor: str, action_id: str, **known: Any) -> None: ...
 
 
@@ -158,6 +161,16 @@ class CeleryDispatch:
     def revoke(self, task_id: str) -> None:
         self.app.control.revoke(task_id)
 
+    def ready_counts(self, queues: list[str]) -> dict[str, int]:
+        """Ready messages in each queue on an AMQP broker, read without taking any (a passive
+        declare); ``{}`` on any other broker (Redis is looked into by :meth:`oldest_waiting`).
+        Raises when the broker cannot be reached."""
+        with self.app.connection_for_read() as conn:
+            if conn.transport.driver_type != "amqp":  # known from the URL, before any connection
+                return {}
+            conn.ensure_connection(max_retries=1, timeout=5)
+            return amqp_ready(conn, queues)
+
     def oldest_waiting(self, queues: list[str]) -> dict[str, float]:
         """The send time (``proofline_sent_at``) of the oldest message waiting in each queue, where
         the broker lets us look without taking it: the tail of a Redis list (kombu pushes on the
@@ -165,9 +178,11 @@ class CeleryDispatch:
         empty, on another broker, or whose oldest message carries no send time is left out.
         Raises when the broker cannot be reached (``recovery/backlog.py`` decides what that means)."""
         with self.app.connection_for_read() as conn:
+            if conn.transport.driver_type != "redis":  # known from the URL, before any connection
+                return {}
             conn.ensure_connection(max_retries=1, timeout=5)
             client = getattr(conn.default_channel, "client", None)
-            if conn.transport.driver_type != "redis" or client is None:
+            if client is None:
                 return {}
             with client.pipeline(transaction=False) as pipe:
                 for queue in queues:

@@ -73,6 +73,7 @@ from worker.preflight import (
     read_target,
 )
 from worker.record_call import FirstRead, result_evidence, write_result_txn
+from worker.refused_claim import refused_after_claim_txn
 from worker.results import result_limit
 from worker.revalidation_reads import StoredAt, check_recovery_parent, recovery_tool_hashes
 from worker.runtime import Runtime
@@ -480,10 +481,21 @@ def _close_before_effect(rt: Runtime, envelope: Envelope, red: Redactor, events:
                          reason: str, outcome: Outcome, dispatch: Dispatch,
                          status: ActionStatus = ActionStatus.closed) -> dict[str, Any]:
     with store.transaction(rt.conn) as cur:
-        store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
-                             outcome=outcome, reason_code=reason, events=[*events, (event, evidence)],
-                             actor=rt.settings.worker_id, redactor=red)
-    _unlock_now(rt, envelope)
+        cur.execute("SELECT status FROM actions WHERE action_id = %s", (envelope.action_id,))
+        row = cur.fetchone()
+        claimed = row is not None and row["status"] == ActionStatus.executing
+        if claimed:  # an earlier delivery claimed it: worker/refused_claim.py
+            status, outcome, reason = refused_after_claim_txn(rt, cur, envelope, red, [*events, (event, evidence)],
+                                                              reason)
+        else:
+            store.transition_txn(cur, envelope.action_id, [ActionStatus.published], status,
+                                 outcome=outcome, reason_code=reason, events=[*events, (event, evidence)],
+                                 actor=rt.settings.worker_id, redactor=red)
+    if claimed and status == ActionStatus.verifying:  # committed, locks released with it
+        dispatch.verify(envelope.action_id, envelope.tenant)
+        return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
+    if not claimed:
+        _unlock_now(rt, envelope)
     closed_hook(rt, envelope, status, outcome, dispatch)
     return TaskSummary(status.value, reason, envelope.action_id, outcome.value).as_dict()
 

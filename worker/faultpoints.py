@@ -9,8 +9,9 @@ production configuration can turn them on by accident:
     PROOFLINE_FAULT_POINTS_ENABLED=true
     PROOFLINE_FAULT_POINTS_FILE=/path/to/points.json   # {"after_send": {"remaining": 1, "action": "kill"}}
 
-Actions: ``kill`` (SIGKILL), ``stop`` (sleep ``seconds``: a frozen process), ``raise`` (an
-unforeseen exception, as a defect would raise: the task's error path, logs and Sentry run) and
+Actions: ``kill`` (SIGKILL: an outside kill), ``crash`` (SIGSEGV: a native crash), ``stop``
+(sleep ``seconds``: a frozen process), ``raise`` (an unforeseen exception, as a defect would
+raise: the task's error path, logs and Sentry run) and
 ``hold`` (wait at the point until the test calls :func:`release`, at most ``seconds``: a slow
 stage whose length the test decides by a condition, not by a sleep; heartbeats keep running).
 
@@ -33,7 +34,7 @@ POINTS = ("on_delivery", "before_send", "after_task_created", "after_send", "aft
           "during_sweep",
           "before_count", "before_dead_letter_record",
           "before_dead_letter_move")
-ACTIONS = ("kill", "stop", "raise", "hold")
+ACTIONS = ("kill", "crash", "stop", "raise", "hold")
 #: How often a held point looks at the file for its release.
 HOLD_POLL_SECONDS = 0.02
 
@@ -75,6 +76,9 @@ def hit(point: str, action_id: str | None = None) -> None:
     action = spec.get("action", "kill")
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "crash":  # what a native crash leaves: an end by SIGSEGV, never an outside kill
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGSEGV)
     elif action == "raise":
         raise FaultPointRaised(f"fault point {point} raised")
     elif action == "hold":

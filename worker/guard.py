@@ -25,7 +25,9 @@ from ledger import store
 from ledger.refusals import record
 from proofline.bounded import safe_repr, safe_str
 from proofline.settings import get_settings, reveal
-from worker import deliveries, faultpoints, wire
+from worker import deliveries, faultpoints, queue_marks, wire
+from worker.broker import is_amqp, queue_of
+from worker.dispatch import SENT_AT
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +151,15 @@ class GuardedConsumer(Consumer):
     def create_task_handler(self, promise: Any = None) -> Any:
         inner = super().create_task_handler() if promise is None else super().create_task_handler(promise)
         worker_id = get_settings().worker_id
+        # Where a queue cannot be looked into (AMQP), how far it was taken tells a backlog from a loss.
+        marks = queue_marks.Marks(worker_id, _main.run) if is_amqp(reveal(get_settings().broker_url)) else None
 
         def on_task_received(message: Any) -> None:
             try:
                 if self._admit(message, worker_id):
+                    if marks is not None:
+                        marks.taken(queue_of(message.delivery_info.get("routing_key")),
+                                    message.headers.get(SENT_AT))
                     return inner(message)
             except Exception as exc:  # noqa: BLE001 - no message may end the consumer
                 refuse_message(message, "message_malformed", f"message could not be processed: "
@@ -222,7 +229,8 @@ class GuardedConsumer(Consumer):
             log.error("dead-letter publish failed", extra={"event": "dead_letter_failed", "error": type(exc).__name__})
         action_id = deliveries.claimed_action_id(payload)
         evidence = {"reason_code": "dead_lettered", "message_key": key, "deliveries": counts["deliveries"],
-                    "unsettled": counts["unsettled"], "last_error": counts.get("last_error"),
+                    "unsettled": counts["unsettled"],
+                    "excused": counts.get("excused", 0), "last_error": counts.get("last_error"),
                     "queue": deliveries.DEAD_LETTER_QUEUE if moved else None,
                     "message_digest": wire.digest(body), "task": message.headers.get("task"),
                     "claimed": {"action_id": action_id} if action_id else {}, "by": "consumer"}

@@ -47,8 +47,11 @@ def _misfit(fn: Any, args: tuple, kwargs: dict) -> str | None:
 
 class GuardedTask(Task):
     abstract = True
-    #: Success events carry the action's outcome as the task's state (worker/task_request.py).
-    Request = "worker.task_request:OutcomeRequest"
+    #: Success events carry the action's outcome as the task's state (worker/task_request.py), and
+    #: a delivery whose pool process was killed from outside is not counted against its message by
+    #: the guard (worker/lost_delivery.py). One request class for every task: a task option would
+    #: replace it, not add to it.
+    Request = "worker.lost_delivery:GuardedRequest"
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         # Every publication shows the action id and a digest, never the envelope: Celery's own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -15,6 +16,7 @@ from proofline.telemetry.logs import install as install_log_format
 from proofline.telemetry.metrics import sweep_finished
 from recovery.settle import after_settle
 from worker import heap as _heap  # noqa: F401 - freezes the start-up heap of each worker process
+from worker import host_process, preload
 from worker import node as _node  # noqa: F401 - hands the node name down to the pool processes
 from worker.dead_letters import DeadLetterRecorder
 from worker.dispatch import CeleryDispatch
@@ -24,7 +26,7 @@ from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
 from worker.sandbox_probe import bwrap_problem
 from worker.sandbox_reader import reap_orphans
-from worker.servers import check_sandbox_policy, sandboxed_identities
+from worker.servers import check_sandbox_policy, load_servers, sandboxed_identities
 from worker.summary import task_line, with_outcome
 from worker.task_base import GuardedTask
 from worker.telemetry import install as install_telemetry
@@ -111,6 +113,35 @@ def _check_sandboxes(**_: Any) -> None:
     for identity, reason in reasons.items():
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "identity": identity,
                                                             "reason": reason})
+
+
+@signals.worker_init.connect
+def _preload(**_: Any) -> None:
+    """Warm what every pool process would otherwise load on its first action (worker/preload.py)."""
+    settings = get_settings()
+    preload.modules()
+    preload.configuration(settings.contracts_dir, settings.servers_file)
+    gc.freeze()  # what was just loaded joins the frozen start-up heap (worker/heap.py)
+
+
+@signals.worker_init.connect
+def _start_session_host(**_: Any) -> None:
+    """Start the node's session host before the pool forks (worker/session_host.py), when a stdio
+    server is configured and ``stdio_session_host`` is on."""
+    settings = get_settings()
+    if not settings.stdio_session_host:
+        return
+    try:
+        servers = load_servers(settings.servers_file)
+    except ProoflineError:
+        return  # refused elsewhere, with the file's own message
+    if any(e.transport == "stdio" for s in servers.values() for e in (s.write, s.read)):
+        host_process.start(settings.stdio_session_spares)
+
+
+@signals.worker_shutdown.connect
+def _stop_session_host(**_: Any) -> None:
+    host_process.stop()
 
 
 #: Worker and recovery are wired together here, and only here: a settled action's follow-ups.

@@ -22,12 +22,13 @@ def broker_send(action_id: str, send):
     """Run a send to the broker; a broker that is away leaves the recorded change in place."""
     from kombu.exceptions import OperationalError
 
+    from proofline.controller import broker_error
     from proofline.errors import BrokerUnavailable
 
     try:
         return send()
     except OperationalError as exc:
-        raise BrokerUnavailable(f"the broker is unreachable ({exc}); {action_id} is recorded and the "
+        raise BrokerUnavailable(f"the broker is unreachable ({broker_error(exc)}); {action_id} is recorded and the "
                                 "reconciler sends it once the broker is back", action_id=action_id) from None
 
 

@@ -27,11 +27,8 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
             approval_files) -> None:
     """Build, sign and publish one envelope onto the actions queue. The controller's signature
     requests the action; approvals come from approvers (``--approval``) or the authority policy."""
-    from kombu.exceptions import OperationalError
-
     from proofline.controller import fresh_ids, prepare
     from proofline.controller import publish as do_publish
-    from proofline.errors import BrokerUnavailable
     from proofline.keys import check_process_keys
     from proofline.telemetry import tracing
     from worker.tasks import app
@@ -56,11 +53,8 @@ def publish(action_type, tenant, target_json, args_json, run_id, action_id, requ
     tracing.setup("proofline-controller", s.environment, s.release)
     try:
         with connect("controller") as conn:
-            try:
-                result = do_publish(s, conn, app, envelope)
-            except OperationalError as exc:
-                raise BrokerUnavailable(f"{action_id} is recorded as published but the broker is unreachable ({exc}); "
-                                        "the reconciler sends it once the broker is back", action_id=action_id) from None
+            # A broker that does not take the message raises broker_unavailable (exit 5); the record stays.
+            result = do_publish(s, conn, app, envelope)
     finally:
         tracing.shutdown()  # exports the spans before the process exits
     emit(result, f"published {result['action_id']} (task {result['task_id']})" if not result["republished"]

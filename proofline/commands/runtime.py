@@ -52,6 +52,7 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
     from proofline.keys import check_process_keys
     from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
+    from worker.in_flight import HeldMessages
 
     refuse_json("worker")
     warnings = refuse_bad_setup(settings(), role)
@@ -65,7 +66,13 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
     argv = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "-Q",
             queues or role_queues(role, settings().tenant_shards),
             "-c", str(concurrency or settings().worker_concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
-    sys.exit(supervise(argv))
+    # What a run held when it was killed or stopped is excused, not counted against the messages.
+    held = HeldMessages(settings())
+    try:
+        code = supervise(argv, hooks=held)
+    finally:
+        held.close()
+    sys.exit(code)
 
 
 @click.command()

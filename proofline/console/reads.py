@@ -30,6 +30,7 @@ STAGES = {
     "handed_to_recovery": "settled", "escalated_state": "settled", "authority_budget_checked": "validate",
     "plan_confirmed": "preconditions", "evidence_read": "verify", "evidence_signed": "verify",
     "operation_record_expired": "verify", "verification_superseded": "verify", "sandbox_violation": "call",
+    "sandbox_audit_overflow": "call",
     "stale_write_refused": "call", "redelivery_ignored": "claim", "redelivery_reenqueued_verification": "claim",
     "oauth_token_refreshed": "call", "oauth_token_rejected": "call", "token_exchanged": "call",
 }

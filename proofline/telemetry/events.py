@@ -168,6 +168,8 @@ COUNTERS: tuple[EventCounter, ...] = (
     EventCounter("containments", "Kill switches set by recovery for a tool and tenant", ("contained",)),
     EventCounter("sandbox_violations", "Sandbox limits that ended a tool server during a call",
                  ("sandbox_violation",)),
+    EventCounter("sandbox_audit_overflows", "Sandbox audits that lost or left unread lines of a server's "
+                 "denied syscalls, by why", ("sandbox_audit_overflow",), (Path("reason", ("reason",)),)),
     EventCounter("refusals", "Messages, publications and re-drives refused, by reason",
                  ("envelope_refused", "publish_refused", "redrive_refused", "recovery_refused"),
                  (Path("event", ("@event",)), REASON)),

@@ -185,20 +185,13 @@ class LedgerCollector:
 
     def _amqp_lengths(self) -> list[int]:
         """Ready messages per queue (a passive declare); a queue no worker declared yet holds none."""
-        from amqp.exceptions import NotFound
         from kombu import Connection
 
-        lengths = []
+        from worker.queue_depth import amqp_ready
+
         with Connection(self.broker_url, connect_timeout=5) as conn:
-            for queue in self.queues:
-                channel = conn.channel()  # a 404 closes the channel, so one per queue
-                try:
-                    lengths.append(int(channel.queue_declare(queue, passive=True).message_count))
-                except NotFound:
-                    lengths.append(0)
-                finally:
-                    channel.close()
-        return lengths
+            ready = amqp_ready(conn, self.queues)
+        return [ready[queue] for queue in self.queues]
 
 
 def _histogram(name: str, doc: str, values: list[float], buckets: tuple[float, ...]) -> HistogramMetricFamily:

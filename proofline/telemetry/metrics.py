@@ -39,6 +39,11 @@ TOOL_CALL_SECONDS = Histogram(PREFIX + "tool_call_seconds", "MCP tool call durat
                               ("action_type", "outcome"), buckets=_LATENCY)
 TASK_CPU_SECONDS = Counter(PREFIX + "task_cpu_seconds", "CPU seconds spent in Proofline tasks", ("task",))
 TASKS = Counter(PREFIX + "tasks", "Proofline tasks run, by task", ("task",))
+#: Counted in the worker's main process, which sees its pool processes die (worker/lost_delivery.py).
+DELIVERIES_LOST = Counter(PREFIX + "deliveries_lost", "Deliveries whose pool process died under them, by task and "
+                          "by how the message guard took the death: excused (killed from outside), counted (a "
+                          "crash, an exit, an out-of-memory kill), spent (an outside kill past the message's "
+                          "excuses), unrecorded (the excuse could not be written)", ("task", "taken"))
 RECONCILER_SWEEPS = Counter(PREFIX + "reconciler_sweeps", "Reconciler sweeps finished")
 RECONCILER_LAST_SWEEP = Gauge(PREFIX + "reconciler_last_sweep_timestamp_seconds", "When a reconciler sweep last "
                               "finished (Unix time)", multiprocess_mode="max")

@@ -4,16 +4,19 @@ on RabbitMQ, the quorum queue's own delivery limit behind it. Either way the mes
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from kombu import Connection
 
 from ledger.states import ActionStatus, Outcome
 from tests.conftest import BROKERS, Stack, build_stack, start_workers, teardown_stack, wait_for
-from tests.containment.helpers import worker_log
+from tests.containment.helpers import celery_main_pid, worker_log, worker_starts
 from tests.helpers import ticket_env
 from worker import faultpoints
 from worker.broker import INBOX
@@ -45,14 +48,14 @@ def dead_letter_records(stack: Stack, action_id: str) -> list[dict[str, Any]]:
 
 
 def poison(stack: Stack, *points: str) -> tuple[Any, list[dict[str, Any]]]:
-    """Publish an action whose every delivery kills its pool process (plus ``points``), and wait for
+    """Publish an action whose every delivery crashes its pool process (SIGSEGV; plus ``points``), and wait for
     its dead-letter records; then let deliveries live again.
 
     The action stays ``published`` while its message dies, so the reconciler may re-send it; each
     message whose deliveries all die is dead-lettered on its own. So there is one record per
     message, never two for one message, and each message a record names is in ``dead_letter``."""
     for point in ("on_delivery", *points):
-        faultpoints.arm(stack.faultpoints, point, remaining=1000, action="raise" if point == "before_count" else "kill")
+        faultpoints.arm(stack.faultpoints, point, remaining=1000, action="raise" if point == "before_count" else "crash")
     try:
         env = ticket_env(stack)
         stack.publish(env)
@@ -78,6 +81,103 @@ def test_the_guard_dead_letters_first_on_either_broker(stack: Stack) -> None:
     row = stack.wait_settled(env.action_id, timeout=90)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
     assert stack.effects(env.idempotency_key) == 1
+
+
+def test_a_process_killed_from_outside_is_not_counted_against_its_message(stack: Stack) -> None:
+    """The pool process is SIGKILLed as its delivery starts, more times than the guard's limit
+    (an operator or a chaos tool would do the same from outside): each death is excused, not
+    counted, so the message is never dead-lettered and the action completes once, without waiting
+    for the reconciler. Its crashing counterpart (SIGSEGV) is :func:`poison`."""
+    kills = GUARD_LIMIT + 1
+    env = ticket_env(stack)
+    before = faultpoints.fired(stack.faultpoints, "on_delivery")
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=kills, action="kill")
+    try:
+        stack.publish(env)
+        row = stack.wait_settled(env.action_id, timeout=50)  # under the reconciler's 60 s re-send
+    finally:
+        faultpoints.arm(stack.faultpoints, "on_delivery", remaining=0)
+    assert faultpoints.fired(stack.faultpoints, "on_delivery") - before == kills
+    assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+    assert stack.effects(env.idempotency_key) == 1
+    assert dead_letter_records(stack, env.action_id) == []
+
+    def rows() -> list[dict[str, Any]]:
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT excused, unsettled, dead_lettered_at FROM message_deliveries WHERE action_id = %s",
+                        (env.action_id,))
+            return cur.fetchall()
+
+    # Every death excused, on whichever of the action's messages (its task and a re-send) it hit. The
+    # last kill may have hit the other message while this one completed, and Celery can take up to
+    # its pool-maintenance interval (5 s) to notice a process that died as it started: wait for it.
+    def all_excused() -> list[dict[str, Any]] | None:
+        now = rows()
+        return now if sum(r["excused"] for r in now) >= kills else None
+
+    seen = wait_for(all_excused, 30, what=f"{kills} excused deliveries")
+    assert sum(r["excused"] for r in seen) == kills and all(r["dead_lettered_at"] is None for r in seen), seen
+    assert "delivery lost to an outside kill" in worker_log(stack)
+
+
+def kill_worker_tree(stack: Stack) -> int:
+    """SIGKILL of everything under the first worker's supervisor (Celery's main process, its pool,
+    their servers), as a container runtime or ``kill -9`` of the process group does; returns the
+    main process's pid. The supervisor (``proofline worker``) lives on and starts the next run."""
+    main = psutil.Process(celery_main_pid(stack))
+    tree = [main, *main.children(recursive=True)]
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(tree, timeout=15)
+    return main.pid
+
+
+# RabbitMQ only: Redis hands a dead consumer's messages back after its visibility timeout (hours).
+@pytest.mark.parametrize("stack", ["rabbitmq"], indirect=True)
+def test_a_worker_killed_from_outside_is_not_counted_against_what_it_held(stack: Stack) -> None:
+    """The whole worker (Celery's main process and its pool) is SIGKILLed while its message is held
+    at the start of its delivery, more times than the guard's limit. RabbitMQ hands the message back
+    at once, redelivered, and the guard would count each time; the supervisor excuses what the
+    killed run held before it starts the next, so the message is never dead-lettered and the action
+    completes once."""
+    kills = GUARD_LIMIT + 1
+    env = ticket_env(stack)
+    starts = worker_starts(stack)
+    # Every delivery is held until the last run is killed: each run killed holds the action's message
+    # (or a re-send of it, or both: a run may hold two, so runs are counted, not holds).
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="hold", seconds=120)
+    try:
+        held_before = faultpoints.fired(stack.faultpoints, "on_delivery")
+        stack.publish(env)
+        for run in range(1, kills + 1):
+            wait_for(lambda held_before=held_before: faultpoints.fired(stack.faultpoints, "on_delivery") > held_before,
+                     120, what=f"a delivery held in run {run}")
+            # A run shorter than the supervisor's early-exit bound (5 s) would read as bad setup.
+            main = psutil.Process(celery_main_pid(stack))
+            time.sleep(max(0.0, 6.0 - (time.time() - main.create_time())))
+            kill_worker_tree(stack)
+            if run == kills:  # before the next run starts (the supervisor waits a second at least)
+                faultpoints.release(stack.faultpoints, "on_delivery")  # its deliveries go through
+            held_before = faultpoints.fired(stack.faultpoints, "on_delivery")  # its pool is gone: no more holds
+            wait_for(lambda run=run: worker_starts(stack) >= starts + run, 90, what=f"run {run + 1} started")
+        row = stack.wait_settled(env.action_id, timeout=120)
+        assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
+        assert stack.effects(env.idempotency_key) == 1
+        assert dead_letter_records(stack, env.action_id) == []
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT excused, dead_lettered_at FROM message_deliveries WHERE action_id = %s",
+                        (env.action_id,))
+            rows = cur.fetchall()
+        # Each killed run held the action's message (and maybe a re-send of it): one excuse per run at least.
+        assert sum(r["excused"] for r in rows) >= kills and all(r["dead_lettered_at"] is None for r in rows), rows
+        assert worker_log(stack).count("held when it ended") >= kills
+    except AssertionError as exc:  # what the supervisor and the runs said, for a failure in CI
+        lines = [line for line in worker_log(stack).splitlines() if "proofline:" in line or "excuse" in line
+                 or "dead-letter" in line or "ERROR" in line]
+        raise AssertionError(f"{exc}\n" + "\n".join(lines[-40:])) from None
+    finally:
+        faultpoints.release(stack.faultpoints, "on_delivery")
 
 
 @pytest.mark.parametrize("stack", ["rabbitmq"], indirect=True)  # Redis has no delivery limit

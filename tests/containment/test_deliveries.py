@@ -65,3 +65,27 @@ def test_only_a_literal_redelivered_flag_counts() -> None:
     assert deliveries.redelivered({"redelivered": True})
     assert not any(deliveries.redelivered(info) for info in (None, {}, {"redelivered": "yes"}, {"redelivered": 1},
                                                              ["redelivered"]))
+
+
+def test_an_outside_kill_is_excused_up_to_the_cap(conn: psycopg.Connection) -> None:
+    """A first delivery killed from outside leaves one excused delivery, so its redelivery counts
+    one; each later outside kill takes one off the unsettled count, until the cap; then the death
+    counts (nothing returned) and the guard sees it."""
+    key = deliveries.message_key("task-killed", None)
+    first = deliveries.excuse(conn, key, "proofline.execute", "act-3", cap=2)
+    assert first is not None and (first["deliveries"], first["unsettled"], first["excused"]) == (1, 0, 1)
+    assert deliveries.count(conn, key, "proofline.execute", "act-3", unrecorded_before=True)["unsettled"] == 1
+    second = deliveries.excuse(conn, key, "proofline.execute", "act-3", cap=2)
+    assert second is not None and (second["unsettled"], second["excused"]) == (0, 2)
+    assert deliveries.count(conn, key, "proofline.execute", "act-3", unrecorded_before=True)["unsettled"] == 1
+    assert deliveries.excuse(conn, key, "proofline.execute", "act-3", cap=2) is None
+    after = deliveries.count(conn, key, "proofline.execute", "act-3", unrecorded_before=True)
+    assert (after["deliveries"], after["unsettled"], after["excused"]) == (4, 2, 2)
+    assert deliveries.excuse(conn, deliveries.message_key("task-none", None), "proofline.execute", None, cap=0) is None
+
+
+def test_a_dead_lettered_message_is_never_excused(conn: psycopg.Connection) -> None:
+    key = deliveries.message_key("task-dead", None)
+    deliveries.count(conn, key, "proofline.execute", None, unrecorded_before=True)
+    deliveries.mark_dead(conn, key)
+    assert deliveries.excuse(conn, key, "proofline.execute", None, cap=20) is None

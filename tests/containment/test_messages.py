@@ -145,11 +145,11 @@ def test_lone_surrogates_and_nul_are_refused_with_a_writable_record(stack: Stack
     assert wait_refusal(stack, push(stack, huge))["reason_code"] == "message_undecodable"
 
 
-def test_a_message_that_kills_its_process_is_dead_lettered_then_expired(stack: Stack) -> None:
+def test_a_message_that_crashes_its_process_is_dead_lettered_then_expired(stack: Stack) -> None:
     """Each delivery ends its pool process; after three, the consumer moves it to ``dead_letter``
     with a record. The reconciler's re-sends die the same way until the deadline passes, and then
     the action is closed with the evidence of what was tried, never left published."""
-    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000)
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="crash")
     try:
         env = ticket_env(stack, deadline_in=timedelta(seconds=12))
         published = stack.publish(env)

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import SecretStr
 
 from ledger.states import ActionStatus, Outcome
 from proofline import Client
-from proofline.errors import ArgumentsInvalid, MalformedEnvelope, UnknownTool, WaitTimedOut
+from proofline.errors import ArgumentsInvalid, BrokerUnavailable, MalformedEnvelope, UnknownTool, WaitTimedOut
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
-from tests.conftest import Stack, wait_for
+from tests.conftest import Stack, free_port, wait_for
 from worker.dispatch import CeleryDispatch
 
 
@@ -219,6 +220,19 @@ def test_a_bad_action_id_is_a_proofline_error_not_pydantic_s(stack: Stack, clien
         ticket(client, action_id="two words")
     assert raised.value.code == "envelope_malformed" and raised.value.context["field"] == "action_id"
     assert stack.action("two words") is None
+
+
+def test_a_broker_that_does_not_take_the_message_is_a_proofline_error(stack: Stack, pins: Path) -> None:
+    """Recorded, then not sent: ``broker_unavailable`` (retryable) naming the action, never kombu's
+    own error; the record stays and the stack's reconciler sends the action from the ledger."""
+    away = stack.settings.model_copy(update={"pins_file": pins,
+                                             "broker_url": SecretStr(f"redis://127.0.0.1:{free_port()}/0")})
+    with Client(away, database_url=stack.urls["controller"]) as c, pytest.raises(BrokerUnavailable) as raised:
+        ticket(c, action_id=(action_id := f"sdk-away-{uuid.uuid4().hex[:8]}"))
+    assert raised.value.code == "broker_unavailable" and raised.value.retryable
+    assert action_id in str(raised.value) and "recorded as published" in str(raised.value)
+    row = stack.wait_settled(action_id, timeout=90)
+    assert row.outcome == Outcome.completed_verified and "redriven" in stack.events(action_id)
 
 
 def test_a_misspelled_read_tool_or_recovery_fails_pin_and_check(stack: Stack, pins: Path, tmp_path: Path) -> None:

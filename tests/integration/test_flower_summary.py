@@ -39,7 +39,9 @@ from tests.integration.cli_run import environment
 @pytest.fixture(scope="module")
 def flower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
     tmp = tmp_path_factory.mktemp("flower")
-    stack = build_stack("stdio", tmp, extra_env={"PROOFLINE_TASK_EVENTS": "true"})
+    # A late re-drive age: the dropped response holds the first delivery 4 s, past the usual 3 s, and
+    # a re-drive meanwhile is a second execute task (ignored, lease busy) the assertions would count.
+    stack = build_stack("stdio", tmp, extra_env={"PROOFLINE_TASK_EVENTS": "true", "PROOFLINE_REDRIVE_AFTER_SECONDS": "600"})
     proc = None
     try:
         start_workers(stack)

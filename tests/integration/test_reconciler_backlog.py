@@ -5,20 +5,25 @@ checks the sweep's decision, not the transitions before it). A real message wait
 execute shard on a real Redis; nothing consumes it. Everything sent before it was taken already,
 so an action last sent before that message is lost and re-driven; one sent after it may still wait
 behind it and is left alone, until the shard drains. RabbitMQ cannot be looked into without taking
-a message, and a broker that cannot be reached tells nothing: there, nothing is left alone.
+a message: there the consumers' marks of how far they took each queue stand in for the oldest
+waiting message, for a queue that still holds ready messages. A broker that cannot be reached tells
+nothing: there, nothing is left alone.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+import pytest
 from celery import Celery
 
 from ledger import store
 from proofline.shards import queue_for_tenant
 from recovery.reconciler import take
 from tests.conftest import create_database, drop_database, free_port
+from worker import queue_marks
 from worker.dispatch import SENT_AT, CeleryDispatch, _sent_at
 
 SHARDS = 8
@@ -45,7 +50,7 @@ def plant(admin: str, **ages: tuple[str, float]) -> None:
 def sweep(admin: str, dispatch: CeleryDispatch) -> tuple[set[str], int]:
     with store.connect(admin) as conn, store.transaction(conn) as cur:
         taken = take(cur, "sweeper", stale_seconds=1.0, verify_stale_seconds=180.0, oldest=dispatch.oldest_waiting,
-                     backlog_max_seconds=900.0, shards=SHARDS)
+                     ready=dispatch.ready_counts, backlog_max_seconds=900.0, shards=SHARDS)
     return {row["action_id"] for row, _ in taken.redrives}, taken.counts["redrives_deferred_backlog"]
 
 
@@ -59,27 +64,47 @@ def test_a_message_behind_the_backlog_is_left_alone_and_a_lost_one_re_driven(bro
     admin, _ = create_database("pl_backlog")
     app = Celery(broker=broker_url)
     dispatch = CeleryDispatch(app, tenant_shards=SHARDS)
-    busy_queue = queue_for_tenant(BUSY, SHARDS)
+    busy_queue, quiet_queue = queue_for_tenant(BUSY, SHARDS), queue_for_tenant(QUIET, SHARDS)
+    on_redis = broker_url.startswith("redis")
     try:
         plant(admin, **{"lost-before": (BUSY, 60), "too-old": (BUSY, 7200), "lost-elsewhere": (QUIET, 60)})
+        taken_up_to = time.time()
         # Someone else's message now waits at the head of the busy shard; nothing consumes it.
         app.send_task("proofline.execute", args=[{}], queue=busy_queue)
+        if not on_redis:
+            # AMQP cannot be looked into without taking: what consumers took says how far each queue
+            # was drained, as worker/queue_marks.py writes it (the quiet shard was drained entirely).
+            with store.connect(admin) as conn:
+                queue_marks.write(conn, "w-test", {busy_queue: taken_up_to, quiet_queue: taken_up_to})
         plant(admin, **{f"behind-{i}": (BUSY, 0) for i in range(3)})  # published after it was sent
-        on_redis = broker_url.startswith("redis")
+        plant(admin, **{"late-elsewhere": (QUIET, 0)})  # published after the mark, on an empty shard: lost
         if on_redis:
-            assert set(dispatch.oldest_waiting([busy_queue, queue_for_tenant(QUIET, SHARDS)])) == {busy_queue}
+            assert set(dispatch.oldest_waiting([busy_queue, quiet_queue])) == {busy_queue}
+        else:
+            assert dispatch.ready_counts([busy_queue, quiet_queue]) == {busy_queue: 1, quiet_queue: 0}
         first, deferred = sweep(admin, dispatch)
-        if not on_redis:  # AMQP cannot be looked into without taking: re-driven as without the check
-            assert (first, deferred) == ({"lost-before", "too-old", "lost-elsewhere", "behind-0", "behind-1",
-                                          "behind-2"}, 0)
-            return
-        assert (first, deferred) == ({"lost-before", "too-old", "lost-elsewhere"}, 3)
-        assert redriven_events(admin) == ["lost-before", "lost-elsewhere", "too-old"]
+        assert (first, deferred) == ({"lost-before", "too-old", "lost-elsewhere", "late-elsewhere"}, 3)
+        assert redriven_events(admin) == ["late-elsewhere", "lost-before", "lost-elsewhere", "too-old"]
         # The shard drains (here: purged, as if a worker took the message): the three were lost too.
         with app.connection_for_write() as broker:
             broker.default_channel.queue_purge(busy_queue)
         second, deferred = sweep(admin, dispatch)
         assert (second, deferred) == ({"behind-0", "behind-1", "behind-2"}, 0)
+    finally:
+        app.close()
+        drop_database(admin)
+
+
+@pytest.mark.parametrize("broker_url", ["rabbitmq"], indirect=True)  # Redis is looked into directly (above)
+def test_without_marks_an_amqp_backlog_is_re_driven_as_before(broker_url: str) -> None:
+    """No consumer took from the queue yet (or none writes marks): nothing is known, nothing left alone."""
+    admin, _ = create_database("pl_backlog_nomarks")
+    app = Celery(broker=broker_url)
+    dispatch = CeleryDispatch(app, tenant_shards=SHARDS)
+    try:
+        app.send_task("proofline.execute", args=[{}], queue=queue_for_tenant(BUSY, SHARDS))
+        plant(admin, **{f"behind-{i}": (BUSY, 0) for i in range(2)})
+        assert sweep(admin, dispatch) == ({"behind-0", "behind-1"}, 0)
     finally:
         app.close()
         drop_database(admin)

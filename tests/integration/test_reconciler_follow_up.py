@@ -55,7 +55,7 @@ def test_follow_up_finds_only_what_waits_and_reads_no_settled_bulk() -> None:
                 insert(conn, "calm-parent", "closed")
                 insert(conn, "calm-parent.compensation", "closed", kind="compensation", parent="calm-parent")
             conn.execute("ANALYZE actions")
-            sql = CLAIM_SQL.format(condition=FOLLOW_UP)
+            sql = CLAIM_SQL.format(condition=FOLLOW_UP, limit="limit")
             plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + sql, PARAMS).fetchall())
             with conn.transaction():
                 found = sorted(r["action_id"] for r in conn.execute(sql, PARAMS).fetchall())

@@ -51,3 +51,29 @@ def test_a_run_of_early_exits_is_broken_by_a_healthy_run(tmp_path: Path, capfd: 
     err = capfd.readouterr().err
     assert code == 0
     assert len(re.findall(r"worker started", err)) == 6
+
+
+class Hooks:
+    """Records what the supervisor tells it; fails on the first end when told to."""
+
+    def __init__(self, fail_first: bool = False) -> None:
+        self.ends: list[int] = []
+        self.fail_first = fail_first
+
+    def env(self) -> dict[str, str]:
+        return {"PROOFLINE_TEST_RUN": str(len(self.ends))}
+
+    def ended(self, code: int) -> None:
+        self.ends.append(code)
+        if self.fail_first and len(self.ends) == 1:
+            raise RuntimeError("a hook that breaks")
+
+
+def test_hooks_see_each_run_and_a_failing_hook_never_stops_a_restart(tmp_path: Path) -> None:
+    # The child reads the environment the hook gave it: run 0 is killed, run 1 exits cleanly.
+    script = ("import os, signal, time; time.sleep(0.3); "
+              "os.kill(os.getpid(), signal.SIGKILL) if os.environ['PROOFLINE_TEST_RUN'] == '0' else None")
+    hooks = Hooks(fail_first=True)
+    code = supervise([sys.executable, "-c", script], backoff_seconds=0.01, early_exit_seconds=0.1, hooks=hooks)
+    assert code == 0
+    assert hooks.ends == [-signal.SIGKILL, 0]
