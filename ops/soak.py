@@ -6,7 +6,9 @@ check of the entire history once everything has healed and gone quiet.
 What it does, in order:
 
 1. starts its own deployment (``ops/soak_stack.py``): a private ``redis-server`` without
-   persistence on a free loopback port (so it can be killed with SIGKILL and restarted), the
+   persistence on a free loopback port (so it can be killed with SIGKILL and restarted), or with
+   ``--broker rabbitmq-cluster`` a private three-node RabbitMQ cluster (quorum queues on all three
+   nodes; one node at a time is SIGKILLed and brought back), the
    system of record over HTTP with the writer behind a TCP fault proxy (the reader, used by
    verification, is reached directly), a fresh migrated database (on a private embedded Postgres
    when the faults restart it) and ``--workers`` Celery workers (two prefork processes each; the
@@ -18,7 +20,8 @@ What it does, in order:
    action id with other arguments, which must be refused) and pairs of actions on one shared
    target (one of them ends not started, or they serialise);
 3. for S seconds injects faults picked by ``random.Random(seed)`` (``ops/soak_faults.py``): pool
-   child SIGKILL, a pool child frozen past its lease, Redis ``kill -9`` and restart, Postgres
+   child SIGKILL, a pool child frozen past its lease, Redis ``kill -9`` and restart (or the loss
+   of a RabbitMQ node), Postgres
    backend termination and a restart of the soak's own Postgres, proxy black-hole / reset / delay,
    verification read outage, a writer that lies or is slow, a key rotation mid-run;
 4. heals everything and waits until no action is open for ``--quiet-seconds`` (at most
@@ -69,6 +72,8 @@ class SoakConfig:
     seed: int = 1
     workers: int = 2
     concurrency: int = 2
+    #: ``redis`` or ``rabbitmq-cluster`` (``ops/soak_stack.py``); each takes its own broker fault.
+    broker: str = "redis"
     #: Submissions are spread over this fraction of the fault window.
     submit_fraction: float = 0.7
     quiet_seconds: float = 10.0
@@ -117,7 +122,7 @@ class SoakResult:
     def replay(self) -> str:
         c = self.config
         return (f"python -m ops.soak --actions {c.actions} --seconds {c.seconds:g} --seed {c.seed} "
-                f"--workers {c.workers}")
+                f"--workers {c.workers} --broker {c.broker}")
 
     def failure_text(self) -> str:
         lines = [f"soak seed {self.config.seed} failed ({self.error or 'invariants'}); replay: {self.replay()}"]
@@ -435,9 +440,10 @@ def run_soak(config: SoakConfig) -> SoakResult:
     stop = threading.Event()
     t_build = time.monotonic()
     try:
-        progress.show(f"soak seed={config.seed}: starting redis, system of record, proxy, database, workers ...")
+        progress.show(f"soak seed={config.seed}: starting {config.broker}, system of record, proxy, database, "
+                      "workers ...")
         soak = soak_stack.build(workdir, workers=config.workers, concurrency=config.concurrency,
-                                private_postgres=config.on_private_postgres)
+                                private_postgres=config.on_private_postgres, broker=config.broker)
         assert soak.stack is not None
         result.database_url = soak.stack.database_url
         result.durations["build_seconds"] = round(time.monotonic() - t_build, 2)
@@ -527,7 +533,7 @@ def summary(result: SoakResult) -> str:
         lines.append(f"  {label:<52} {value}")
 
     lines.append(f"Proofline soak  seed {c.seed}  items {c.actions}  faults {c.seconds:g}s  workers {c.workers}x"
-                 f"{c.concurrency}")
+                 f"{c.concurrency}  broker {c.broker}")
     lines.append("-" * 86)
     row("work items", ", ".join(f"{k} {v}" for k, v in sorted(result.items.items())) or "-")
     row("actions published by the soak", result.submitted_actions)
@@ -580,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=2, help="prefork processes per worker")
+    parser.add_argument("--broker", choices=soak_stack.BROKERS, default="redis",
+                        help="the soak's own Redis, or its own three-node RabbitMQ cluster")
     parser.add_argument("--json", type=Path, default=None, help="write the full result here")
     parser.add_argument("--max-wait", type=float, default=240.0, help="longest wait for quiet after healing")
     parser.add_argument("--quiet-seconds", type=float, default=10.0)
@@ -594,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--actions and --seconds must be positive, --submit-fraction in (0, 1]")
     faults = tuple(f for f in args.faults.split(",") if f)
     config = SoakConfig(actions=args.actions, seconds=args.seconds, seed=args.seed, workers=args.workers,
-                        concurrency=args.concurrency, submit_fraction=args.submit_fraction,
+                        concurrency=args.concurrency, broker=args.broker, submit_fraction=args.submit_fraction,
                         quiet_seconds=args.quiet_seconds, max_wait=args.max_wait, faults=faults,
                         json_path=args.json, workdir=args.workdir, keep_database=args.keep_database,
                         keep_failed=args.keep_failed,

@@ -5,7 +5,11 @@ Kinds:
 
 ``worker_kill``      SIGKILL of one Celery pool child;
 ``worker_freeze``    SIGSTOP of one pool child for lease TTL + 2 s, then SIGCONT;
-``redis_kill``       ``kill -9`` of the soak's own Redis, restarted on the same port;
+``redis_kill``       ``kill -9`` of the soak's own Redis, restarted on the same port (Redis broker);
+``broker_node_kill`` SIGKILL of one node of the soak's three-node RabbitMQ cluster (any of them:
+                     the first, which every client reaches first and whose queues it leads until a
+                     failover, or a follower), brought back with its name, ports and data after
+                     3-10 s; never two nodes down at once (a quorum queue needs two of three);
 ``pg_terminate``     ``pg_terminate_backend`` of the runtime role's sessions on the stack's database;
 ``proxy_blackhole`` / ``proxy_reset`` / ``proxy_delay``
                      the TCP fault proxy between workers and the writer, then back to ``pass``;
@@ -40,16 +44,22 @@ import psycopg
 from ops.soak_stack import SoakStack
 from proofline_kit.sor import store as sor
 
-KINDS = ("worker_kill", "worker_freeze", "redis_kill", "pg_terminate", "proxy_blackhole", "proxy_reset",
-         "proxy_delay", "read_outage", "server_lie", "server_slow", "pg_restart", "key_rotation")
+KINDS = ("worker_kill", "worker_freeze", "redis_kill", "broker_node_kill", "pg_terminate", "proxy_blackhole",
+         "proxy_reset", "proxy_delay", "read_outage", "server_lie", "server_slow", "pg_restart", "key_rotation")
+#: The broker fault each broker can take (the other is left out of a soak's mix).
+BROKER_FAULTS = {"redis": "redis_kill", "rabbitmq-cluster": "broker_node_kill"}
 #: Kinds that share one switch: only one of them is active at a time (a terminated session while
 #: Postgres is down would be no fault at all).
-CATEGORY = {"proxy_blackhole": "proxy", "proxy_reset": "proxy", "proxy_delay": "proxy", "redis_kill": "redis",
-            "read_outage": "outage", "pg_restart": "postgres", "pg_terminate": "postgres"}
+CATEGORY = {"proxy_blackhole": "proxy", "proxy_reset": "proxy", "proxy_delay": "proxy", "redis_kill": "broker",
+            "broker_node_kill": "broker", "read_outage": "outage", "pg_restart": "postgres",
+            "pg_terminate": "postgres"}
 #: The write tools of the system of record a server fault may target.
 WRITE_TOOLS = ("create_ticket", "issue_refund", "restart_service")
 #: When in the fault window (its share) the keys are rotated, once.
 ROTATION_AT = 0.5
+#: When in the fault window the broker is sure to have failed once (its own fault, drawn at random
+#: before and after too), so that even a short soak loses its broker or a node of it.
+BROKER_LOSS_AT = 0.25
 #: At most this many pool children are frozen at once (the rest keep the stack moving).
 MAX_FROZEN = 2
 #: Share of read outages that outlast the verification bound.
@@ -84,12 +94,17 @@ class FaultInjector:
         self.records: list[FaultRecord] = []
         self.active: dict[str, FaultRecord] = {}
         self.frozen: list[psutil.Process] = []
-        self._heals: list[tuple[float, int, Callable[[], None], FaultRecord]] = []
+        #: (due, sequence, heal, record, whether the heal releases the record's category)
+        self._heals: list[tuple[float, int, Callable[[], None], FaultRecord, bool]] = []
         self._seq = 0
         self.rotated = False
+        #: Whether the broker fault of :data:`BROKER_LOSS_AT` is behind us.
+        self.broker_lost = False
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Brings a killed RabbitMQ node back (up to two minutes: the injector goes on meanwhile).
+        self._restarting: threading.Thread | None = None
         self.thread_error: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -120,6 +135,16 @@ class FaultInjector:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def _lose_broker(self) -> None:
+        """Once: the soak's broker fault, unless one was injected already (or its broker is down)."""
+        with self._lock:
+            done = any(r.kind in BROKER_FAULTS.values() and not r.error for r in self.records)
+        fault = next((k for k in self._available() if k in BROKER_FAULTS.values()), None)
+        if done or fault is not None:
+            self.broker_lost = True
+        if not done and fault is not None:
+            self._inject(fault)
+
     def _run(self) -> None:
         try:
             end = time.monotonic() + self.seconds
@@ -128,6 +153,8 @@ class FaultInjector:
                 self._heal_due(time.monotonic())
                 if "key_rotation" in self.kinds and not self.rotated and self.now() >= ROTATION_AT * self.seconds:
                     self._inject("key_rotation")
+                if not self.broker_lost and self.now() >= BROKER_LOSS_AT * self.seconds:
+                    self._lose_broker()
                 if time.monotonic() >= next_at:
                     self._inject_one()
                     next_at = time.monotonic() + self.rng.uniform(*self.gap)
@@ -136,25 +163,30 @@ class FaultInjector:
             self.thread_error = repr(exc)
 
     # --- healing --------------------------------------------------------------------------------
-    def _schedule_heal(self, after: float, fn: Callable[[], None], record: FaultRecord) -> None:
+    def _schedule_heal(self, after: float, fn: Callable[[], None], record: FaultRecord,
+                       keeps_category: bool = False) -> None:
+        """Heal ``record`` with ``fn`` in ``after`` seconds. ``keeps_category``: ``fn`` only starts
+        the healing, and whatever finishes it releases the fault's category."""
         with self._lock:
             self._seq += 1
-            heapq.heappush(self._heals, (time.monotonic() + after, self._seq, fn, record))
+            heapq.heappush(self._heals, (time.monotonic() + after, self._seq, fn, record, not keeps_category))
 
     def _heal_due(self, now: float) -> None:
         while True:
             with self._lock:
                 if not self._heals or self._heals[0][0] > now:
                     return
-                _due, _seq, fn, record = heapq.heappop(self._heals)
-            self._heal(fn, record)
+                _due, _seq, fn, record, release = heapq.heappop(self._heals)
+            self._heal(fn, record, release)
 
-    def _heal(self, fn: Callable[[], None], record: FaultRecord) -> None:
+    def _heal(self, fn: Callable[[], None], record: FaultRecord, release: bool = True) -> None:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - recorded; heal_all tries again
             record.error = f"heal failed: {exc!r}"
         record.healed_at = round(self.now(), 3)
+        if not release:
+            return
         with self._lock:
             category = CATEGORY.get(record.kind)
             if category and self.active.get(category) is record:
@@ -167,8 +199,8 @@ class FaultInjector:
             with self._lock:
                 if not self._heals:
                     break
-                _due, _seq, fn, record = heapq.heappop(self._heals)
-            self._heal(fn, record)
+                _due, _seq, fn, record, release = heapq.heappop(self._heals)
+            self._heal(fn, record, release)
         problems: list[str] = []
         soak = self.soak
         try:
@@ -191,6 +223,14 @@ class FaultInjector:
                 soak.redis.start()
         except Exception as exc:  # noqa: BLE001
             problems.append(f"redis: {exc!r}")
+        if self._restarting is not None:
+            self._restarting.join(180)
+        for member in soak.cluster.nodes if soak.cluster is not None else ():
+            try:
+                if not member.running:
+                    soak.cluster.restart(member)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"rabbitmq {member.node}: {exc!r}")
         for proc in soak.all_worker_processes():
             try:
                 proc.send_signal(signal.SIGCONT)
@@ -213,6 +253,9 @@ class FaultInjector:
             if kind == "worker_freeze" and frozen >= MAX_FROZEN:
                 continue
             if kind == "pg_restart" and self.soak.postgres is None:
+                continue
+            if (kind == "redis_kill" and self.soak.redis is None) or (kind == "broker_node_kill" and
+                                                                      self.soak.cluster is None):
                 continue
             if kind == "key_rotation":  # not drawn: it happens once, in the middle (see _run)
                 continue
@@ -279,8 +322,43 @@ class FaultInjector:
         record.duration = round(self.rng.uniform(0.5, 3.0), 3)
         redis_server.kill()
         with self._lock:
-            self.active["redis"] = record
+            self.active["broker"] = record
         self._schedule_heal(record.duration, redis_server.start, record)
+
+    def _broker_node_kill(self, record: FaultRecord) -> None:
+        cluster = self.soak.cluster
+        assert cluster is not None
+        member = self.rng.choice(cluster.nodes)
+        first = member is cluster.nodes[0]
+        record.target = f"rabbitmq node {member.node} ({'first of every client' if first else 'follower'})"
+        record.duration = round(self.rng.uniform(3.0, 10.0), 3)
+        record.detail = {"first_node": first}
+        with self._lock:
+            self.active["broker"] = record
+        try:
+            cluster.kill(member)
+        except BaseException:
+            with self._lock:
+                self.active.pop("broker", None)
+            raise
+
+        def back() -> None:
+            # The node's restart waits for it to rejoin (seconds to a minute): in a thread of its own,
+            # the broker category held until it is back, so that no second node goes down meanwhile.
+            def restart() -> None:
+                try:
+                    cluster.restart(member)
+                except Exception as exc:  # noqa: BLE001 - recorded; heal_all tries again
+                    record.error = f"restart failed: {exc!r}"[:300]
+                record.detail["back_at"] = round(self.now(), 3)
+                with self._lock:
+                    if self.active.get("broker") is record:
+                        del self.active["broker"]
+
+            self._restarting = threading.Thread(target=restart, name="soak-rabbitmq-restart", daemon=True)
+            self._restarting.start()
+
+        self._schedule_heal(record.duration, back, record, keeps_category=True)
 
     def _pg_terminate(self, record: FaultRecord) -> None:
         everyone = self.rng.random() < 0.5

