@@ -109,19 +109,33 @@ def start_process(argv: list[str], env: dict[str, str], log: Path, cwd: Path = R
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """SIGTERM, then SIGKILL of the process group we started it in (its children included)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    stop_processes([proc], grace)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """:func:`stop_process` for several at once: every one is sent SIGTERM first, so that their
+    clean shutdowns overlap instead of following one another; then each is given what is left of
+    ``grace`` (counted from the signal) and its process group is killed."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # start_new_session made proc.pid the group id
+        except (ProcessLookupError, PermissionError):
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session made proc.pid the group id
-    except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
-        proc.wait(5)
-    _disown(proc.pid)
+        if proc.poll() is None:
+            proc.wait(5)
+        _disown(proc.pid)
 
 
 def stop_group(pgid: int, grace: float = 20.0) -> None:

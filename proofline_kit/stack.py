@@ -32,7 +32,7 @@ from proofline.envelope import Envelope
 from proofline.keys import generate as generate_keys
 from proofline.settings import ROOT, Settings
 from proofline_kit.audit import launch as audit_launch
-from proofline_kit.processes import start_process, stop_process, wait_for, wait_port_file
+from proofline_kit.processes import start_process, stop_process, stop_processes, wait_for, wait_port_file
 from proofline_kit.resources import (
     ADMIN_URL,
     RABBITMQ_URL,
@@ -63,6 +63,9 @@ STACK_ENV = {
     "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
     "PROOFLINE_RECONCILE_INTERVAL_SECONDS": "1", "PROOFLINE_REDRIVE_AFTER_SECONDS": "3",
     "PROOFLINE_VERIFY_STALL_SECONDS": "30",
+    # No idle servers started ahead of need: a test stack's pool processes are few and long-lived,
+    # and every spare is one more audited server start on a shared machine.
+    "PROOFLINE_STDIO_SESSION_SPARES": "0",
     # The audit system lags the system of record by this much (the demo contracts allow for it).
     "AUDIT_DELAY_MS": "200",
     # A credential in the worker's environment that no MCP server may inherit.
@@ -476,8 +479,7 @@ def teardown_stack(stack: Stack) -> None:
     (kept when ``PROOFLINE_TEST_KEEP_DATABASES`` is set, to read a failure's ledger)."""
     if stack.proxy is not None:
         stack.proxy.stop()
-    for proc in stack.workers + stack.processes:
-        stop_process(proc)
+    stop_processes(stack.workers + stack.processes)
     stack.conn.close()
     if stack._operator is not None:
         stack._operator.close()

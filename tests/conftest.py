@@ -41,6 +41,9 @@ from proofline_kit.stack import (
     teardown_stack,
 )
 
+# The xdist groups and their order (--dist loadgroup): hooks of tests/scheduling.py.
+from tests.scheduling import pytest_configure, pytest_xdist_make_scheduler  # noqa: F401
+
 __all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "ROOT", "SETTLED", "Stack", "VERIFY_TASK",
            "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "redis_url", "release_redis_db",
            "role_urls", "start_process", "start_workers", "stop_process", "teardown_stack", "wait_for", "wait_port",
@@ -55,22 +58,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (the README's command) a test file runs on one xdist worker, so
-    the stacks its module-scoped fixtures build are built once; a test marked ``xdist_group`` keeps
-    the group it names. Without xdist the marks change nothing."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-
-
 #: ``indirect`` parameters of ``stack`` for a test of broker behaviour: the same deployment on each
 #: broker (Redis is the default stack's, so the suite builds it once).
 ON_EACH_BROKER = [pytest.param("stdio" if name == "redis" else f"stdio/{name}", id=name) for name in BROKERS]
 #: The default stack with every verification sent to the verification task
 #: (``PROOFLINE_INLINE_VERIFICATION=false``), for tests of that task's own stages.
 VERIFY_TASK = pytest.param("stdio+verify-task", id="verify-task")
+#: What a "+MODE" suffix of a ``stack`` parameter adds to the workers' environment.
+STACK_MODES = {
+    "verify-task": {"PROOFLINE_INLINE_VERIFICATION": "false"},
+    # A reconciler that re-drives nothing a test could still be waiting on: for a test that keeps an
+    # action waiting for a scheduled retry while it does something else (the usual re-drive age is 3 s).
+    "late-redrive": {"PROOFLINE_REDRIVE_AFTER_SECONDS": "600"},
+}
 
 
 #: Databases of the session's own redis-server: a process under xdist holds a few stacks at once,
@@ -114,30 +114,55 @@ def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
             delete_vhost(vhost)
 
 
+@pytest.fixture(scope="session")
+def stack_pool(session_redis: str) -> Iterator[dict[str, Stack]]:
+    """The session's stacks by variant, each built the first time a test asks for it and kept until
+    the session ends: a worker that runs a stdio test, then an HTTP one, then a stdio one again
+    reuses the first stack instead of building it a second time (pytest finalises a parametrised
+    session fixture whenever the parameter changes). Torn down before the session's redis-server."""
+    pool: dict[str, Stack] = {}
+    try:
+        yield pool
+    finally:
+        for built in pool.values():
+            teardown_stack(built)
+
+
 @pytest.fixture(scope="session", params=["stdio"])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          stack_pool: dict[str, Stack]) -> Stack:
     """A running deployment with one Celery worker (two prefork processes). ``indirect``
     parametrisation with "http" gives the same deployment over streamable HTTP, "TRANSPORT/BROKER"
-    on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ), and a "+verify-task" suffix one that
-    verifies only in the verification task (``VERIFY_TASK``)."""
-    param, _, mode = str(request.param).partition("+")
-    transport, _, broker = param.partition("/")
-    # "+verify-task": every verification is its own task (no verdict from the execute task's own read).
-    extra_env = {"PROOFLINE_INLINE_VERIFICATION": "false"} if mode == "verify-task" else None
-    s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}-{broker or 'redis'}{mode and '-' + mode}"),
-                    broker=broker or "redis", extra_env=extra_env)
-    try:
-        start_workers(s)
-        yield s
-    finally:
-        teardown_stack(s)
+    on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ), and a "+MODE" suffix one with the
+    settings of ``STACK_MODES[MODE]`` ("+verify-task": verifications only in the verification task,
+    ``VERIFY_TASK``). Each variant is built once per test process (``stack_pool``); what a test arms
+    on it is cleared when the test ends (``_disarm``)."""
+    variant = str(request.param)
+    if variant not in stack_pool:
+        param, _, mode = variant.partition("+")
+        transport, _, broker = param.partition("/")
+        extra_env = STACK_MODES[mode] if mode else None
+        s = build_stack(transport, tmp_path_factory.mktemp(f"stack-{transport}-{broker or 'redis'}{mode and '-' + mode}"),
+                        broker=broker or "redis", extra_env=extra_env)
+        try:
+            start_workers(s)
+        except BaseException:
+            teardown_stack(s)
+            raise
+        stack_pool[variant] = s
+    return stack_pool[variant]
 
 
 @pytest.fixture(autouse=True)
 def _disarm(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Whatever a test armed on the shared stack (system-of-record faults, worker fault points,
-    kill switches, the fault proxy's mode) is cleared when it ends, passed or failed."""
+    """A test of a stack finds this process pointed at that stack: the system of record and audit
+    store the controller's own reads start their stdio servers on (``build_stack`` sets them to the
+    stack it built last, and a process holds several). Whatever the test armed on it (system-of-
+    record faults, worker fault points, kill switches, the fault proxy's mode) is cleared when it
+    ends, passed or failed."""
+    s: Stack | None = request.getfixturevalue("stack") if "stack" in request.fixturenames else None
+    if s is not None:
+        os.environ["SOR_DB"], os.environ["AUDIT_DB"] = str(s.sor_db), str(s.audit_db)
     yield
-    if "stack" in request.fixturenames:
-        s: Stack = request.getfixturevalue("stack")
+    if s is not None:
         s.disarm()

@@ -354,7 +354,7 @@ def tool_schemas(stack: Stack) -> dict[str, Any]:
 
     from mcp import Client
 
-    from worker.mcp_client import endpoint_target
+    from worker.connect import endpoint_target
     from worker.servers import server_named
 
     server = server_named(Path(stack.servers_file), "sor")

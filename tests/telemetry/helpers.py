@@ -101,6 +101,6 @@ def deliver_until_read(stack: Stack, envelope: Envelope, event: str, attempts: i
                 return "read"
             return "ignored" if events.count("redelivery_ignored") > ignored else None
 
-        if wait_for(recorded, 30, what=f"{event} or redelivery_ignored on {envelope.action_id}") == "read":
+        if wait_for(recorded, 90, what=f"{event} or redelivery_ignored on {envelope.action_id}") == "read":
             return
     raise AssertionError(f"{envelope.action_id}: {attempts} deliveries ignored, no {event}")

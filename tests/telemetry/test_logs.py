@@ -34,7 +34,7 @@ def test_every_line_about_an_action_names_it(observed: Observed) -> None:
         succeeded = [x for x in lines if x["logger"] == "celery.app.trace" and "succeeded" in x["message"]]
         return lines if verified and succeeded else []
 
-    lines = wait_for(about, 20, what="the action's log lines")
+    lines = wait_for(about, 90, what="the action's log lines")
     for line in lines:
         assert (line["run_id"], line["tenant"]) == (env.run_id, env.tenant), line
         assert line["stage"] in ("execute", "verify"), line

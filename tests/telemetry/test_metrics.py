@@ -9,12 +9,15 @@ import os
 import re
 from collections import defaultdict
 
+from ledger.states import Outcome
 from proofline.telemetry.events import COUNTERS
 from tests.conftest import wait_for
+from tests.helpers import ticket_env
 from tests.telemetry.conftest import NAMED_TENANT, Observed
 from tests.telemetry.helpers import families, mixed_batch, scrape, start_exporter
 from tests.telemetry.test_alerts import alert_series
 from tests.telemetry.test_dashboard import dashboard_series
+from worker import faultpoints
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -53,7 +56,7 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed
     # Follow-ups (run settlement, the compensation's parent) may still be committing: wait for
     # the two to agree, and fail with both if they never do.
     try:
-        workers, ledger = wait_for(agree, 30, what="worker counters to equal the ledger's")
+        workers, ledger = wait_for(agree, 90, what="worker counters to equal the ledger's")
     except AssertionError:
         raise AssertionError(f"workers {summed([scrape(p) for p in ports])}\n"
                              f"ledger {counters(scrape(exporter_port), 'proofline_ledger_')}") from None
@@ -100,7 +103,7 @@ def test_worker_counters_equal_the_ledger_after_a_mixed_batch(observed: Observed
                 and sum(exported.get(c.name, {}).values()) != sum(by_event.get(e, 0) for e in c.events)}
 
     try:
-        wait_for(lambda: not differing(), 30, interval=0.5, what="the exporter's counts to equal the ledger's")
+        wait_for(lambda: not differing(), 90, interval=0.5, what="the exporter's counts to equal the ledger's")
     except AssertionError:
         raise AssertionError(f"exporter vs ledger: {differing()}") from None
 
@@ -115,3 +118,25 @@ def test_worker_endpoint_reports_latency_cpu_and_reconciler(observed: Observed) 
     # The first worker runs beat: its reconciler sweeps and says when it last finished one.
     wait_for(lambda: scrape(ports[0]).get("proofline_reconciler_last_sweep_timestamp_seconds"), 20,
              what="a reconciler sweep")
+
+
+def test_a_pool_process_killed_from_outside_is_counted_as_an_excused_delivery(observed: Observed) -> None:
+    """The worker's main process counts the deliveries its pool processes died under, by how the
+    message guard took each death: a SIGKILL from outside is ``excused``, never ``counted``."""
+    stack, ports = observed.stack, observed.ports
+
+    def lost(taken: str) -> float:
+        return sum(v for port in ports for labels, v in scrape(port).get("proofline_deliveries_lost_total", {}).items()
+                   if dict(labels) == {"task": "proofline.execute", "taken": taken})
+
+    before = {taken: lost(taken) for taken in ("excused", "counted")}
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1, action="kill")
+    try:
+        env = ticket_env(stack)
+        stack.publish(env)
+        assert stack.wait_settled(env.action_id, timeout=60).outcome == Outcome.completed_verified
+    finally:
+        faultpoints.arm(stack.faultpoints, "on_delivery", remaining=0)
+    assert faultpoints.fired(stack.faultpoints, "on_delivery") >= 1
+    wait_for(lambda: lost("excused") == before["excused"] + 1, 30, interval=0.5, what="one excused delivery")
+    assert lost("counted") == before["counted"]

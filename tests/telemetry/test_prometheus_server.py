@@ -116,7 +116,7 @@ def prometheus(observed: Observed, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def batch(prometheus: PrometheusServer, observed: Observed) -> Batch:
     # Every target scraped at least once before the batch, so the rates below see it begin.
-    wait_for(lambda: all(t["health"] == "up" for t in prometheus.targets()), 20, interval=0.2,
+    wait_for(lambda: all(t["health"] == "up" for t in prometheus.targets()), 90, interval=0.2,
              what="every target to be up")
     before = agreeing(prometheus, observed)
     return Batch(prometheus, observed, before, mixed_batch(observed.stack))
@@ -163,7 +163,7 @@ def test_every_rule_group_is_loaded_and_evaluates_without_error(batch: Batch) ->
         rules = [r for g in groups for r in g["rules"]]
         return groups if rules and all(r["health"] != "unknown" for r in rules) else None
 
-    groups = wait_for(evaluated, 20, interval=0.5, what="every rule to be evaluated once")
+    groups = wait_for(evaluated, 90, interval=0.5, what="every rule to be evaluated once")
     loaded = {(g["file"], g["name"]): [r["name"] for r in g["rules"]] for g in groups}
     assert loaded == expected
     broken = {r["name"]: (r["health"], r.get("lastError")) for g in groups for r in g["rules"]
@@ -207,6 +207,6 @@ def test_every_dashboard_query_runs_against_the_live_series(batch: Batch) -> Non
     # Every query parses and evaluates; every one whose events the batch caused shows data once
     # its rate windows hold two samples of the new series.
     try:
-        wait_for(lambda: not empty(answered()), 20, interval=0.5, what="the batch's panels to show data")
+        wait_for(lambda: not empty(answered()), 90, interval=0.5, what="the batch's panels to show data")
     except AssertionError:
         raise AssertionError(f"no data for {sorted(empty(answered()))}") from None

@@ -21,7 +21,7 @@ def test_tasks_reach_sentry_as_transactions_with_environment_and_release(observe
         names = {t.get("transaction") for t in sentry_receiver.items("transaction")}
         return names if {"proofline.execute", "proofline.verify"} <= names else set()
 
-    wait_for(tasks, 30, what="the tasks' Sentry transactions")
+    wait_for(tasks, 90, what="the tasks' Sentry transactions")
     for item in sentry_receiver.items("transaction"):
         assert (item["environment"], item["release"]) == (stack.settings.environment, RELEASE)
         assert item["contexts"]["trace"]["op"].startswith("queue.")  # made by the Celery integration

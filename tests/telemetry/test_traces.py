@@ -81,7 +81,7 @@ def spans_in(directory: Path, trace_id: str, *needed: str) -> list[Span]:
         complete = all(s["parent_id"] is None or s["parent_id"] in ids for s in mine)
         return mine if complete and set(needed) <= {s["name"] for s in mine} else []
 
-    return sorted(wait_for(ready, 20, what=f"spans {needed} of trace {trace_id}"), key=lambda s: s["start"])
+    return sorted(wait_for(ready, 90, what=f"spans {needed} of trace {trace_id}"), key=lambda s: s["start"])
 
 
 def ancestors(span: Span, by_id: dict[str, Span]) -> list[str]:
@@ -187,7 +187,7 @@ def test_compensated_run_is_one_trace_through_recovery(traced: Observed) -> None
     stack.publish_run(steps)
     assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
     compensation = recovery_action(stack, steps[0].action_id)
-    wait_for(lambda: stack.action(steps[0].action_id).outcome.value == "compensated", 30, what="compensated")
+    wait_for(lambda: stack.action(steps[0].action_id).outcome.value == "compensated", 90, what="compensated")
     tid = one_trace(stack, steps[0].action_id, steps[1].action_id, compensation)
     trace = trace_spans(traced, tid, "proofline.recovery_decision", "proofline.compensation",
                         "run/proofline.compensate", "run/proofline.recover")
