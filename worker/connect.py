@@ -95,9 +95,29 @@ class WatchedTransport(httpx2.AsyncHTTPTransport):
         """The pool's connections when every one is still usable; empty when any was closed or the
         server ended it (end-of-file on an idle keep-alive connection, as when the server restarts)."""
         held = list(self._pool.connections)
-        if any(c.is_closed() or c.has_expired() for c in held):
+        if any(ended(c) for c in held):
             return frozenset()
         return frozenset(held)
+
+
+def ended(connection: Any) -> bool:
+    """Whether a pooled connection can no longer carry a request as it is: closed, past its
+    keep-alive, or idle with a readable socket (the only thing an idle HTTP/1.1 connection can read
+    is the end-of-file of a server that closed it).
+
+    The last check is made here, not left to ``has_expired()``: httpcore2 up to 2.16 counted a
+    readable idle socket as expired, 2.17 only closes such a connection when the next request is
+    about to use it, so a restarted server went unnoticed until that request had been sent over a
+    fresh connection (after the cached tool list had already been trusted)."""
+    if connection.is_closed() or connection.has_expired():
+        return True
+    if not connection.is_idle():
+        return False
+    # AsyncHTTPConnection wraps the HTTP/1.1 or HTTP/2 connection that owns the network stream.
+    stream = getattr(getattr(connection, "_connection", connection), "_network_stream", None)
+    if stream is None:
+        return False
+    return bool(stream.get_extra_info("is_readable"))
 
 
 def _http_transport(endpoint: Endpoint, watch: Callable[[WatchedTransport], None] | None = None,
