@@ -53,7 +53,10 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
         keys_dir = s.settings.keys_dir
         key_file = s.settings.signing_key_file
         # B is stored under K1; K1 is rotated out and then revoked.
-        revoked_env = ticket_env(s, deadline_in=timedelta(seconds=12), timeout_seconds=2)
+        # Its deadline must outlast the workers' start below (it is signed now, they start later: on a
+        # loaded machine a start took more than the 12 s this once was, and the first sweep found it
+        # expired before any re-send could be refused), and it bounds how long the test waits for it.
+        revoked_env = ticket_env(s, deadline_in=timedelta(seconds=45), timeout_seconds=2)
         k1 = lose(s, revoked_env)["key_id"]
         old, _ = rotate(keys_dir, KeyRole.controller, overlap=timedelta(0))
         assert old == k1
@@ -98,7 +101,7 @@ def test_stored_message_runs_after_its_key_retired_and_a_revoked_one_never_does(
         revoked_refusals = wait_for(lambda: refusals_for(s, revoked_env.action_id), 30,
                                     what="the revoked key's stored message to be refused")
         assert {r["reason_code"] for r in revoked_refusals} == {"envelope_key_revoked"}
-        closed = s.wait_settled(revoked_env.action_id, timeout=60)
+        closed = s.wait_settled(revoked_env.action_id, timeout=120)
         assert (closed.status, closed.outcome, closed.reason_code) == (
             ActionStatus.closed, Outcome.not_started, "deadline_expired_unexecuted")
         expiry = [e["evidence"] for e in s.timeline(revoked_env.action_id)
