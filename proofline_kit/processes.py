@@ -136,6 +136,27 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
         if proc.poll() is None:
             proc.wait(5)
         _disown(proc.pid)
+    for proc in procs:
+        # SIGKILL is delivered, not awaited: a member of the group (a supervised Celery worker under
+        # its supervisor) can still hold its connections for a moment, long enough for a caller
+        # counting the broker's consumers next to count the dying one (a replacement worker was then
+        # never seen to consume, on a loaded machine).
+        # Bounded, and never an error here: a stop is also a teardown, which must not fail a test.
+        until = time.monotonic() + 10
+        while group_members(proc.pid) and time.monotonic() < until:
+            time.sleep(0.02)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of group ``pgid`` that still run (zombies have closed what they held)."""
+    members = []
+    for candidate in psutil.process_iter():
+        try:
+            if os.getpgid(candidate.pid) == pgid and not gone(candidate):
+                members.append(candidate)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
 
 
 def stop_group(pgid: int, grace: float = 20.0) -> None:
