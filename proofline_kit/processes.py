@@ -101,10 +101,12 @@ def _stopped(signum: int, frame: object, previous: object) -> None:
 
 
 def start_process(argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    """``argv`` in a new session (its own process group, owned: see :func:`own`), output appended to ``log``."""
+    """``argv`` in a new session (its own process group, owned: see :func:`own`), output appended to
+    ``log``; a Python process is forked from the test process's zygote (``proofline_kit/zygote.py``)."""
+    from proofline_kit.zygote import spawn
+
     with open(log, "ab") as handle:  # the child keeps its own copy of the descriptor
-        return own(subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
-                                    start_new_session=True))
+        return own(spawn(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True))
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.processes import start_process, stop_process, wait_for, wait_port
 from proofline_kit.redis_server import RedisServer
 from proofline_kit.resources import (
@@ -43,6 +44,10 @@ from proofline_kit.stack import (
 
 # The xdist groups and their order (--dist loadgroup): hooks of tests/scheduling.py.
 from tests.scheduling import pytest_configure, pytest_xdist_make_scheduler  # noqa: F401
+
+# The Python processes this test process starts are forked from a preloaded zygote
+# (proofline_kit/zygote.py; PROOFLINE_TEST_ZYGOTE=0 starts each one plainly).
+zygote.enable()
 
 __all__ = ["ADMIN_URL", "BROKERS", "CANARY_SECRET", "ON_EACH_BROKER", "CLAIM_KEY", "DB_ROLES", "ROOT", "SETTLED", "Stack", "VERIFY_TASK",
            "build_stack", "claim_redis_db", "create_database", "drop_database", "free_port", "redis_url", "release_redis_db",

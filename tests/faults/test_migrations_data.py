@@ -25,6 +25,7 @@ from ledger.migrate import current, downgrade, sqlalchemy_url, upgrade
 from ledger.schema import metadata
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import Stack, build_stack, start_workers, stop_process, teardown_stack
 from tests.helpers import new_account, refund_env, ticket_env
 
@@ -54,7 +55,7 @@ def schema_diff(admin_url: str) -> list[Any]:
 
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "proofline", *args], env=stack.env, cwd=ROOT,
+    return zygote.run([sys.executable, "-m", "proofline", *args], env=stack.env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

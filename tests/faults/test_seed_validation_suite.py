@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from proofline.contracts import contract_for
 from proofline.controller import publish, publish_message
 from proofline.errors import IdempotencyConflict
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from recovery.operator import clear_switch, list_switches, manual_queue, resolve, set_switch
@@ -680,7 +680,7 @@ def forensics_document(stack: Stack, action_id: str) -> dict[str, Any]:
     """``proofline forensics --json`` as an operator runs it (the reader role), parsed."""
     env = dict(os.environ, PROOFLINE_DATABASE_URL=stack.database_url,
                PROOFLINE_READER_DATABASE_URL=stack.urls["reader"], PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "proofline", "forensics", "--json", action_id], env=env, cwd=ROOT,
+    out = zygote.run([sys.executable, "-m", "proofline", "forensics", "--json", action_id], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import Stack
 
 
@@ -22,7 +23,7 @@ def environment(stack: Stack, env: dict[str, str] | None = None) -> dict[str, st
 
 def proofline(stack: Stack, *args: str, env: dict[str, str] | None = None,
               timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proofline", *args], env=environment(stack, env), cwd=ROOT,
+    return zygote.run([sys.executable, "-m", "proofline", *args], env=environment(stack, env), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

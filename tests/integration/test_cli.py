@@ -22,6 +22,7 @@ from ledger import store
 from ledger.states import Outcome
 from proofline.controller import publish_message
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import LosingBroker, new_account, refund_env, ticket_env
 
@@ -40,7 +41,7 @@ def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
     env.update({k: v for k, v in stack.env.items() if k.startswith(("PROOFLINE_", "SOR_"))})
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "proofline", *args], env=env, cwd=ROOT, capture_output=True,
+    return zygote.run([sys.executable, "-m", "proofline", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from proofline_kit.stack import disarm_fault_points
 from tests.conftest import Stack, wait_for
@@ -39,7 +40,7 @@ def test_actions_list_follow_prints_each_new_action_and_each_move(stack: Stack) 
     """``actions list --follow``: the page first (here: nothing yet), then one line each time an
     action of the filter appears or its status moves, until --stop-after."""
     tenant = _tenant()
-    watcher = subprocess.Popen([sys.executable, "-m", "proofline", "actions", "list", "--tenant", tenant, "--follow",
+    watcher = zygote.spawn([sys.executable, "-m", "proofline", "actions", "list", "--tenant", tenant, "--follow",
                                 "--interval", "0.2", "--stop-after", "90"], env=environment(stack), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -101,7 +102,7 @@ def test_status_never_prints_none_and_follow_streams_until_the_action_settles(st
     tenant = _tenant()
     sor.set_fault(stack.sor_db, "create_ticket", "delay", remaining=1, delay_seconds=1.5)
     action_id = _publish(stack, tenant)
-    follow = subprocess.Popen([sys.executable, "-m", "proofline", "status", action_id, "--follow", "--timeout", "60",
+    follow = zygote.spawn([sys.executable, "-m", "proofline", "status", action_id, "--follow", "--timeout", "60",
                                "--interval", "0.1"], env=environment(stack), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:

@@ -21,6 +21,7 @@ from ledger.states import ActionStatus, Outcome
 from proofline import Client
 from proofline.errors import ArgumentsInvalid, BrokerUnavailable, MalformedEnvelope, UnknownTool, WaitTimedOut
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import Stack, free_port, wait_for
@@ -32,7 +33,7 @@ def pin(stack: Stack, pins: Path, *extra: str, **env: str) -> subprocess.Complet
     full = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
     full.update({k: v for k, v in stack.env.items() if k.startswith(("PROOFLINE_", "SOR_"))})
     full.update({"PYTHONPATH": str(ROOT), "PROOFLINE_PINS_FILE": str(pins), **env})
-    return subprocess.run([sys.executable, "-m", "proofline", "contracts", *extra], env=full, cwd=pins.parent,
+    return zygote.run([sys.executable, "-m", "proofline", "contracts", *extra], env=full, cwd=pins.parent,
                           capture_output=True, text=True, timeout=120)
 
 

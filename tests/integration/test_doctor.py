@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from ledger.migrate import upgrade
+from proofline_kit import zygote
 from tests.conftest import (
     ADMIN_URL,
     ROOT,
@@ -34,7 +34,7 @@ CHECKS = ["environment", "key-files", "database", "db-auth", "migrations", "brok
 
 
 def doctor(env: dict[str, str], cwd: Path, *extra: str) -> tuple[int, dict[str, dict]]:
-    out = subprocess.run([sys.executable, "-m", "proofline", "doctor", "--json", *extra], env=env, cwd=cwd,
+    out = zygote.run([sys.executable, "-m", "proofline", "doctor", "--json", *extra], env=env, cwd=cwd,
                          capture_output=True, text=True, timeout=90)
     assert "Traceback" not in out.stderr, out.stderr
     report = json.loads(out.stdout)
@@ -73,7 +73,7 @@ def test_doctor_fails_without_a_reconciler_then_passes_once_beat_runs(stack) -> 
 
     checks = wait_for(healthy, 60, interval=1.0, what="doctor to pass with the reconciler sweeping")
     assert checks["reconciler"]["detail"].startswith("last sweep")
-    lines = subprocess.run([sys.executable, "-m", "proofline", "doctor"], env=stack.env, cwd=stack.workdir,
+    lines = zygote.run([sys.executable, "-m", "proofline", "doctor"], env=stack.env, cwd=stack.workdir,
                            capture_output=True, text=True, timeout=90).stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [["ok", name] for name in CHECKS]
 
@@ -110,7 +110,7 @@ def test_doctor_names_a_missing_database(stack, tmp_path: Path) -> None:
     assert "does not exist" in checks["database"]["detail"]
     assert checks["migrations"]["detail"].startswith("not checked")
     assert checks["broker"]["ok"] and checks["contracts"]["ok"]
-    plain = subprocess.run([sys.executable, "-m", "proofline", "doctor"], env=env, cwd=tmp_path,
+    plain = zygote.run([sys.executable, "-m", "proofline", "doctor"], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=90)
     assert plain.returncode == 1 and "Traceback" not in plain.stdout + plain.stderr
     database = [line for line in plain.stdout.splitlines() if line.split()[1:2] == ["database"]]

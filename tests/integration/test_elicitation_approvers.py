@@ -28,6 +28,7 @@ from proofline.canonical import canonical_bytes
 from proofline.elicitations import _CONTEXT, ElicitationAnswer, question_hash, sign_answer
 from proofline.keys import KeyRole, add_approver, load_signing_key
 from proofline.signing import encode_signature
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from proofline_kit.sor.asks import asks_path
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack, wait_for
@@ -64,7 +65,7 @@ def question_for(stack: Stack, action_id: str) -> dict[str, Any]:
 
 def cli(stack: Stack, key: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**stack.env, "PROOFLINE_APPROVER_KEY_FILE": str(key)}
-    return subprocess.run([sys.executable, "-m", "proofline", "elicitations", *args], env=env, capture_output=True,
+    return zygote.run([sys.executable, "-m", "proofline", "elicitations", *args], env=env, capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

@@ -6,7 +6,6 @@ sweep."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import urllib.parse
 import urllib.request
@@ -20,6 +19,7 @@ import pytest
 
 from ledger.states import ActionStatus, KillSwitchScope, Outcome
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from recovery.operator import clear_switch, set_switch
 from tests.conftest import (
@@ -167,5 +167,5 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     assert rendered[kill_task["uuid"]] == ("KILL_SWITCHED", kill_task["result"])
     assert rendered[recover["uuid"]] == ("ESCALATED", recover["result"])
     assert rendered[lied_execute["uuid"]] == ("UNVERIFIED", lied_execute["result"])
-    assert subprocess.run([sys.executable, "-m", "proofline", "--json", "flower"], cwd=ROOT, capture_output=True,
+    assert zygote.run([sys.executable, "-m", "proofline", "--json", "flower"], cwd=ROOT, capture_output=True,
                           text=True, env=environment(stack), timeout=60).returncode == 2

@@ -17,6 +17,7 @@ import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack
 from tests.integration.doc_blocks import guide_blocks, guide_script
@@ -72,7 +73,7 @@ def test_backup_restore_guide(stack: Stack, tmp_path: Path) -> None:
 def test_key_rotation_guide(stack: Stack, tmp_path: Path) -> None:
     """On a keys folder of its own: the stack's keys keep signing for the other guides."""
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "proofline", "keys", "generate", "--dir", str(keys)],
+    made = zygote.run([sys.executable, "-m", "proofline", "keys", "generate", "--dir", str(keys)],
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     out = run_guide(stack, "key-rotation.md", tmp_path, PROOFLINE_KEYS_DIR=str(keys))

@@ -37,6 +37,7 @@ from proofline.envelope import build_envelope
 from proofline.errors import LeaseBusy, StaleLease, TransitionRefused
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import create_database, drop_database, role_urls
 
 Urls = tuple[str, str]
@@ -104,7 +105,7 @@ def verify_cli(runtime_url: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
     env["PROOFLINE_DATABASE_URL"] = runtime_url
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "proofline", "verify-ledger"], env=env, cwd=ROOT,
+    return zygote.run([sys.executable, "-m", "proofline", "verify-ledger"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -6,7 +6,6 @@ processes that met the bombs are the same processes afterwards."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -18,6 +17,7 @@ import pytest
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import prepare, signed_message
 from proofline.errors import ContractInvalid
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from tests.conftest import ROOT, Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import refund_under_fault
@@ -293,7 +293,7 @@ def broken_stack(tmp_path_factory: pytest.TempPathFactory):
 
 def test_a_broken_contract_refuses_its_action_type_only(broken_stack) -> None:
     stack, contracts = broken_stack
-    check = subprocess.run([sys.executable, "-m", "proofline", "contracts", "check", "--dir", str(contracts)],
+    check = zygote.run([sys.executable, "-m", "proofline", "contracts", "check", "--dir", str(contracts)],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert check.returncode == 1
     assert "refused  ticket.close.yaml (ticket.close)" in check.stderr and "operators" in check.stderr

@@ -17,13 +17,14 @@ import yaml
 from ledger.states import Outcome
 from proofline.errors import ConfigurationError
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import build_stack, start_workers, teardown_stack
 from tests.helpers import ticket_env
 from worker.servers import load_servers
 
 
 def proofline(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "proofline", *args], capture_output=True, text=True, timeout=120,
+    return zygote.run([sys.executable, "-m", "proofline", *args], capture_output=True, text=True, timeout=120,
                           env=env, cwd=cwd)
 
 

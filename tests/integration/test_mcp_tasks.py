@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from ledger.states import ActionStatus, Outcome
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import ROOT, Stack, build_stack, start_workers, teardown_stack, wait_for
@@ -60,7 +60,7 @@ def task_stack(transport: str, tmp: Path) -> Stack:
     try:
         if transport == "http":  # the HTTP servers start before extra_env applies: the writer again, with it
             s.restart_writer(SOR_CONTRACT_VARIANT="tasks")
-        done = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
+        done = zygote.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         start_workers(s)

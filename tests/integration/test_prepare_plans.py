@@ -15,6 +15,7 @@ import yaml
 
 from proofline.errors import ConditionError, PlanChanged, PrepareFailed
 from proofline.plan import PlanSource, check_plan, plan_diff
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from proofline_kit.witness.placement import READ_SUFFIX
 from tests.conftest import ROOT, Stack
@@ -169,7 +170,7 @@ def test_contracts_check_refuses_a_misspelled_prepare_tool(tmp_path: Path) -> No
     env.update(PYTHONPATH=str(ROOT), PROOFLINE_PINS_FILE=str(ROOT / "contracts" / "pins.json"))
 
     def check(directory: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "proofline", "contracts", "check", "--dir", str(directory)],
+        return zygote.run([sys.executable, "-m", "proofline", "contracts", "check", "--dir", str(directory)],
                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
     refused = check(contracts)

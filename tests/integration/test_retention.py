@@ -25,6 +25,7 @@ from ledger import store
 from ledger.export import KINDS, SCHEMA_VERSION, schema_markdown
 from ledger.retention_ddl import PRUNE_CHAIN
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from tests.conftest import (
     ADMIN_URL,
     Stack,
@@ -87,7 +88,7 @@ class Copy:
                     "PROOFLINE_CONTRACTS_DIR": self.source.stack.env.get("PROOFLINE_CONTRACTS_DIR",
                                                                          str(ROOT / "contracts")),
                     **extra})
-        return subprocess.run([sys.executable, "-m", "proofline", "--json", *args], env=env, cwd=ROOT,
+        return zygote.run([sys.executable, "-m", "proofline", "--json", *args], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=180)
 
     def ok(self, *args: str, **extra: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ledger.states import ActionStatus, Outcome
 from proofline.errors import ConfigurationError
 from proofline.server_requests import ServerRequestPolicy
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.sor import store as sor
 from proofline_kit.sor.asks import asks_path
 from proofline_kit.sor.db import init_db
@@ -210,7 +211,6 @@ def test_a_protocol_version_other_than_the_pinned_one_is_refused_at_revalidation
     """``contracts pin`` records what the session negotiated; a worker whose session negotiates
     another protocol version than the pin (as after a server upgrade) refuses the action as
     ``tool_contract_changed`` naming it, and calls nothing; pinned again, the same server is verified."""
-    import subprocess
     import sys
 
     from proofline.pins import read_pins, write_pins
@@ -220,7 +220,7 @@ def test_a_protocol_version_other_than_the_pinned_one_is_refused_at_revalidation
     s = build_stack("stdio", tmp_path / "stack", extra_env={"PROOFLINE_PINS_FILE": str(pins)})
     try:
         def pin() -> None:
-            done = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
+            done = zygote.run([sys.executable, "-m", "proofline", "contracts", "pin", "--by", "test"], env=s.env,
                                   cwd=ROOT, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
 

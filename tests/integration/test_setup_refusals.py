@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ledger.states import ActionStatus
+from proofline_kit import zygote
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,7 +54,7 @@ def waiting(stack: Stack) -> Waiting:
 
 
 def run(stack: Stack, argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proofline", *argv], env={**stack.env, **env}, cwd=stack.workdir,
+    return zygote.run([sys.executable, "-m", "proofline", *argv], env={**stack.env, **env}, cwd=stack.workdir,
                           capture_output=True, text=True, timeout=120)
 
 

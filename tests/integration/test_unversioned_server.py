@@ -9,7 +9,6 @@ The server is the kit's system of record, a real ``MCPServer``, started with ``S
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 
 from ledger.states import ActionStatus, Outcome
 from proofline.envelope import NO_VERSION
+from proofline_kit import zygote
 from tests.conftest import build_stack, start_workers, teardown_stack
 from tests.integration.cli_run import environment
 
@@ -37,11 +37,11 @@ def test_an_unversioned_server_runs_its_actions_and_the_ledger_says_so(
         assert version == NO_VERSION
         pins = tmp_path / "pins.json"
         env = environment(stack, {"PROOFLINE_PINS_FILE": str(pins), "SOR_VERSION": ""})
-        pinned = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin"], env=env,
+        pinned = zygote.run([sys.executable, "-m", "proofline", "contracts", "pin"], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert pinned.returncode == 0, pinned.stderr
         assert json.loads(pins.read_text())["servers"]["sor"]["version"] == NO_VERSION
-        checked = subprocess.run([sys.executable, "-m", "proofline", "contracts", "pin", "--check"], env=env,
+        checked = zygote.run([sys.executable, "-m", "proofline", "contracts", "pin", "--check"], env=env,
                                  capture_output=True, text=True, timeout=120)
         assert checked.returncode == 0 and f"ok  sor {NO_VERSION}" in checked.stdout, checked.stderr
 

@@ -20,6 +20,7 @@ from mcp.shared.exceptions import MCPError
 from ledger.states import Outcome
 from proofline.envelope import arguments_hash
 from proofline.settings import ROOT
+from proofline_kit import zygote
 from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
 from proofline_kit.witness import WitnessLog
@@ -123,7 +124,7 @@ def test_a_cancelled_call_is_recorded_with_its_cancel(relayed) -> None:
 def test_the_stdio_relay_exits_as_its_server_did(tmp_path: Path, code: int) -> None:
     """The worker reads the sandbox's exit status for violations: the relay must not hide one."""
     body = f"import os, signal; os.kill(os.getpid(), {-code})" if code < 0 else f"raise SystemExit({code})"
-    proc = subprocess.run([sys.executable, "-m", "proofline_kit.witness", "stdio", "--log", str(tmp_path / "w.jsonl"),
+    proc = zygote.run([sys.executable, "-m", "proofline_kit.witness", "stdio", "--log", str(tmp_path / "w.jsonl"),
                            "--name", "x", "--", sys.executable, "-c", body], stdin=subprocess.DEVNULL, timeout=30,
                           cwd=ROOT)
     assert proc.returncode == code

@@ -36,6 +36,7 @@ from proofline.errors import LedgerKeyUnavailable
 from proofline.keys import KeyRole
 from proofline.ledger_check import check_chains
 from proofline.settings import ROOT, Settings
+from proofline_kit import zygote
 from tests.conftest import (
     ADMIN_URL,
     Stack,
@@ -132,7 +133,7 @@ class Ledger:
             return verify_ledger(conn, self.settings)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "proofline", *args], env=self.env(), cwd=ROOT,
+        return zygote.run([sys.executable, "-m", "proofline", *args], env=self.env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
 
     def append(self, chain: str, n: int) -> None:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from proofline.errors import ServerAuthFailed, TokenExchangeFailed
+from proofline_kit import zygote
 from proofline_kit.oauth.launch import DEFAULT_CLIENTS, AuthorizationServer, start_authorization_server
 from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
@@ -165,7 +166,7 @@ def test_servers_login_stores_a_refresh_token_the_worker_then_uses(oauth: dict[s
     state = tmp / "state"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")},
            "PROOFLINE_SERVERS_FILE": str(path), "PROOFLINE_STATE_DIR": str(state)}
-    proc = subprocess.Popen([sys.executable, "-m", "proofline", "servers", "login", "sor", "--timeout", "60"],
+    proc = zygote.spawn([sys.executable, "-m", "proofline", "servers", "login", "sor", "--timeout", "60"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = None

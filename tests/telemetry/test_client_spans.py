@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import pytest
 from proofline.client import Client
 from proofline.settings import ROOT
 from proofline.telemetry import tracing
+from proofline_kit import zygote
 from tests.conftest import Stack, build_stack, start_workers, teardown_stack
 from tests.helpers import ticket_env
 from tests.telemetry.test_traces import Span, ancestors, check_tree, no_payload, one_trace, spans_in
@@ -41,7 +41,7 @@ def cli_publish(stack: Stack, traces: Path, action_id: str, arguments: dict[str,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "OTEL_"))}
     env.update({k: v for k, v in stack.env.items() if k.startswith(("PROOFLINE_", "SOR_"))})
     env.update(TRACING, PROOFLINE_TRACES_DIR=str(traces), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "proofline", "publish", "--action-type", "ticket.create",
+    done = zygote.run([sys.executable, "-m", "proofline", "publish", "--action-type", "ticket.create",
                            "--tenant", "acme", "--target", json.dumps({"type": "ticket_queue", "id": "acme-ops"}),
                            "--args", json.dumps(arguments), "--run-id", f"run-{action_id}", "--action-id", action_id],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)

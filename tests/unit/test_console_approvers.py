@@ -26,6 +26,7 @@ from proofline.console.access import (
 from proofline.console.approvers import approver_keys
 from proofline.errors import ConfigurationError, ConsoleForbidden
 from proofline.keys import add_approver, generate, revoke
+from proofline_kit import zygote
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_each_write_names_who_may_send_it() -> None:
 def _cli(ring: SimpleNamespace, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PROOFLINE_KEYRING_FILE": str(ring.keyring_file), "PROOFLINE_STATE_DIR": str(ring.dir),
            "PROOFLINE_ENVIRONMENT": "development"}
-    return subprocess.run([sys.executable, "-m", "proofline", *args], env=env, capture_output=True, text=True,
+    return zygote.run([sys.executable, "-m", "proofline", *args], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
 
 

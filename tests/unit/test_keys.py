@@ -27,6 +27,7 @@ from proofline.keys import (
     rotate,
 )
 from proofline.settings import ROOT, Settings
+from proofline_kit import zygote
 
 FILES = ("controller.key", "recovery.key", "ledger.key", "worker.key", "seal.key", "keyring.json", "auditor.key",
          "auditor.pub")
@@ -35,7 +36,7 @@ SIGNING_ROLES = ("controller", "recovery", "ledger", "worker")
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("PROOFLINE_")}
-    return subprocess.run([sys.executable, "-m", "proofline", *args], cwd=ROOT, capture_output=True, text=True,
+    return zygote.run([sys.executable, "-m", "proofline", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**base, **(env or {})}, timeout=60)
 
 

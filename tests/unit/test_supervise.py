@@ -3,8 +3,10 @@ configuration error restarted a hundred times helps nobody) and backs off expone
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,3 +79,118 @@ def test_hooks_see_each_run_and_a_failing_hook_never_stops_a_restart(tmp_path: P
     code = supervise([sys.executable, "-c", script], backoff_seconds=0.01, early_exit_seconds=0.1, hooks=hooks)
     assert code == 0
     assert hooks.ends == [-signal.SIGKILL, 0]
+
+
+# Forked runs (``fork_main``): the same loop, each run a fork of the supervisor calling fork_main.
+# The supervisor runs in a fresh interpreter of its own: a pytest process holds threads and sockets
+# (xdist's channel, the stacks' clients), and a supervisor holding either never forks.
+
+PROGRAM = """
+import atexit, json, os, pathlib, signal, socket, sys, threading, time
+from proofline.supervise import supervise
+
+out = pathlib.Path(sys.argv[1])
+atexit.register(lambda: out.with_suffix(".atexit").write_text(str(os.getpid())))
+
+
+class Hooks:
+    def __init__(self):
+        self.ends = []
+
+    def env(self):
+        return {"PROOFLINE_TEST_RUN": str(len(self.ends))}
+
+    def ended(self, code):
+        self.ends.append(code)
+
+
+def record(**fields):
+    with out.open("a") as handle:
+        handle.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), **fields}) + "\\n")
+"""
+
+
+def _supervisor(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    program = tmp_path / "supervisor.py"
+    out = tmp_path / "runs.jsonl"
+    program.write_text(PROGRAM + body)
+    done = subprocess.run([sys.executable, str(program), str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    runs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return done, runs
+
+
+def test_forked_runs_are_children_with_the_hooks_environment_and_their_exit_status(tmp_path: Path) -> None:
+    # Run 0 is killed, run 1 fails with 5, run 2 exits cleanly; each lives past the early-exit bound.
+    done, runs = _supervisor(tmp_path, """
+def main():
+    n = int(os.environ["PROOFLINE_TEST_RUN"])
+    record(argv=sys.argv, n=n)
+    time.sleep(0.3)
+    if n == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(5 if n == 1 else 0)
+
+
+hooks = Hooks()
+code = supervise(["not-an-executable-a-fork-never-starts"], backoff_seconds=0.01, early_exit_seconds=0.1,
+                 hooks=hooks, fork_main=main)
+record(code=code, ends=hooks.ends, supervisor=True)
+""")
+    assert done.returncode == 0, done.stderr
+    *children, supervisor = runs
+    assert supervisor["code"] == 0 and supervisor["ends"] == [-signal.SIGKILL, 5, 0]
+    assert [c["n"] for c in children] == [0, 1, 2]
+    assert {c["ppid"] for c in children} == {supervisor["pid"]}
+    assert len({c["pid"] for c in children} | {supervisor["pid"]}) == 4
+    assert children[0]["argv"] == ["not-an-executable-a-fork-never-starts"]
+    # The supervisor's own exit function ran once, in the supervisor, never in a run.
+    assert (tmp_path / "runs.atexit").read_text() == str(supervisor["pid"])
+    assert done.stderr.count("worker started") == 3
+
+
+def test_a_stop_signal_reaches_the_forked_run(tmp_path: Path) -> None:
+    done, runs = _supervisor(tmp_path, """
+def main():
+    record(started=True)
+    time.sleep(60)
+
+
+stopper = os.fork()
+if stopper == 0:  # another process (a thread would stop the fork) stops the supervisor once the run has started
+    while not out.exists():
+        time.sleep(0.05)
+    os.kill(os.getppid(), signal.SIGTERM)
+    os._exit(0)
+code = supervise(["not-an-executable-a-fork-never-starts"], fork_main=main)
+record(code=code, supervisor=True)
+""")
+    assert done.returncode == 0, done.stderr
+    child, supervisor = runs
+    assert supervisor["code"] == -signal.SIGTERM
+    assert child["ppid"] == supervisor["pid"] != child["pid"]
+
+
+def test_a_supervisor_holding_a_thread_or_a_socket_starts_argv_instead(tmp_path: Path) -> None:
+    done, runs = _supervisor(tmp_path, """
+argv = [sys.executable, "-c", "import json, os; print(json.dumps({'how': 'argv', 'ppid': os.getppid()}))"]
+
+
+def main():
+    record(how="fork")
+
+
+supervise(argv, fork_main=main)
+release = threading.Event()
+holder = threading.Thread(target=release.wait)
+holder.start()
+supervise(argv, fork_main=main)
+release.set()
+holder.join()
+with socket.socket() as held:
+    supervise(argv, fork_main=main)
+supervise(argv, fork_main=main)
+""")
+    assert done.returncode == 0, done.stderr
+    assert [r["how"] for r in runs] == ["fork", "fork"]
+    assert done.stdout.count('"how": "argv"') == 2  # the thread's run and the socket's run
