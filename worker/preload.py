@@ -31,6 +31,20 @@ MODULES = (
 )
 
 
+#: The libraries a worker's Celery process imports at start, imported by its supervisor before it
+#: forks the run (``proofline/supervise.py``). Third-party only: none reads the environment or the
+#: settings, starts a thread or opens a connection when imported (the product's own modules do read
+#: settings at import, so the run imports those itself).
+LIBRARIES = (
+    "mcp", "mcp.types", "mcp.client.session", "mcp.client.stdio", "mcp.client.streamable_http",
+    "mcp.server.lowlevel", "anyio", "anyio._backends._asyncio", "httpx", "pydantic", "pydantic_settings",
+    "celery", "celery.app", "celery.bin.celery", "celery.worker", "celery.apps.worker",
+    "celery.concurrency.prefork", "kombu", "kombu.transport.redis", "redis", "redis.asyncio", "psycopg",
+    "sqlalchemy", "sqlalchemy.orm", "cel", "click", "yaml", "jsonschema",
+    "cryptography.hazmat.primitives.asymmetric.ed25519", "psutil", "rfc8785",
+)
+
+
 def modules(names: tuple[str, ...] = MODULES) -> list[str]:
     """Import ``names``; returns those that could not be imported (left to their first use)."""
     missing = []

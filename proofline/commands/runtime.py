@@ -52,6 +52,7 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
     from proofline.keys import check_process_keys
     from proofline.setup_checks import refuse_bad_setup
     from proofline.supervise import supervise
+    from worker import preload
     from worker.in_flight import HeldMessages
 
     refuse_json("worker")
@@ -68,11 +69,20 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
             "-c", str(concurrency or settings().worker_concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
     # What a run held when it was killed or stopped is excused, not counted against the messages.
     held = HeldMessages(settings())
+    preload.modules(preload.LIBRARIES)  # each run is forked with them loaded (proofline/supervise.py)
     try:
-        code = supervise(argv, hooks=held)
+        code = supervise(argv, hooks=held, fork_main=_celery_main)
     finally:
         held.close()
     sys.exit(code)
+
+
+def _celery_main() -> None:
+    """A forked run's body: ``python -m celery`` with the run's argv (``celery ...`` after ``-m``)."""
+    import celery.__main__
+
+    sys.argv = [celery.__main__.__file__, *sys.argv[3:]]
+    celery.__main__.main()
 
 
 @click.command()
