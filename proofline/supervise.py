@@ -18,17 +18,16 @@ into the run; otherwise, and always without ``fork_main``, it starts ``argv``.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
-import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
+
+from worker.forking import ForkedRun, forkable
 
 log = logging.getLogger(__name__)
 
@@ -50,91 +49,6 @@ class RunHooks(Protocol):
 
     def ended(self, code: int) -> object:
         """The run ended with ``code`` (negative: killed by that signal), before any restart."""
-
-
-class ForkedRun:
-    """A run forked from the supervisor, with the ``subprocess.Popen`` methods the loop uses."""
-
-    def __init__(self, main: Callable[[], object], argv: list[str], env: dict[str, str]) -> None:
-        self.args = argv
-        self.returncode: int | None = None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_forked(main, argv, env)  # never returns
-        self.pid = pid
-
-    def _reaped(self, flags: int) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, flags)
-            except ChildProcessError:  # reaped by a signal handler's poll during this wait
-                if self.returncode is None:
-                    self.returncode = 255
-                return self.returncode
-            if pid == self.pid and self.returncode is None:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def poll(self) -> int | None:
-        return self._reaped(os.WNOHANG)
-
-    def wait(self) -> int:
-        code = self._reaped(0)
-        assert code is not None
-        return code
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signum)
-
-
-def _run_forked(main: Callable[[], object], argv: list[str], env: dict[str, str]) -> None:
-    """The forked child: the run's signals, environment and argv, then ``main``; it ends as an
-    interpreter would (threads waited for, ``atexit``, streams flushed, ``SystemExit``'s status),
-    less the teardown of every module, which would copy the memory the fork shares."""
-    code = 1
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        atexit._clear()  # the supervisor's exit functions are not the run's
-        os.environ.update(env)
-        sys.argv = list(argv)
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - what an uncaught exception does to an interpreter
-        sys.excepthook(*sys.exc_info())
-    finally:
-        try:
-            threading._shutdown()  # type: ignore[attr-defined]
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code & 0xFF)
-
-
-def forkable() -> bool:
-    """This process holds no other thread and no open socket, so a fork copies no lock held
-    elsewhere and no connection (a database session with its locks, a broker channel) into a run."""
-    if threading.active_count() != 1:
-        return False
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                return False
-        except OSError:
-            continue  # the listing's own descriptor, closed by now
-    return True
 
 
 def supervise(argv: list[str], *, max_restarts: int = 100, backoff_seconds: float = 1.0,

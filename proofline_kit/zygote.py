@@ -53,15 +53,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-#: Libraries imported once in the zygote: third-party only, none reads the environment at import.
-PRELOAD = (
-    "mcp", "mcp.types", "mcp.client.session", "mcp.client.stdio", "mcp.client.streamable_http", "mcp.server.lowlevel",
-    "mcp.server.mcpserver", "anyio", "anyio._backends._asyncio", "httpx", "h11", "starlette.applications",
-    "uvicorn", "pydantic", "pydantic_settings", "celery", "celery.app", "celery.bin.celery", "celery.worker",
-    "celery.apps.worker", "celery.concurrency.prefork", "kombu", "kombu.transport.redis", "redis", "redis.asyncio",
-    "psycopg", "sqlalchemy", "sqlalchemy.orm", "sqlalchemy.dialects.postgresql", "cel", "click", "yaml",
-    "jsonschema", "cryptography.hazmat.primitives.asymmetric.ed25519", "psutil", "rfc8785",
-)
+from worker.forking import set_title
+from worker.preload import LIBRARIES
+
+#: Libraries imported once in the zygote: the worker's (those its supervisor preloads) and what the
+#: kit's servers add. Third-party only: none reads the environment at import.
+PRELOAD = (*LIBRARIES, "mcp.server.mcpserver", "h11", "starlette.applications", "uvicorn",
+           "sqlalchemy.dialects.postgresql")
 #: Environment variables the interpreter or a preloaded library reads at start: a request whose
 #: value differs from the zygote's is started plainly.
 START_VARIABLES = ("LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "PSYCOPG_IMPL")
@@ -102,6 +100,9 @@ def serve(socket_path: str, ready_fd: int) -> dict[str, Any]:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a library this install lacks is simply not preloaded
             pass
+    # Its own title, which also sets the title machinery up while the environment is still the one
+    # the interpreter started with (a child replaces the environment before it sets its title).
+    set_title(f"proofline test zygote {socket_path}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(128)
@@ -218,6 +219,7 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
 
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
+    set_title(" ".join(request["argv"]))  # ps shows the command asked for, not the zygote's
     conn.sendall(b"pid %d\n" % os.getpid())
     conn.close()
 

@@ -14,6 +14,7 @@ removed by the watcher before it starts the next one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 
+from worker.forking import ForkedRun, forkable
 from worker.host_client import SOCKET_ENV
 from worker.sandbox import DEATHSIG
 from worker.sandbox_reader import owned_prefix, reap_orphans
@@ -34,24 +36,28 @@ STOP_SECONDS = 10.0
 WATCH_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
 
-_host: subprocess.Popen[bytes] | None = None
+_host: subprocess.Popen[bytes] | ForkedRun | None = None
 _folder: str | None = None
 _stopping = threading.Event()
 _watcher: threading.Thread | None = None
 
 
-def _launch(path: str, spares: int) -> subprocess.Popen[bytes] | None:
+def _launch(path: str, spares: int) -> subprocess.Popen[bytes] | ForkedRun | None:
     """Start a host on ``path``; None when it did not become ready within :data:`READY_SECONDS`."""
     try:
         os.unlink(path)  # a previous host's socket
     except FileNotFoundError:
         pass
     ready_r, ready_w = os.pipe()
+    args = ["--socket", path, "--spares", str(spares), "--ready-fd", str(ready_w)]
     try:
-        host = subprocess.Popen(
-            [sys.executable, "-I", "-S", DEATHSIG, str(os.getpid()), sys.executable, "-m", "worker.session_host",
-             "--socket", path, "--spares", str(spares), "--ready-fd", str(ready_w)],
-            pass_fds=(ready_w,), stdin=subprocess.DEVNULL)
+        host: subprocess.Popen[bytes] | ForkedRun
+        if forkable():  # the main process before its pool, with the worker's modules loaded: fork it
+            host = ForkedRun(functools.partial(_forked_host, os.getpid(), args), ["worker.session_host", *args], {},
+                             title=" ".join([sys.executable, "-m", "worker.session_host", *args]))
+        else:
+            host = subprocess.Popen([sys.executable, "-I", "-S", DEATHSIG, str(os.getpid()), sys.executable, "-m",
+                                     "worker.session_host", *args], pass_fds=(ready_w,), stdin=subprocess.DEVNULL)
     except OSError as exc:
         os.close(ready_r)
         os.close(ready_w)
@@ -68,6 +74,28 @@ def _launch(path: str, spares: int) -> subprocess.Popen[bytes] | None:
         return None
     log.info("session host ready", extra={"event": "session_host_ready", "pid": host.pid, "socket": path})
     return host
+
+
+def _forked_host(parent: int, args: list[str]) -> None:
+    """The host in a fork of the worker's main process, set up as its own start would set it up:
+    killed with its parent (as ``worker/deathsig.py`` does for a started one), standard input from
+    /dev/null, the real standard streams (not Celery's logging proxies) and its own logging."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        os._exit(126)
+    if os.getppid() != parent:
+        os._exit(125)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    from worker.session_host import main
+
+    main(args)
 
 
 def _watch(path: str, spares: int) -> None:

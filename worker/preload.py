@@ -37,11 +37,11 @@ MODULES = (
 #: settings at import, so the run imports those itself).
 LIBRARIES = (
     "mcp", "mcp.types", "mcp.client.session", "mcp.client.stdio", "mcp.client.streamable_http",
-    "mcp.server.lowlevel", "anyio", "anyio._backends._asyncio", "httpx", "pydantic", "pydantic_settings",
+    "mcp.server.lowlevel", "anyio", "anyio._backends._asyncio", "httpx2", "pydantic", "pydantic_settings",
     "celery", "celery.app", "celery.bin.celery", "celery.worker", "celery.apps.worker",
     "celery.concurrency.prefork", "kombu", "kombu.transport.redis", "redis", "redis.asyncio", "psycopg",
     "sqlalchemy", "sqlalchemy.orm", "cel", "click", "yaml", "jsonschema",
-    "cryptography.hazmat.primitives.asymmetric.ed25519", "psutil", "rfc8785",
+    "cryptography.hazmat.primitives.asymmetric.ed25519", "psutil", "rfc8785", "setproctitle",
 )
 
 

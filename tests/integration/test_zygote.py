@@ -21,7 +21,8 @@ import json, os, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_PROBE"),
                   "path0": sys.path[0], "pythonpath": [p for p in sys.path if p.endswith("extra-path")],
                   "forked": "mcp_types" in sys.modules, "product": "proofline.settings" in sys.modules,
-                  "main": __name__, "pgid": os.getpgid(0) == os.getpid(), "ppid": os.getppid()}))
+                  "main": __name__, "pgid": os.getpgid(0) == os.getpid(), "ppid": os.getppid(),
+                  "cmdline": open("/proc/self/cmdline", "rb").read().decode()}))
 """
 
 
@@ -55,6 +56,7 @@ def test_a_forked_child_has_the_argv_directory_environment_and_path_it_asked_for
     assert seen["cwd"] == str(tmp_path) and seen["env"] == "yes" and seen["main"] == "__main__"
     assert seen["path0"] == "" and seen["pythonpath"] == [str(extra)]
     assert not seen["pgid"]
+    assert "-c" in seen["cmdline"] and "one two" in seen["cmdline"] and "zygote" not in seen["cmdline"]
 
 
 def test_a_module_and_a_script_run_as_python_would_run_them(tmp_path: Path) -> None:
