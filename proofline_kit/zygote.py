@@ -506,6 +506,14 @@ def _parse(argv: Sequence[str]) -> dict[str, Any] | None:
     return None
 
 
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _shadows(pythonpath: str) -> bool:
     """A ``PYTHONPATH`` entry holding a package of the same name as a preloaded library."""
     for entry in (p for p in pythonpath.split(os.pathsep) if p):
@@ -565,6 +573,11 @@ def spawn(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
         path0 = workdir if spec["kind"] == "module" else ""
     if spec["kind"] == "script" and not os.path.exists(spec["target"]):
         return plain()
+    if stdin is None and not _open(0):
+        stdin = subprocess.DEVNULL  # this process has no standard input (CI): the child reads end of file
+    for n, spec_n in ((1, stdout), (2, stderr)):
+        if spec_n is None and not _open(n):
+            return plain()  # an output stream this process has closed: Popen leaves it closed too
     streams = [_stream(stdin, "w", text, encoding), _stream(stdout, "r", text, encoding)]
     if stderr == subprocess.STDOUT:
         streams.append((streams[1][0] if streams[1][0] is not None else 1, None, None))
@@ -585,11 +598,13 @@ def spawn(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
             if close is not None:
                 os.close(close)
     answer = b""
-    while not answer.endswith(b"\n"):
+    while b"\n" not in answer:
         chunk = conn.recv(64)
         if not chunk:
             break
         answer += chunk
+    # A child that ends at once has its exit status sent right behind its pid: keep that for wait().
+    answer, _, rest = answer.partition(b"\n")
     words = answer.split()
     if len(words) != 2 or words[0] != b"pid":
         conn.close()
@@ -597,7 +612,9 @@ def spawn(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
             if wrapped is not None:
                 wrapped.close()
         raise OSError(f"the zygote refused {argv!r}: {answer!r}")
-    return Forked(argv, int(words[1]), conn, streams[0][1], streams[1][1], streams[2][1])
+    forked = Forked(argv, int(words[1]), conn, streams[0][1], streams[1][1], streams[2][1])
+    forked._buffer = rest
+    return forked
 
 
 def run(argv: Sequence[str], *, input: Any = None, capture_output: bool = False, timeout: float | None = None,  # noqa: A002

@@ -159,3 +159,20 @@ def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_bad_working_directory_fails_as_popen_fails(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         zygote.spawn([PY, "-c", "pass"], cwd=tmp_path / "missing")
+
+
+def test_a_test_process_without_standard_input_still_forks_its_children() -> None:
+    # CI runs the suite with standard input closed: a child then reads end of file from /dev/null.
+    code = ("import sys; from proofline_kit import zygote; zygote.enable(); "
+            "r = zygote.run([sys.executable, '-c', 'import sys; print(sys.stdin.read() == \"\", "
+            "\"mcp_types\" in sys.modules)'], capture_output=True, text=True, timeout=60); print(r.stdout.strip())")
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(zygote.__file__).parents[1],
+                          preexec_fn=lambda: os.close(0))  # noqa: PLW1509 - the closed stdin is the point
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True True"
+
+
+def test_children_that_end_at_once_report_their_status() -> None:
+    # Their exit status can arrive in the same read as their pid.
+    codes = [zygote.run([PY, "-c", f"raise SystemExit({n % 3})"], timeout=60).returncode for n in range(30)]
+    assert codes == [n % 3 for n in range(30)]
