@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from worker.forking import set_title
+from worker.forking import end, exit_status, set_title
 from worker.preload import LIBRARIES
 
 #: Libraries imported once in the zygote: the worker's (those its supervisor preloads) and what the
@@ -259,39 +259,14 @@ def _run_request(request: dict[str, Any]) -> None:
             sys.argv = ["-c", *args]
             exec(compile(target, "<string>", "exec"), sys.modules["__main__"].__dict__)  # noqa: S102 - python -c
     except SystemExit as exc:
-        code = _exit_code(exc.code)
+        code = exit_status(exc.code)
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
         code, interrupted = 130, True
     except BaseException:  # noqa: BLE001 - what an uncaught exception does to an interpreter
         sys.excepthook(*sys.exc_info())
         code = 1
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code)
-
-
-def _exit_code(value: object) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    try:
-        print(value, file=sys.stderr)
-    except (OSError, ValueError):
-        pass
-    return 1
+    end(code, interrupted)
 
 
 def _die_with_parent() -> None:

@@ -118,19 +118,42 @@ def _run_forked(main: Callable[[], object], argv: list[str], env: dict[str, str]
         main()
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
-            print(exc.code, file=sys.stderr)
+        code = exit_status(exc.code)
     except BaseException:  # noqa: BLE001 - what an uncaught exception does to an interpreter
         sys.excepthook(*sys.exc_info())
     finally:
-        try:
-            threading._shutdown()  # type: ignore[attr-defined]
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code & 0xFF)
+        end(code)
+
+
+def exit_status(value: object) -> int:
+    """The status ``python`` exits with for ``SystemExit(value)`` (a message is printed, status 1)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    try:
+        print(value, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+    return 1
+
+
+def end(code: int, interrupted: bool = False) -> None:
+    """End this forked process as an interpreter ends: non-daemon threads waited for, ``atexit``
+    run, streams flushed (and death by SIGINT after an uncaught ``KeyboardInterrupt``)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        os._exit(code & 0xFF)
 
 
 def forkable() -> bool:

@@ -69,9 +69,11 @@ def worker(ctx: click.Context, role: str, queues: str | None, concurrency: int |
             "-c", str(concurrency or settings().worker_concurrency), "-P", "prefork", "--loglevel", "INFO", *ctx.args]
     # What a run held when it was killed or stopped is excused, not counted against the messages.
     held = HeldMessages(settings())
-    preload.modules(preload.LIBRARIES)  # each run is forked with them loaded (proofline/supervise.py)
+    forking = metrics_port is None  # the metrics endpoint is a thread of this process: no fork then
+    if forking:
+        preload.modules(preload.LIBRARIES)  # each run is forked with them loaded (proofline/supervise.py)
     try:
-        code = supervise(argv, hooks=held, fork_main=_celery_main)
+        code = supervise(argv, hooks=held, fork_main=_celery_main if forking else None)
     finally:
         held.close()
     sys.exit(code)
