@@ -49,8 +49,16 @@ def _postgres(folder: Path) -> psutil.Process | None:
 
 
 def _left(processes: list[psutil.Process]) -> list[tuple[int, str]]:
-    """Those of ``processes`` still alive (Postgres' postmaster is not dev's child: it is given here)."""
-    return [(p.pid, p.name()) for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """Those of ``processes`` still alive (Postgres' postmaster is not dev's child: it is given here).
+    One that ends while it is being looked at is gone, not left."""
+    left = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append((p.pid, p.name()))
+        except psutil.NoSuchProcess:
+            continue
+    return left
 
 
 def test_sigterm_stops_every_process_of_the_stack(scratch: Path) -> None:
@@ -91,7 +99,11 @@ def test_a_process_that_cannot_start_stops_the_stack_with_dev_stack_failed(scrat
 
             def exited() -> bool:
                 if dev.poll() is None:
-                    tree.extend(p for p in psutil.Process(dev.pid).children(recursive=True) if p not in tree)
+                    try:
+                        children = psutil.Process(dev.pid).children(recursive=True)
+                    except psutil.NoSuchProcess:  # dev ended between poll() and this read
+                        children = []
+                    tree.extend(p for p in children if p not in tree)
                     server = _postgres(folder)
                     postgres.extend([server] if server is not None and server not in postgres else [])
                 return dev.poll() is not None
