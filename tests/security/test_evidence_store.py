@@ -378,6 +378,8 @@ def test_an_auditor_opens_the_captures_in_the_console_and_the_read_is_recorded(
         page = log_in(browser, console, "audit-dana")
         page.goto(f"/actions/{t.action_id}")
         page.click("#evidence-link")
+        page.wait_for_url(f"**/evidence/{t.action_id}")  # a click does not wait for the page it opens
+        page.wait_for_selector("#captured tr")
         assert page.locator("#captured tr").count() == 5  # a header and the four captures
         assert CANARY not in page.content()  # listed by digest; nothing opened yet
         shot(page, "evidence-listed")
