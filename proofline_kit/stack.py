@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import redis
 from celery import Celery
@@ -279,28 +280,108 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to.
     ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process).
     Returns once every new worker's consumer is on the broker."""
-    baseline = _consumers(stack)
+    baseline = _consumers(stack) if stack.broker != "redis" else 0
     # On RabbitMQ a worker is counted on ``actions`` and on ``reconcile`` (one each for role all).
     per_worker = 2 if stack.broker == "rabbitmq" and role == "all" else 1
     started = []
+    logs = []
     for i in range(count):
         # The same supervised worker an operator runs (``proofline worker``): restarted if Celery dies.
         argv = [sys.executable, "-m", "proofline", "worker", "--role", role, "--concurrency", str(concurrency),
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{name}{i}-{uuid.uuid4().hex[:6]}@%h"]
         if beat and i == 0:
             argv += ["-B", "-s", str(stack.workdir / f"beat-{name}.db")]
-        proc = start_process(argv, env or stack.env, stack.workdir / f"worker-{name}{i}.log")
+        logs.append(stack.workdir / f"worker-{name}{i}.log")
+        proc = start_process(argv, env or stack.env, logs[-1])
         started.append(proc)
     stack.workers.extend(started)
+
+    seen: set[int] = set()  # the pids of the new workers seen consuming (Redis)
 
     def consuming() -> bool:
         dead = [p.args for p in started if p.poll() is not None]
         if dead:
             raise RuntimeError(f"a worker exited while starting: {dead}")
-        return _consumers(stack) >= baseline + count * per_worker
+        if stack.broker != "redis":
+            return _consumers(stack) >= baseline + count * per_worker
+        # Each new worker by its own connection: a count against a baseline could count a connection
+        # Redis had not yet seen closed, and then wait for one consumer too many. Which process holds
+        # a port is only looked up once there are enough consumers for it to be worth the scan.
+        waiting = _brpop_ports(stack)
+        if len(waiting) >= count:
+            seen.update(p.pid for p in started if p.pid not in seen and _broker_ports(stack, p) & waiting)
+        return len(seen) == len(started)
 
-    wait_for(consuming, 60, what=f"{count} new worker(s) to consume from the broker")
+    try:
+        wait_for(consuming, 60, interval=0.1, what=f"{count} new worker(s) to consume from the broker")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_start_report(stack, started, logs)}") from None
     return started
+
+
+def _tree(proc: Any) -> list[psutil.Process]:
+    """``proc`` (a started process) and its descendants while they run."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _broker_ports(stack: Stack, proc: Any) -> set[int]:
+    """The local ports of the connections ``proc``'s processes hold to the stack's Redis."""
+    port = int(stack.broker_url.rsplit(":", 1)[1].split("/", 1)[0])
+    ports: set[int] = set()
+    for member in _tree(proc):
+        try:
+            held = member.net_connections("tcp") if hasattr(member, "net_connections") else member.connections("tcp")
+        except psutil.Error:
+            continue
+        ports.update(c.laddr.port for c in held if c.raddr and c.raddr.port == port)
+    return ports
+
+
+def _redis_clients(stack: Stack) -> list[dict[str, Any]]:
+    """Redis' client list for the stack's broker database."""
+    client = redis_client(stack)
+    try:
+        db = int(stack.broker_url.rsplit("/", 1)[1])
+        return [c for c in client.client_list() if int(c.get("db", -1)) == db]
+    finally:
+        client.close()
+
+
+def _brpop_ports(stack: Stack) -> set[int]:
+    """The client ports of the stack's Redis connections blocked in (or last seen in) BRPOP."""
+    return {int(c["addr"].rsplit(":", 1)[1]) for c in _redis_clients(stack) if c.get("cmd") == "brpop"}
+
+
+def _start_report(stack: Stack, started: list[Any], logs: list[Path]) -> str:
+    """What a worker that was not seen consuming was doing: each process of its tree (state, kernel
+    wait channel, broker connections), the broker's view and the end of its log."""
+    lines = []
+    for proc in started:
+        lines.append(f"worker pid {proc.pid} ({'running' if proc.poll() is None else f'exited {proc.returncode}'}):")
+        for member in _tree(proc):
+            try:
+                lines.append(f"  {member.pid} {member.status()} wchan={Path(f'/proc/{member.pid}/wchan').read_text()} "
+                             f"threads={member.num_threads()} {' '.join(member.cmdline())[:160]}")
+            except (psutil.Error, OSError):
+                continue
+        if stack.broker == "redis":
+            lines.append(f"  its broker ports: {sorted(_broker_ports(stack, proc))}")
+    try:
+        if stack.broker == "redis":
+            lines.append("redis clients: " + "; ".join(f"{c['addr']} cmd={c.get('cmd')} age={c.get('age')}"
+                                                       for c in _redis_clients(stack)))
+        else:
+            lines.append(f"consumers of actions and reconcile now: {_consumers(stack)}")
+    except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail differently
+        lines.append(f"broker not readable: {exc}")
+    for log in logs:
+        if log.exists():
+            lines.append(f"end of {log}:\n" + log.read_text(errors="replace")[-3000:])
+    return "\n".join(lines)
 
 
 def _consumers(stack: Stack) -> int:
