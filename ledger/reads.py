@@ -7,16 +7,40 @@ same task finds the request answered and writes nothing."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from ledger import store
+from proofline.canonical import canonical_bytes
 from proofline.errors import ReadRefused
 from proofline.reads import ANSWERED, REQUESTED, chain
 
+#: The key of the recorded request's evidence that holds the digest of the request as signed.
+DIGEST_KEY = "request_digest"
+
+
+def request_digest(request: dict[str, Any]) -> str:
+    """The digest of ``request``'s canonical bytes (what the controller key signs)."""
+    return "sha256:" + hashlib.sha256(canonical_bytes(request)).hexdigest()
+
 
 def request_txn(cur: store.Cursor, request: dict[str, Any], actor: str) -> None:
-    """Record an agent's read request (the controller role's write)."""
-    store.append_event_txn(cur, chain(request["request_id"]), REQUESTED, actor, request)
+    """Record an agent's read request (the controller role's write), with the digest of the request
+    as signed: the stored copy is redacted like every event (a target id or a request id that looks
+    like a card number is masked), so only the digest says which request was recorded."""
+    store.append_event_txn(cur, chain(request["request_id"]), REQUESTED, actor,
+                           {**request, DIGEST_KEY: request_digest(request)})
+
+
+def is_recorded(recorded: dict[str, Any] | None, request: dict[str, Any]) -> bool:
+    """Whether ``recorded`` (a chain's request evidence, or None) is ``request``: by the digest it
+    holds; a request recorded before digests were, by its bytes."""
+    if recorded is None:
+        return False
+    digest = recorded.get(DIGEST_KEY)
+    if isinstance(digest, str):
+        return digest == request_digest(request)
+    return canonical_bytes(recorded) == canonical_bytes(request)
 
 
 def state(cur: store.Cursor, request_id: str) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any
 from ledger import reads as read_store
 from ledger import store
 from ledger.redact import for_envelope
-from proofline.canonical import canonical_bytes
 from proofline.conditions import build_arguments, holds
 from proofline.contracts import extract
 from proofline.errors import McpUnavailable, ProoflineError, ReadRefused, ResultTooLarge
@@ -36,7 +35,7 @@ def answer_read(rt: Runtime, message: Any) -> dict[str, Any]:
         request_id = str(request.get("request_id", ""))
         with store.transaction(rt.conn) as cur:
             recorded = read_store.state(cur, request_id)
-        if recorded["request"] is None or canonical_bytes(recorded["request"]) != canonical_bytes(request):
+        if not read_store.is_recorded(recorded["request"], request):
             raise ReadRefused(f"read {request_id[:64]!r} is not a request the ledger recorded", cause="not_recorded")
         if recorded["answer"] is not None:
             return {"status": "skipped", "request_id": request_id, "reason_code": "answered"}
