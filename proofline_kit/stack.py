@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
@@ -280,9 +281,9 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
     """Real Celery workers; the first also runs beat (the reconciler's clock) unless told not to.
     ``role`` is ``proofline worker --role`` (execute, recovery, or all: both in one process).
     Returns once every new worker's consumer is on the broker."""
-    baseline = _consumers(stack) if stack.broker != "redis" else 0
+    baseline = _amqp_consumer_count(stack) if stack.broker == "rabbitmq" else 0
     # On RabbitMQ a worker is counted on ``actions`` and on ``reconcile`` (one each for role all).
-    per_worker = 2 if stack.broker == "rabbitmq" and role == "all" else 1
+    per_worker = 2 if role == "all" else 1
     started = []
     logs = []
     for i in range(count):
@@ -302,8 +303,8 @@ def start_workers(stack: Stack, count: int = 1, concurrency: int = 2, name: str 
         dead = [p.args for p in started if p.poll() is not None]
         if dead:
             raise RuntimeError(f"a worker exited while starting: {dead}")
-        if stack.broker != "redis":
-            return _consumers(stack) >= baseline + count * per_worker
+        if stack.broker == "rabbitmq":
+            return _amqp_consumer_count(stack) >= baseline + count * per_worker
         # Each new worker by its own connection: a count against a baseline could count a connection
         # Redis had not yet seen closed, and then wait for one consumer too many. Which process holds
         # a port is only looked up once there are enough consumers for it to be worth the scan.
@@ -330,7 +331,7 @@ def _tree(proc: Any) -> list[psutil.Process]:
 
 def _broker_ports(stack: Stack, proc: Any) -> set[int]:
     """The local ports of the connections ``proc``'s processes hold to the stack's Redis."""
-    port = int(stack.broker_url.rsplit(":", 1)[1].split("/", 1)[0])
+    port = urlsplit(stack.broker_url).port
     ports: set[int] = set()
     for member in _tree(proc):
         try:
@@ -345,7 +346,7 @@ def _redis_clients(stack: Stack) -> list[dict[str, Any]]:
     """Redis' client list for the stack's broker database."""
     client = redis_client(stack)
     try:
-        db = int(stack.broker_url.rsplit("/", 1)[1])
+        db = int(urlsplit(stack.broker_url).path.strip("/") or 0)
         return [c for c in client.client_list() if int(c.get("db", -1)) == db]
     finally:
         client.close()
@@ -375,7 +376,7 @@ def _start_report(stack: Stack, started: list[Any], logs: list[Path]) -> str:
             lines.append("redis clients: " + "; ".join(f"{c['addr']} cmd={c.get('cmd')} age={c.get('age')}"
                                                        for c in _redis_clients(stack)))
         else:
-            lines.append(f"consumers of actions and reconcile now: {_consumers(stack)}")
+            lines.append(f"consumers of actions and reconcile now: {_amqp_consumer_count(stack)}")
     except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail differently
         lines.append(f"broker not readable: {exc}")
     for log in logs:
@@ -384,18 +385,10 @@ def _start_report(stack: Stack, started: list[Any], logs: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def _consumers(stack: Stack) -> int:
-    """Redis: connections to the stack's database blocked in (or last seen in) BRPOP, one per Celery
-    consumer reading its queues. RabbitMQ: consumers on ``actions`` plus those on ``reconcile`` (every
-    role consumes one of them) in the stack's own virtual host. Either way, each one is ours."""
-    if stack.broker == "rabbitmq":
-        return sum(_amqp_consumers(stack.broker_url, queue) for queue in ("actions", "reconcile"))
-    client = redis_client(stack)
-    try:
-        db = int(stack.broker_url.rsplit("/", 1)[1])
-        return sum(1 for c in client.client_list() if int(c.get("db", -1)) == db and c.get("cmd") == "brpop")
-    finally:
-        client.close()
+def _amqp_consumer_count(stack: Stack) -> int:
+    """Consumers on ``actions`` plus those on ``reconcile`` (every role consumes one of them) in the
+    stack's own RabbitMQ virtual host: each one is ours."""
+    return sum(_amqp_consumers(stack.broker_url, queue) for queue in ("actions", "reconcile"))
 
 
 def _amqp_consumers(url: str, queue: str) -> int:
