@@ -258,14 +258,60 @@ def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[E
 
 
 def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelope]) -> list[dict[str, Any]]:
-    """Publish a multi-step run: every step is recorded now, only the first is sent. Each later step
-    is released by the runtime once the step before it is verified (``recovery/runs.py``)."""
+    """Publish a multi-step run: every step is recorded in one transaction (the first ``published``,
+    the others ``pending``), and only once that committed is the first step sent. Each later step is
+    released by the runtime once the step before it is verified (``recovery/runs.py``).
+
+    Recorded one at a time, a first step sent before its later steps were recorded could settle
+    while the run still looked one step long, and the run was settled ``completed`` with a step
+    never run. A step id already published with other arguments refuses the whole run: nothing of
+    it is recorded but that ``publish_refused`` event, and the conflict is raised."""
     run_ids = {e.run_id for e in envelopes}
     steps = [e.step for e in envelopes]
     if len(run_ids) != 1 or steps != list(range(len(envelopes))) or any(e.run_steps != len(envelopes)
                                                                            for e in envelopes):
         raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
+    messages = [signed_message(settings, e) for e in envelopes]
+    for message in messages:
+        checked_for_publish(settings, conn, message, None)
+    seal_key = seal.sealer_for(settings)
     # One trace for the run: its later steps are released from the trace of the step before them.
     with tracing.span("proofline.publish_run", **{"proofline.workflow": envelopes[0].workflow_type}):
-        return [publish(settings, conn, app, e, hold=e.step > 0) for e in envelopes]
+        spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e),
+                                 **{"proofline.stage": "publish"}) for e in envelopes]
+        try:
+            recorded = _record_run(conn, messages, envelopes, seal_key, spans)
+            with tracing.current(spans[0]), handed_to_broker(envelopes[0].action_id):
+                CeleryDispatch(app, settings.tenant_shards).execute(messages[0], task_id=recorded[0]["task_id"])
+        finally:
+            for span in spans:
+                tracing.end(span)
+    return recorded
 
+
+class _RunRefused(Exception):
+    """Inside the run's transaction: a step conflicts, so nothing of the run is kept."""
+
+    def __init__(self, envelope: Envelope, conflict: IdempotencyConflict) -> None:
+        super().__init__(str(conflict))
+        self.envelope, self.conflict = envelope, conflict
+
+
+def _record_run(conn: Any, messages: list[dict[str, Any]], envelopes: list[Envelope], seal_key: Any,
+                spans: list[Any]) -> list[dict[str, Any]]:
+    try:
+        with store.transaction(conn) as cur:
+            recorded = []
+            for message, envelope, span in zip(messages, envelopes, spans, strict=True):
+                with tracing.current(span):
+                    outcome = record_publication_txn(cur, message, envelope, seal_key=seal_key,
+                                                     hold=envelope.step > 0)
+                if isinstance(outcome, IdempotencyConflict):
+                    raise _RunRefused(envelope, outcome)
+                recorded.append(outcome)
+    except _RunRefused as refused:
+        with store.transaction(conn) as cur:
+            store.append_event_txn(cur, refused.envelope.action_id, "publish_refused", refused.envelope.requester,
+                                   {**refused.conflict.as_evidence(), "run_id": refused.envelope.run_id})
+        raise refused.conflict from None
+    return recorded

@@ -92,7 +92,10 @@ def on_step_settled(conn: Any, actor: str, envelope: Envelope, status: ActionSta
                                        {"after_step": nxt.step - 1, "run_id": run_id})
                 store.transition_txn(cur, nxt.action_id, [ActionStatus.pending], ActionStatus.published)
                 release = nxt.message
-            elif all(s.verified for s in steps):
+            elif all(s.verified for s in steps) and len(steps) >= envelope.run_steps:
+                # Only a run whose every step is recorded is complete: a step published on its own
+                # (``hold=True``) may be recorded after the one before it settled. The reconciler's
+                # follow-up sweep releases it then, from that earlier step.
                 _record_run(cur, run_id, actor, steps)
         else:
             first = max(s.step for s in stopped)

@@ -101,12 +101,30 @@ def recovery_action(stack: Stack, action_id: str) -> str:
     return published[0]["evidence"]["recovery_action"]
 
 
-def run_settled(stack: Stack, run_id: str) -> dict[str, Any]:
+def run_settled(stack: Stack, run_id: str, expect: str | None = None) -> dict[str, Any]:
+    """The run's ``run_settled`` evidence once it is recorded. With ``expect``, an outcome other than
+    that one fails with what each step saw and did (its chain, its target as the system of record
+    holds it now), so that a failure on a loaded machine explains itself."""
     def settled():
         events = [e for e in stack.timeline(f"run:{run_id}") if e["event"] == "run_settled"]
         return events[0]["evidence"] if events else None
 
-    return wait_for(settled, 60, what=f"run {run_id} to settle")
+    summary = wait_for(settled, 60, what=f"run {run_id} to settle")
+    if expect is not None and summary["outcome"] != expect:
+        raise AssertionError(f"run {run_id} settled {summary['outcome']!r}, not {expect!r}\n"
+                             + "\n".join(_step_story(stack, s["action_id"]) for s in summary["steps"]))
+    return summary
+
+
+def _step_story(stack: Stack, action_id: str) -> str:
+    row = stack.action(action_id)
+    if row is None:
+        return f"{action_id}: no row"
+    target = row.envelope.get("target", {}) if isinstance(row.envelope, dict) else {}
+    now = sor.get_ticket(stack.sor_db, target["id"]) if target.get("type") == "ticket" else None
+    chain = [f"  {e['event']} {json.dumps(e['evidence'], default=str)[:600]}" for e in stack.timeline(action_id)]
+    return (f"{action_id}: {row.status} {row.outcome} {row.reason_code} target={json.dumps(target)} "
+            f"now={json.dumps(now, default=str)}\n" + "\n".join(chain))
 
 
 class LosingBroker:

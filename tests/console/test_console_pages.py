@@ -109,7 +109,7 @@ def test_a_run_shows_its_steps_and_the_compensations_in_reverse(stack: Stack, co
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: refund_env(stack, account, **kw),
                            lambda **kw: stale_close_env(stack, **kw)])
     stack.publish_run(steps)
-    assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     page = log_in(browser, console, "viewer-bob")
     page.goto("/runs")
     page.click(f"a[href='/runs/{steps[0].run_id}']")

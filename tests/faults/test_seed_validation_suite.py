@@ -494,8 +494,7 @@ def test_partial_multi_step_completion(stack: Stack) -> None:
         lambda **kw: stale_close_env(stack, **kw),
     ])
     stack.publish_run(steps)
-    summary = run_settled(stack, steps[0].run_id)
-    assert summary["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     rows = [stack.action(e.action_id) for e in steps]
     assert [r.outcome for r in rows] == [Outcome.compensated, Outcome.compensated, Outcome.not_started]
     assert rows[2].reason_code == "stale_version"
@@ -586,7 +585,7 @@ def test_compensation_retry(stack: Stack) -> None:
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: stale_close_env(stack, **kw)])
     sor.set_fault(stack.sor_db, "close_ticket", "fail_before_commit", remaining=1)
     stack.publish_run(steps)
-    assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     comp_id = recovery_action(stack, steps[0].action_id)
     comp = stack.action(comp_id)
     assert comp.outcome == Outcome.completed_verified

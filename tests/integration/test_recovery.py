@@ -3,8 +3,11 @@ the ledger and the system of record's own effects log."""
 
 from __future__ import annotations
 
+import pytest
+
 from ledger.states import ActionStatus, Outcome
 from proofline.controller import publish_message
+from proofline.errors import IdempotencyConflict
 from proofline_kit.sor import store as sor
 from recovery.cancel import cancel
 from tests.conftest import Stack
@@ -28,11 +31,53 @@ def test_cancelling_a_queued_step_cancels_it_and_unwinds_the_run(stack: Stack) -
     row = stack.action(steps[1].action_id)
     assert (row.status, row.outcome) == (ActionStatus.cancelled, Outcome.not_started)
     # The run cannot complete any more: the step that did run is compensated once verified.
-    assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     assert stack.action(steps[0].action_id).outcome == Outcome.compensated
     assert sor.find_ticket_by_key(stack.sor_db, steps[0].idempotency_key)["ticket"]["status"] == "closed"
     assert stack.effects(steps[1].idempotency_key) == 0
     assert "tool_called" not in stack.events(steps[1].action_id)
+
+
+def test_a_run_is_recorded_whole_before_its_first_step_is_sent(stack: Stack) -> None:
+    """Every step of a run is recorded in the transaction that records the first, so a first step
+    that settles at once never finds a run shorter than it is (it was then settled ``completed``
+    with its second step never run)."""
+    steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
+    stack.publish_run(steps)
+    with stack.conn.cursor() as cur:
+        cur.execute("""SELECT action_id, event, xmin::text AS tx FROM ledger_events
+                       WHERE action_id = ANY(%s) AND event IN ('published', 'pending')""",
+                    ([e.action_id for e in steps],))
+        recorded = {(r["action_id"], r["event"]): r["tx"] for r in cur.fetchall()}
+    assert set(recorded) == {(steps[0].action_id, "published"), (steps[1].action_id, "pending")}
+    assert len(set(recorded.values())) == 1
+    assert run_settled(stack, steps[0].run_id, expect="completed")["steps"][1]["outcome"] == "completed_verified"
+
+
+def test_a_run_with_a_conflicting_step_is_refused_whole(stack: Stack) -> None:
+    first = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
+    stack.publish(ticket_env(stack, action_id=first[1].action_id))  # that id, other arguments
+    with pytest.raises(IdempotencyConflict):
+        stack.publish_run(first)
+    assert stack.action(first[0].action_id) is None  # nothing of the run is recorded, nothing sent
+    assert "publish_refused" in stack.events(first[1].action_id)
+
+
+def test_a_step_recorded_after_the_one_before_it_settled_still_runs(stack: Stack) -> None:
+    """A controller publishing a run's steps one by one (``hold=True`` for the later ones) can have
+    its first step settle before the second is recorded. The run is not complete then: it settles
+    only once the reconciler has released the late step and that step is verified."""
+    steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: ticket_env(stack, **kw)])
+    dispatch = CeleryDispatch(stack.app)
+    publish_message(stack.conn, dispatch, stack.message(steps[0]), steps[0], seal_key=stack.seal_key,
+                    settings=stack.settings)
+    assert stack.wait_settled(steps[0].action_id).outcome == Outcome.completed_verified
+    publish_message(stack.conn, dispatch, stack.message(steps[1]), steps[1], seal_key=stack.seal_key,
+                    settings=stack.settings, hold=True)
+    settled = run_settled(stack, steps[0].run_id, expect="completed")
+    assert [s["action_id"] for s in settled["steps"]] == [e.action_id for e in steps]
+    assert "released" in stack.events(steps[1].action_id)
+    assert stack.effects(steps[1].idempotency_key) == 1
 
 
 def test_lost_broker_message_is_redriven_by_the_reconciler(stack: Stack) -> None:

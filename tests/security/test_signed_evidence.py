@@ -132,7 +132,7 @@ def test_an_honest_failed_run_still_compensates(split: Stack) -> None:
     the compensation's own signed evidence closes it as compensated."""
     steps = run_of(split, [lambda **kw: ticket_env(split, **kw), lambda **kw: stale_close_env(split, **kw)])
     split.publish_run(steps)
-    assert run_settled(split, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(split, steps[0].run_id, expect="compensated")
     assert split.action(steps[0].action_id).outcome == Outcome.compensated
     compensation = recovery_action(split, steps[0].action_id)
     ring = load_keyring(split.settings.keyring_file)

@@ -220,7 +220,7 @@ def test_revoked_and_expired_keys_are_refused(split: Stack, entry: dict[str, Any
 def test_a_real_compensation_is_signed_by_recovery_and_linked_to_its_parent(split: Stack) -> None:
     steps = run_of(split, [lambda **kw: ticket_env(split, **kw), lambda **kw: stale_close_env(split, **kw)])
     split.publish_run(steps)
-    assert run_settled(split, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(split, steps[0].run_id, expect="compensated")
     parent = split.action(steps[0].action_id)
     assert parent.outcome == Outcome.compensated
     compensation = split.action(recovery_action(split, parent.action_id))
@@ -301,7 +301,7 @@ def test_a_forged_recovery_row_cannot_settle_its_parent(split: Stack) -> None:
             conn.execute("""UPDATE actions SET kind = 'rollback', parent_action_id = %s, outcome = 'completed_verified',
                                    updated_at = clock_timestamp() - interval '10 seconds' WHERE action_id = %s""",
                          (parent_id, forged.action_id))
-        assert run_settled(split, steps[0].run_id)["outcome"] == "compensated"
+        run_settled(split, steps[0].run_id, expect="compensated")
     finally:
         sor.clear_faults(split.sor_db)
     compensated = [e["evidence"] for e in split.timeline(parent_id) if e["event"] == "compensated"]

@@ -80,7 +80,7 @@ def mixed_batch(stack: Stack) -> dict[str, str]:
         stack.wait_settled(action.action_id, timeout=60)
     # Same action id, other arguments: a conflict.
     deliver_until_read(stack, other, "idempotency_conflict")
-    assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     wait_for(lambda: {"duplicate_suppressed", "redelivery_ignored"} & set(stack.events(happy.action_id)), 30,
              what="the duplicate's record")
     return {"verified": happy.action_id, "not_started": stale.action_id, "unknown": lost.action_id,

@@ -185,7 +185,7 @@ def test_compensated_run_is_one_trace_through_recovery(traced: Observed) -> None
     stack = traced.stack
     steps = run_of(stack, [lambda **kw: ticket_env(stack, **kw), lambda **kw: stale_close_env(stack, **kw)])
     stack.publish_run(steps)
-    assert run_settled(stack, steps[0].run_id)["outcome"] == "compensated"
+    run_settled(stack, steps[0].run_id, expect="compensated")
     compensation = recovery_action(stack, steps[0].action_id)
     wait_for(lambda: stack.action(steps[0].action_id).outcome.value == "compensated", 90, what="compensated")
     tid = one_trace(stack, steps[0].action_id, steps[1].action_id, compensation)
