@@ -39,10 +39,15 @@ def test_every_line_about_an_action_names_it(observed: Observed) -> None:
         assert (line["run_id"], line["tenant"]) == (env.run_id, env.tenant), line
         assert line["stage"] in ("execute", "verify"), line
         assert line["task_id"] and line["task"].startswith("proofline."), line
-    # The workers trace (OTEL_TRACES_EXPORTER=jsonl): each line names the trace its action's events
-    # recorded (this controller does not trace, so the trace starts at the execute task).
-    recorded = {e["evidence"].get("trace_id") for e in stack.timeline(env.action_id)} - {None}
-    assert len(recorded) == 1 and {line.get("trace_id") for line in lines} == recorded
+    # The workers trace (OTEL_TRACES_EXPORTER=jsonl): each line names a trace its action's events
+    # recorded. This controller does not trace, so the trace starts at the execute task; a message
+    # the reconciler re-drives while the first delivery is still running (a loaded machine: one took
+    # 11.8 s) runs in the trace of the sweep that sent it, one more trace per re-drive.
+    timeline = stack.timeline(env.action_id)
+    recorded = {e["evidence"].get("trace_id") for e in timeline} - {None}
+    redriven = sum(e["event"] == "redriven" for e in timeline)
+    assert 1 <= len(recorded) <= 1 + redriven, [(e["event"], e["evidence"].get("trace_id")) for e in timeline]
+    assert {line.get("trace_id") for line in lines} <= recorded
     stages = {line["stage"] for line in lines}
     assert stages == {"execute"}
     verified = next(x for x in lines if x["message"] == "verified")
