@@ -125,6 +125,29 @@ def wait_quiet(connect: Callable[[], Any], *, quiet_seconds: float = 10.0, max_w
             conn.close()
 
 
+#: Seconds between the two looks at the advisory locks: a lock seen in both is held, not in use.
+LOCK_RECHECK_SECONDS = 5.0
+ADVISORY_SQL = """SELECT l.pid, l.classid, l.objid, l.objsubid, a.application_name, a.usename FROM pg_locks l
+                  LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'advisory' AND l.database = %s AND l.granted"""
+
+
+def held_advisory_locks(cur: Any, oid: int, interval: float = LOCK_RECHECK_SECONDS) -> list[dict[str, Any]]:
+    """Advisory locks still held by the same session a few seconds apart. A quiet fleet still runs
+    its periodic tasks (the reconcile sweep, a run's coordinator take transaction-scoped locks), so
+    one look can catch a lock in use; a leaked lock is there at both looks."""
+    def look() -> dict[tuple[Any, ...], dict[str, Any]]:
+        cur.execute(ADVISORY_SQL, (oid,))
+        return {(r["pid"], r["classid"], r["objid"], r["objsubid"]): r for r in cur.fetchall()}
+
+    first = look()
+    if not first:
+        return []
+    time.sleep(interval)
+    second = look()
+    return [second[key] for key in first.keys() & second.keys()]
+
+
 def check(conn: Any, sor_db: Path, submitted: dict[str, dict[str, Any]], conflict_keys: dict[str, str]
           ) -> CheckResult:
     """Check every invariant. ``submitted``: action id -> what the soak published (recorded in the
@@ -147,10 +170,7 @@ def check(conn: Any, sor_db: Path, submitted: dict[str, dict[str, Any]], conflic
         misconfigured = list(cur.fetchall())
         cur.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
         oid = cur.fetchone()["oid"]
-        cur.execute("""SELECT l.pid, a.application_name, a.usename FROM pg_locks l
-                       LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-                       WHERE l.locktype = 'advisory' AND l.database = %s""", (oid,))
-        advisory = list(cur.fetchall())
+        advisory = held_advisory_locks(cur, oid)
         cur.execute("SELECT action_id, worker_id, fencing_token, expires_at FROM leases WHERE released_at IS NULL")
         open_leases = list(cur.fetchall())
         cur.execute("""SELECT i.key, i.action_id, i.status::text AS status, a.status::text AS action_status
