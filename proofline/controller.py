@@ -280,7 +280,7 @@ def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelop
         spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e),
                                  **{"proofline.stage": "publish"}) for e in envelopes]
         try:
-            recorded = _record_run(conn, messages, envelopes, seal_key, spans)
+            recorded = _record_steps(conn, messages, envelopes, seal_key, spans)
             with tracing.current(spans[0]), handed_to_broker(envelopes[0].action_id):
                 CeleryDispatch(app, settings.tenant_shards).execute(messages[0], task_id=recorded[0]["task_id"])
         finally:
@@ -297,7 +297,7 @@ class _RunRefused(Exception):
         self.envelope, self.conflict = envelope, conflict
 
 
-def _record_run(conn: Any, messages: list[dict[str, Any]], envelopes: list[Envelope], seal_key: Any,
+def _record_steps(conn: Any, messages: list[dict[str, Any]], envelopes: list[Envelope], seal_key: Any,
                 spans: list[Any]) -> list[dict[str, Any]]:
     try:
         with store.transaction(conn) as cur:
