@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu.exceptions import OperationalError
 from mcp import Client
@@ -223,6 +223,39 @@ def publish_message(conn: Any, dispatch: Any, message: dict[str, Any], envelope:
         return _publish_message(conn, dispatch, message, envelope, **options)
 
 
+class _Batch(NamedTuple):
+    messages: list[dict[str, Any]]
+    spans: list[Any]
+    seal_key: Any
+
+
+@contextmanager
+def _signed_batch(settings: Settings, conn: Any, envelopes: list[Envelope], actor: str | None) -> Iterator[_Batch]:
+    """Sign and validate every envelope first (one the worker would refuse is recorded on its
+    refusal chain and raised before anything is recorded), with one publish span per action: one
+    trace per action, its span current while its publication is recorded and sent; ended on exit."""
+    messages = [signed_message(settings, e) for e in envelopes]
+    for message in messages:
+        checked_for_publish(settings, conn, message, actor)
+    spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e), **{"proofline.stage": "publish"})
+             for e in envelopes]
+    try:
+        yield _Batch(messages, spans, seal.sealer_for(settings))
+    finally:
+        for span in spans:
+            tracing.end(span)
+
+
+def _record_txn(cur: Any, batch: _Batch, envelopes: list[Envelope], actor: str | None,
+                held: Callable[[Envelope], bool] = lambda e: False) -> list[dict[str, Any] | IdempotencyConflict]:
+    recorded = []
+    for message, envelope, span in zip(batch.messages, envelopes, batch.spans, strict=True):
+        with tracing.current(span):
+            recorded.append(record_publication_txn(cur, message, envelope, seal_key=batch.seal_key, actor=actor,
+                                                   hold=held(envelope)))
+    return recorded
+
+
 def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[Envelope],
                  actor: str | None = None) -> list[dict[str, Any] | IdempotencyConflict]:
     """Sign and publish N envelopes with one ledger transaction (one commit), then send their
@@ -234,26 +267,13 @@ def publish_many(settings: Settings, conn: Any, dispatch: Any, envelopes: list[E
     the rest of the batch is published."""
     if len({e.action_id for e in envelopes}) != len(envelopes):
         raise ValueError("a batch names each action id once")
-    messages = [signed_message(settings, e) for e in envelopes]
-    for message in messages:
-        checked_for_publish(settings, conn, message, actor)
-    seal_key = seal.sealer_for(settings)
-    # One trace per action: its span is current while its publication is recorded and sent.
-    spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e), **{"proofline.stage": "publish"})
-             for e in envelopes]
-    try:
+    with _signed_batch(settings, conn, envelopes, actor) as batch:
         with store.transaction(conn) as cur:
-            recorded = []
-            for m, e, span in zip(messages, envelopes, spans, strict=True):
-                with tracing.current(span):
-                    recorded.append(record_publication_txn(cur, m, e, seal_key=seal_key, actor=actor))
-        for message, outcome, span in zip(messages, recorded, spans, strict=True):
+            recorded = _record_txn(cur, batch, envelopes, actor)
+        for message, outcome, span in zip(batch.messages, recorded, batch.spans, strict=True):
             if isinstance(outcome, dict):
                 with tracing.current(span), handed_to_broker(outcome["action_id"]):
                     dispatch.execute(message, task_id=outcome["task_id"])
-    finally:
-        for span in spans:
-            tracing.end(span)
     return recorded
 
 
@@ -271,22 +291,24 @@ def publish_run(settings: Settings, conn: Any, app: Any, envelopes: list[Envelop
     if len(run_ids) != 1 or steps != list(range(len(envelopes))) or any(e.run_steps != len(envelopes)
                                                                            for e in envelopes):
         raise ValueError("a run is one run id with steps 0..n-1 in order, each envelope saying run_steps=n")
-    messages = [signed_message(settings, e) for e in envelopes]
-    for message in messages:
-        checked_for_publish(settings, conn, message, None)
-    seal_key = seal.sealer_for(settings)
     # One trace for the run: its later steps are released from the trace of the step before them.
-    with tracing.span("proofline.publish_run", **{"proofline.workflow": envelopes[0].workflow_type}):
-        spans = [tracing.started("proofline.authorize_and_publish", **tracing.about(e),
-                                 **{"proofline.stage": "publish"}) for e in envelopes]
+    with tracing.span("proofline.publish_run", **{"proofline.workflow": envelopes[0].workflow_type}), \
+            _signed_batch(settings, conn, envelopes, None) as batch:
         try:
-            recorded = _record_steps(conn, messages, envelopes, seal_key, spans)
-            with tracing.current(spans[0]), handed_to_broker(envelopes[0].action_id):
-                CeleryDispatch(app, settings.tenant_shards).execute(messages[0], task_id=recorded[0]["task_id"])
-        finally:
-            for span in spans:
-                tracing.end(span)
-    return recorded
+            with store.transaction(conn) as cur:
+                recorded = _record_txn(cur, batch, envelopes, None, held=lambda e: e.step > 0)
+                refused = next(((e, r) for e, r in zip(envelopes, recorded, strict=True)
+                                if isinstance(r, IdempotencyConflict)), None)
+                if refused is not None:
+                    raise _RunRefused(*refused)  # rolls the whole run back
+        except _RunRefused as exc:
+            with store.transaction(conn) as cur:
+                store.append_event_txn(cur, exc.envelope.action_id, "publish_refused", exc.envelope.requester,
+                                       {**exc.conflict.as_evidence(), "run_id": exc.envelope.run_id})
+            raise exc.conflict from None
+        with tracing.current(batch.spans[0]), handed_to_broker(envelopes[0].action_id):
+            CeleryDispatch(app, settings.tenant_shards).execute(batch.messages[0], task_id=recorded[0]["task_id"])
+    return recorded  # no conflict gets this far
 
 
 class _RunRefused(Exception):
@@ -296,22 +318,3 @@ class _RunRefused(Exception):
         super().__init__(str(conflict))
         self.envelope, self.conflict = envelope, conflict
 
-
-def _record_steps(conn: Any, messages: list[dict[str, Any]], envelopes: list[Envelope], seal_key: Any,
-                spans: list[Any]) -> list[dict[str, Any]]:
-    try:
-        with store.transaction(conn) as cur:
-            recorded = []
-            for message, envelope, span in zip(messages, envelopes, spans, strict=True):
-                with tracing.current(span):
-                    outcome = record_publication_txn(cur, message, envelope, seal_key=seal_key,
-                                                     hold=envelope.step > 0)
-                if isinstance(outcome, IdempotencyConflict):
-                    raise _RunRefused(envelope, outcome)
-                recorded.append(outcome)
-    except _RunRefused as refused:
-        with store.transaction(conn) as cur:
-            store.append_event_txn(cur, refused.envelope.action_id, "publish_refused", refused.envelope.requester,
-                                   {**refused.conflict.as_evidence(), "run_id": refused.envelope.run_id})
-        raise refused.conflict from None
-    return recorded

@@ -120,7 +120,7 @@ def _step_story(stack: Stack, action_id: str) -> str:
     row = stack.action(action_id)
     if row is None:
         return f"{action_id}: no row"
-    target = row.envelope.get("target", {}) if isinstance(row.envelope, dict) else {}
+    target = row.envelope.get("target", {})
     now = sor.get_ticket(stack.sor_db, target["id"]) if target.get("type") == "ticket" else None
     chain = [f"  {e['event']} {json.dumps(e['evidence'], default=str)[:600]}" for e in stack.timeline(action_id)]
     return (f"{action_id}: {row.status} {row.outcome} {row.reason_code} target={json.dumps(target)} "
