@@ -25,15 +25,18 @@ import psutil
 from proofline.settings import ROOT
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> Any:
-    """Poll until ``predicate`` returns something truthy; raise AssertionError naming ``what`` otherwise."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
+             what: str | Callable[[], str] = "") -> Any:
+    """Poll until ``predicate`` returns something truthy; raise AssertionError naming ``what``
+    otherwise. A callable ``what`` is asked at the timeout, so the message tells where things stood
+    when the wait gave up, not when it began."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
+            raise AssertionError(f"timed out waiting for {(what() if callable(what) else what) or predicate}")
         time.sleep(interval)
 
 

@@ -187,7 +187,34 @@ class Stack:
             row = self.action(action_id)
             return row if row is not None and row.status in SETTLED else None
 
-        return wait_for(settled, timeout, what=f"{action_id} to settle (now {self.action(action_id)})")
+        return wait_for(settled, timeout, what=lambda: f"{action_id} to settle\n{self.settle_report(action_id)}")
+
+    def settle_report(self, action_id: str) -> str:
+        """Where an action stood when a wait for it gave up: its row, its ledger events (with the
+        actor of each), whether the workers run, the broker's queue lengths, and each worker log's
+        lines that name the action and its last lines."""
+        row = self.action(action_id)
+        lines = [f"row: {row.status.value if row else None} outcome={row.outcome if row else None} "
+                 f"reason={row.reason_code if row else None}"]
+        lines += [f"  {e['at']:%H:%M:%S.%f} {e['event']} by {e['actor']}" for e in self.timeline(action_id)]
+        lines.append("workers: " + ", ".join(f"{w.pid} {'running' if w.poll() is None else f'exited {w.returncode}'}"
+                                             for w in self.workers))
+        if self.broker == "redis":
+            try:
+                client = redis_client(self)
+                try:
+                    queued = [f"{q}={client.llen(q)}" for q in broker_options.work_queue_names(self.settings.tenant_shards)]
+                    lines.append("queued: " + ", ".join(queued) + f"; unacked={client.hlen('unacked')}")
+                finally:
+                    client.close()
+            except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail differently
+                lines.append(f"broker not readable: {exc}")
+        for log in sorted(self.workdir.glob("worker-*.log")):
+            text = log.read_text(errors="replace").splitlines()
+            naming = [line for line in text if action_id in line][-20:]
+            lines.append(f"{log.name}: {len(naming)} last lines naming {action_id}:\n  " + "\n  ".join(naming))
+            lines.append(f"{log.name}, last lines:\n  " + "\n  ".join(text[-25:]))
+        return "\n".join(lines)
 
     def wait_event(self, action_id: str, event: str, timeout: float = 90.0) -> None:
         wait_for(lambda: event in self.events(action_id), timeout, what=f"{event} on {action_id}")

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from ledger.states import ActionStatus, Outcome
+from proofline.controller import publish
 from proofline_kit.sor import store as sor
 from tests.conftest import VERIFY_TASK, Stack, wait_for
 
@@ -60,6 +61,20 @@ def test_happy_path_is_verified_with_one_effect(stack: Stack) -> None:
     # The worker's signed statement of that verdict commits with it, and matches the row.
     assert writing_transactions(stack, env.action_id, "verification_finished", "evidence_signed") == 1
     assert_signed_evidence(stack, env.action_id)
+
+
+def test_a_wait_that_gives_up_says_where_the_action_stood(stack: Stack) -> None:
+    """The suite's own instrument: a wait for an action that never settles fails with the action's
+    row and events as they were when it gave up, the broker's queues and the worker logs."""
+    env = stack.envelope("ticket.create", arguments={"tenant": "acme", "title": "never sent", "owner": "ops"},
+                         target={"type": "ticket_queue", "id": "acme-ops"})
+    publish(stack.settings, stack.conn, stack.app, env, hold=True)  # recorded pending, never sent
+    with pytest.raises(AssertionError) as failed:
+        stack.wait_settled(env.action_id, timeout=0.2)
+    report = str(failed.value)
+    assert f"{env.action_id} to settle" in report and "row: pending" in report
+    assert "queued: actions=0" in report and "unacked=" in report
+    assert "worker-w0.log" in report and "last lines naming" in report
 
 
 @pytest.mark.parametrize("stack", [VERIFY_TASK], indirect=True)
