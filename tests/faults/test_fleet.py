@@ -67,7 +67,7 @@ def test_two_nodes_with_two_beats_redrive_each_action_once(tmp_path, broker: str
         for env in envs:
             publish_message(s.conn, broker, s.message(env), env, settings=s.settings)
         assert len(broker.lost) == len(envs)
-        rows = [s.wait_settled(env.action_id, timeout=90) for env in envs]
+        rows = [s.wait_settled(env.action_id, timeout=180) for env in envs]
         assert all((r.status, r.outcome) == (ActionStatus.closed, Outcome.completed_verified) for r in rows), \
             [(r.action_id, r.status, r.reason_code) for r in rows]
 
@@ -131,15 +131,15 @@ def test_two_nodes_share_the_load_and_a_node_killed_mid_flight_loses_and_duplica
         for env in shared:
             s.publish(env)
         for env in shared:
-            s.wait_settled(env.action_id, timeout=120)
+            s.wait_settled(env.action_id, timeout=240)
         # Then both of n1's pool processes stop right after the server applied their call, before
         # the ledger records it (the worst moment to lose a node), and n1 is killed there.
-        faultpoints.arm(points1, "after_send", remaining=2, action="hold", seconds=120)
+        faultpoints.arm(points1, "after_send", remaining=2, action="hold", seconds=600)
         doomed = [refund_env(s, new_account(s)) for _ in range(10)] + [ticket_env(s) for _ in range(2)]
         for env in doomed:
             s.publish(env)
         envs = shared + doomed
-        wait_for(lambda: faultpoints.fired(points1, "after_send") == 2, 60, what="two of n1's actions in flight")
+        wait_for(lambda: faultpoints.fired(points1, "after_send") == 2, 180, what="two of n1's actions in flight")
         with s.conn.cursor() as cur:
             cur.execute("SELECT action_id, worker_id FROM leases WHERE released_at IS NULL")
             in_flight = [r["action_id"] for r in cur.fetchall() if node_of(r["worker_id"]) == "n1"]
@@ -149,7 +149,7 @@ def test_two_nodes_share_the_load_and_a_node_killed_mid_flight_loses_and_duplica
         last_run = max((r["run_id"] for r in sweep_runs(s)), default=0)
         kill_node(n1)
 
-        rows = [s.wait_settled(env.action_id, timeout=120) for env in envs]
+        rows = [s.wait_settled(env.action_id, timeout=240) for env in envs]
         assert all((r.status, r.outcome) == (ActionStatus.closed, Outcome.completed_verified) for r in rows), \
             [(r.action_id, r.status, r.reason_code) for r in rows]
         finishers: dict[str, str] = {}
