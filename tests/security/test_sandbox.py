@@ -296,9 +296,12 @@ OPEN_REASON = "vendor tool needs the host's devices; reviewed by security"
 
 def start_hostile_stack(tmp: Path, actions: list[tuple[str, str, str]],
                         servers_for: Callable[[Path], dict[str, Any]],
-                        contracts_text: dict[str, str] | None = None) -> Iterator[Stack]:
+                        contracts_text: dict[str, str] | None = None,
+                        private_tmp: Path | None = None) -> Iterator[Stack]:
     """A real stack whose servers file adds ``servers_for(tools folder)`` and whose contracts add
-    one (action, server, tool) contract each, and ``contracts_text`` by action; one worker."""
+    one (action, server, tool) contract each, and ``contracts_text`` by action; one worker.
+    ``private_tmp`` is the workers' ``TMPDIR``: their session files there are theirs alone (every
+    worker on the machine reaps the files of dead processes in its temporary folder)."""
     keys = tmp / "keys"
     keys.mkdir()
     (keys / "controller.key").write_text(json.dumps({"private_key": KEY_CANARY}))
@@ -308,8 +311,8 @@ def start_hostile_stack(tmp: Path, actions: list[tuple[str, str, str]],
         (contracts / f"{action}.yaml").write_text(CONTRACT.format(action=action, server=server, tool=tool))
     for action, text in (contracts_text or {}).items():
         (contracts / f"{action}.yaml").write_text(text)
-    s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts),
-                                             "PROOFLINE_KEYS_DIR": str(keys)})
+    s = build_stack("stdio", tmp, extra_env={"PROOFLINE_CONTRACTS_DIR": str(contracts), "PROOFLINE_KEYS_DIR": str(keys),
+                                             **({"TMPDIR": str(private_tmp)} if private_tmp else {})})
     try:
         tools = tmp / "tools"
         tools.mkdir()

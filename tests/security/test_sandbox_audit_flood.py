@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -192,9 +193,16 @@ def flood_servers(tools: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def flood_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from test_sandbox.start_hostile_stack(tmp_path_factory.mktemp("flood-stack"),
-                                                [("sleepy.status", "sleepy", "status")], flood_servers,
-                                                {"strict.exec_long": STRICT})
+    # Its workers' temporary folder is their own: on a shared one, any worker the machine starts
+    # meanwhile (another test's) reaps a killed process's audit folder, and the tests below could
+    # not tell whether this worker's watcher or its new pool process did.
+    private_tmp = Path(tempfile.mkdtemp(prefix="pl-flood-"))  # short: the session host's socket is in it
+    try:
+        yield from test_sandbox.start_hostile_stack(tmp_path_factory.mktemp("flood-stack"),
+                                                    [("sleepy.status", "sleepy", "status")], flood_servers,
+                                                    {"strict.exec_long": STRICT}, private_tmp=private_tmp)
+    finally:
+        shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def test_through_a_real_worker_a_fail_closed_overflow_is_an_unknown_outcome(flood_stack: Stack) -> None:
@@ -245,7 +253,7 @@ def killed_while_starting(s: Stack) -> tuple[int, list[str]]:
     publish_hostile(s, "status", {}, server="sleepy", described_as="hostile")
     starter, tracer = wait_for(lambda: tracer_of(s), 60, what="a process starting the audited server")
     traced = tracer.children(recursive=True)
-    folders = lambda: glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{starter.pid}-*"))  # noqa: E731
+    folders = lambda: glob.glob(os.path.join(s.env["TMPDIR"], f"proofline-audit-{starter.pid}-*"))  # noqa: E731
     assert folders() and traced
     cmdline = starter.cmdline()
     os.kill(starter.pid, signal.SIGKILL)
