@@ -132,7 +132,13 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str]) 
     def _recover(tasks: dict[str, dict[str, Any]], action_id: str) -> list[dict[str, Any]]:
         return [t for t in _of(tasks, action_id) if t["name"] == "proofline.recover"]
 
-    tasks = wait_for(shown, 60, what="Flower to see every task of the three actions end")
+    def seen() -> str:  # what Flower showed of the three actions when the wait gave up
+        tasks = _tasks(base)
+        return "Flower to see every task of the three actions end; it shows " + "; ".join(
+            f"{a}: " + ", ".join(f"{t['name']} {t.get('state')}" for t in _of(tasks, a)) for a in (killed, late, lied))
+
+    # Task events reach Flower through the broker after the ledger has settled: slow on a loaded host.
+    tasks = wait_for(shown, 120, what=seen)
     # Kill-switched: not green, and the result says why, action id first.
     (kill_task,) = _of(tasks, killed)
     assert kill_task["state"] == "KILL_SWITCHED", kill_task
