@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import uuid
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,24 +190,25 @@ class Stack:
 
         return wait_for(settled, timeout, what=lambda: f"{action_id} to settle\n{self.settle_report(action_id)}")
 
-    def settle_report(self, action_id: str) -> str:
-        """Where an action stood when a wait for it gave up: its row, its ledger events (with the
-        actor of each), whether the workers run, the broker's queue lengths, and each worker log's
-        lines that name the action and its last lines."""
+    def story(self, action_id: str) -> str:
+        """An action's row and its ledger events in order: time, event, actor, evidence (cut short)."""
         row = self.action(action_id)
-        lines = [f"row: {row.status.value if row else None} outcome={row.outcome if row else None} "
-                 f"reason={row.reason_code if row else None}"]
-        lines += [f"  {e['at']:%H:%M:%S.%f} {e['event']} by {e['actor']}" for e in self.timeline(action_id)]
-        lines.append("workers: " + ", ".join(f"{w.pid} {'running' if w.poll() is None else f'exited {w.returncode}'}"
-                                             for w in self.workers))
+        head = (f"{action_id}: no row" if row is None else
+                f"{action_id}: {row.status.value} outcome={row.outcome and row.outcome.value} reason={row.reason_code}")
+        return "\n".join([head, *(f"  {e['at']:%H:%M:%S.%f} {e['event']} by {e['actor']} "
+                                  f"{json.dumps(e['evidence'], default=str)[:600]}" for e in self.timeline(action_id))])
+
+    def settle_report(self, action_id: str) -> str:
+        """Where an action stood when a wait for it gave up: its story, whether the workers run, the
+        broker's queue lengths, and each worker log's lines that name the action and its last lines."""
+        lines = [self.story(action_id),
+                 "workers: " + ", ".join(f"{w.pid} {'running' if w.poll() is None else f'exited {w.returncode}'}"
+                                         for w in self.workers)]
         if self.broker == "redis":
             try:
-                client = redis_client(self)
-                try:
+                with closing(redis_client(self)) as client:
                     queued = [f"{q}={client.llen(q)}" for q in broker_options.work_queue_names(self.settings.tenant_shards)]
                     lines.append("queued: " + ", ".join(queued) + f"; unacked={client.hlen('unacked')}")
-                finally:
-                    client.close()
             except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail differently
                 lines.append(f"broker not readable: {exc}")
         for log in sorted(self.workdir.glob("worker-*.log")):

@@ -117,14 +117,11 @@ def run_settled(stack: Stack, run_id: str, expect: str | None = None) -> dict[st
 
 
 def _step_story(stack: Stack, action_id: str) -> str:
+    """A step's story (``Stack.story``) and its target as the system of record holds it now."""
     row = stack.action(action_id)
-    if row is None:
-        return f"{action_id}: no row"
-    target = row.envelope.get("target", {})
+    target = row.envelope.get("target", {}) if row is not None else {}
     now = sor.get_ticket(stack.sor_db, target["id"]) if target.get("type") == "ticket" else None
-    chain = [f"  {e['event']} {json.dumps(e['evidence'], default=str)[:600]}" for e in stack.timeline(action_id)]
-    return (f"{action_id}: {row.status} {row.outcome} {row.reason_code} target={json.dumps(target)} "
-            f"now={json.dumps(now, default=str)}\n" + "\n".join(chain))
+    return f"{stack.story(action_id)}\n  target={json.dumps(target)} now={json.dumps(now, default=str)}"
 
 
 class LosingBroker:

@@ -72,7 +72,7 @@ def test_a_wait_that_gives_up_says_where_the_action_stood(stack: Stack) -> None:
     with pytest.raises(AssertionError) as failed:
         stack.wait_settled(env.action_id, timeout=0.2)
     report = str(failed.value)
-    assert f"{env.action_id} to settle" in report and "row: pending" in report
+    assert f"{env.action_id} to settle" in report and f"{env.action_id}: pending" in report
     assert "queued: actions=0" in report and "unacked=" in report
     assert "worker-w0.log" in report and "last lines naming" in report
 
