@@ -61,6 +61,12 @@ BROKERS = ("redis", "rabbitmq")
 CANARY_SECRET = "canary-must-never-reach-a-tool"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
 #: What every stack's workers get: short leases, a fast reconciler, bounded progress records.
+#: A stdio probe's answer by :meth:`Stack._probe_key`. The probe starts the system of record under
+#: bubblewrap, as a worker would, and that start (an interpreter importing the MCP SDK) is what it
+#: costs; the same program with the same variables lists the same tools at the same version, so a
+#: test process probes each variant once instead of once per stack.
+_DESCRIBED: dict[tuple[Any, ...], tuple[str | None, dict[str, str]]] = {}
+
 STACK_ENV = {
     "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
     "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
@@ -143,9 +149,29 @@ class Stack:
 
     # --- controller side ---------------------------------------------------------------------
     def live(self) -> tuple[str | None, dict[str, str]]:
+        """The writer's version and tool contract hashes, as the controller reads them from the live
+        server (once per stack; a stdio stack whose probe would start the same program as an earlier
+        stack's did takes that stack's answer: see :data:`_DESCRIBED`)."""
         if self._live is None:
-            self._live = describe_server(self.settings, "sor")
+            key = self._probe_key()
+            self._live = _DESCRIBED.get(key) if key is not None else None
+            if self._live is None:
+                self._live = describe_server(self.settings, "sor")
+                if key is not None:
+                    _DESCRIBED[key] = self._live
         return self._live
+
+    def _probe_key(self) -> tuple[Any, ...] | None:
+        """Everything a stdio probe's answer depends on: the servers file (the stack's own folder
+        taken out), the settings' environment, and the variables the probe reads from this process
+        (``SOR_*``, which the servers file passes on, and ``PROOFLINE_*``, which settings read). None
+        for an HTTP stack: its servers are already running, so its probe starts nothing."""
+        if self.transport != "stdio":
+            return None
+        servers = self.servers_file.read_text().replace(str(self.workdir), "<stack>")
+        variables = tuple(sorted((k, v) for k, v in os.environ.items()
+                                 if k.startswith(("SOR_", "PROOFLINE_")) and k not in ("SOR_DB", "AUDIT_DB")))
+        return servers, self.settings.environment, variables
 
     def envelope(self, action_type: str, **kw: Any) -> Envelope:
         uid = uuid.uuid4().hex[:10]
