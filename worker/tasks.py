@@ -21,6 +21,7 @@ from worker import node as _node  # noqa: F401 - hands the node name down to the
 from worker.dead_letters import DeadLetterRecorder
 from worker.dispatch import CeleryDispatch
 from worker.execute import RetryLater, execute
+from worker.held_events import HeldEventsFlush
 from worker.mcp_client import close_sessions
 from worker.observability import init_sentry, install_log_scrubbing
 from worker.runtime import runtime
@@ -44,6 +45,8 @@ app = Celery("proofline", task_cls="worker.task_base:GuardedTask")
 app.config_from_object("worker.celery_config")
 # On RabbitMQ, what the broker dead-lettered is recorded in the ledger (a no-op step elsewhere).
 app.steps["consumer"].add(DeadLetterRecorder)
+# With task events on, events a failed publish held back are sent again within seconds.
+app.steps["consumer"].add(HeldEventsFlush)
 # The control plane (revoke, ping) stays plain JSON; tasks use the guarded wire format only.
 app.control.mailbox.accept = ["json", CONTENT_TYPE]
 app.control.mailbox.serializer = "json"
