@@ -251,8 +251,17 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             published_at = existing.get("published_at") if existing else None
             static["limits"] = check_limits(envelope, contract, settings, facts["now"],
                                             datetime.fromisoformat(published_at) if published_at else None)
-            live_version, hashes = live_contract(rt, server)
-            live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            live_version, hashes, cached = live_contract(rt, server)
+            try:
+                live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            except RevalidationFailed:
+                if not cached:
+                    raise
+                # The cached list is of a session whose server may have gone since (a stdio server
+                # killed or restarted is noticed only at the session's next request): an action is
+                # refused on what the server lists now, never on a cached list alone.
+                live_version, hashes, _ = live_contract(rt, server, fresh=True)
+                live = revalidate_live(envelope, live_version, server.expected_version, hashes)
             live["negotiated"] = live_negotiation(rt, server)
             decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
                                  parent_link)

@@ -79,16 +79,19 @@ def read_through(rt: Runtime, server: Server, contract: Contract, path: ReadPath
                      f"{getattr(exc, 'code', type(exc).__name__)}: {str(exc)[:300]}", unreadable=True) from None
 
 
-def live_contract(rt: Runtime, server: Server) -> tuple[str | None, dict[str, str]]:
+def live_contract(rt: Runtime, server: Server, fresh: bool = False) -> tuple[str | None, dict[str, str], bool]:
     """The live server version and tool hashes (the session's tool list while it is valid: see
-    worker/tool_list.py). Listing tools has no side effect, so a session that turns out to be dead
-    is replaced and asked once more before giving up."""
-    max_age = server.tool_list_max_age_seconds
+    worker/tool_list.py, or listed now when ``fresh``), and whether the list came from the cache.
+    Listing tools has no side effect, so a session that turns out to be dead is replaced and asked
+    once more before giving up."""
+    max_age = 0.0 if fresh else server.tool_list_max_age_seconds
     if max_age is None:
         max_age = rt.settings.tool_list_max_age_seconds
     for attempt in (1, 2):
         try:
-            return rt.mcp.server_version(server), rt.mcp.tool_hashes(server, max_age)[0]
+            version = rt.mcp.server_version(server)
+            hashes, miss = rt.mcp.tool_hashes(server, max_age)
+            return version, hashes, miss is None
         except McpUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken session, reported as unavailable

@@ -13,6 +13,11 @@ when any of these says it may have changed:
   server behind it restarts hides this; the maximum age bounds how long;
 - the list is older than the maximum age (``tool_list_max_age_seconds`` in the servers file for
   one server, else the setting ``PROOFLINE_TOOL_LIST_MAX_AGE_SECONDS``; 0 lists on every action).
+
+A cached list only ever lets an action go on: when it disagrees with the approved contract, the
+worker lists again before refusing (``worker/execute.py``), since the session it came from may
+belong to a server that has since exited or restarted, which the worker notices only at the
+session's next request.
 """
 
 from __future__ import annotations
