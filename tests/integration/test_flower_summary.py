@@ -180,7 +180,7 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str], 
     if lied_execute["state"] == "UNVERIFIED":
         assert lied_execute["result"].startswith(f"outcome=completed_unverified action={lied} "), lied_execute
         lied_verify = [t for t in _of(tasks, lied) if t["name"] == "proofline.verify"]
-        assert [t["state"] for t in lied_verify] == ["ACTION_FAILED"], lied_verify
+        assert [t["state"] for t in lied_verify] == ["ACTION_FAILED"], (lied_verify, monitor.tasks_of(lied))
         assert lied_verify[0]["result"].startswith(f"outcome=failed_before_side_effect action={lied} reason=effect_absent ")
     else:
         assert lied_execute["state"] == "ACTION_FAILED", lied_execute
