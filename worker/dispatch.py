@@ -140,9 +140,14 @@ class CeleryDispatch:
         self._send("proofline.read", [message], queue=queue_for_tenant(tenant, self.tenant_shards, VERIFY_QUEUE))
 
     def _send(self, name: str, args: list[Any], **options: Any) -> Any:
-        # The summary is written by ``_hide_arguments`` as the message is published; a placeholder
-        # here only stops Celery computing a full repr of the envelope first.
-        return self.app.send_task(name, args=args, serializer=wire.NAME, argsrepr="()", kwargsrepr="{}", **options)
+        # The summary is given here, not only by ``_hide_arguments`` on the message's headers: the
+        # ``task-sent`` event carries what is passed here, and a monitor that receives it after the
+        # worker's ``task-received`` (they come from different processes) takes its arguments, so a
+        # placeholder would show the task with no action id. It also stops Celery computing a full
+        # repr of the envelope.
+        argsrepr, kwargsrepr = task_repr(args)
+        return self.app.send_task(name, args=args, serializer=wire.NAME, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
+                                  **options)
 
     def execute(self, message: dict[str, Any], queue: str = "actions", task_id: str | None = None,
                 countdown: float | None = None) -> str:

@@ -53,3 +53,8 @@ class EventMonitor:
             if e.get("uuid") in names:
                 seen.setdefault(f"{names[e['uuid']]} {e['uuid'][:8]}", []).append(e["type"])
         return seen
+
+    def task_ids_of(self, action_id: str) -> set[str]:
+        """The ids of the tasks received for ``action_id``."""
+        return {e["uuid"] for e in list(self.events)
+                if e.get("type") == "task-received" and action_id in str(e.get("args") or "")}

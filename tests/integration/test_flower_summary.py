@@ -148,7 +148,20 @@ def test_flower_shows_the_outcome_and_not_the_sweeps(flower: tuple[Stack, str], 
         tasks = _tasks(base)
         return "Flower to see every task of the three actions end; it shows " + "; ".join(
             f"{a}: " + ", ".join(f"{t['name']} {t.get('state')}" for t in _of(tasks, a)) for a in (killed, late, lied)) + \
-            "\nand a second subscriber received " + "; ".join(f"{a}: {monitor.tasks_of(a)}" for a in (killed, late, lied))
+            "\nand a second subscriber received " + "; ".join(f"{a}: {monitor.tasks_of(a)}" for a in (killed, late, lied)) + \
+            "\nFlower's own record of the tasks missing from its list: " + _missing(tasks)
+
+    def _missing(tasks: dict[str, dict[str, Any]]) -> str:
+        listed = set(tasks)
+        found = []
+        for action in (killed, late, lied):
+            for task_id in sorted(monitor.task_ids_of(action) - listed):
+                try:
+                    info = _get(f"{base}/api/task/info/{task_id}")
+                    found.append(f"{task_id}: {info.get('name')} {info.get('state')}")
+                except Exception as exc:  # noqa: BLE001 - a diagnostic: what Flower answered
+                    found.append(f"{task_id}: {exc}")
+        return "; ".join(found) or "none"
 
     # Task events reach Flower through the broker after the ledger has settled: slow on a loaded host.
     tasks = wait_for(shown, 120, what=seen)
