@@ -60,13 +60,13 @@ BROKERS = ("redis", "rabbitmq")
 
 CANARY_SECRET = "canary-must-never-reach-a-tool"
 SETTLED = (ActionStatus.closed, ActionStatus.escalated, ActionStatus.cancelled)
-#: What every stack's workers get: short leases, a fast reconciler, bounded progress records.
 #: A stdio probe's answer by :meth:`Stack._probe_key`. The probe starts the system of record under
 #: bubblewrap, as a worker would, and that start (an interpreter importing the MCP SDK) is what it
 #: costs; the same program with the same variables lists the same tools at the same version, so a
 #: test process probes each variant once instead of once per stack.
 _DESCRIBED: dict[tuple[Any, ...], tuple[str | None, dict[str, str]]] = {}
 
+#: What every stack's workers get: short leases, a fast reconciler, bounded progress records.
 STACK_ENV = {
     "PROOFLINE_LEASE_TTL_SECONDS": "4", "PROOFLINE_HEARTBEAT_SECONDS": "1",
     "SOR_RESTART_SECONDS": "0.6", "PROOFLINE_PROGRESS_EVENTS_LIMIT": "5",
