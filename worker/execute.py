@@ -68,9 +68,9 @@ from worker.plan import make_plan
 from worker.preflight import (
     check_point_of_no_return,
     check_preconditions,
-    live_contract,
     live_negotiation,
     read_target,
+    revalidated_contract,
 )
 from worker.record_call import FirstRead, result_evidence, write_result_txn
 from worker.refused_claim import refused_after_claim_txn
@@ -83,7 +83,6 @@ from worker.tool_call import call_tool
 from worker.validate import (
     claimed_fields,
     refusal_chain_id,
-    revalidate_live,
     revalidate_static,
     tool_switches,
     validate_envelope,
@@ -251,17 +250,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
             published_at = existing.get("published_at") if existing else None
             static["limits"] = check_limits(envelope, contract, settings, facts["now"],
                                             datetime.fromisoformat(published_at) if published_at else None)
-            live_version, hashes, cached = live_contract(rt, server)
-            try:
-                live = revalidate_live(envelope, live_version, server.expected_version, hashes)
-            except RevalidationFailed:
-                if not cached:
-                    raise
-                # The cached list is of a session whose server may have gone since (a stdio server
-                # killed or restarted is noticed only at the session's next request): an action is
-                # refused on what the server lists now, never on a cached list alone.
-                live_version, hashes, _ = live_contract(rt, server, fresh=True)
-                live = revalidate_live(envelope, live_version, server.expected_version, hashes)
+            hashes, live = revalidated_contract(rt, server, envelope)
             live["negotiated"] = live_negotiation(rt, server)
             decision = authorize(rt, envelope, contract, facts["now"], static["limits"].get("amount_cents"),
                                  parent_link)

@@ -11,12 +11,19 @@ from typing import Any
 from proofline.conditions import Variables, build_arguments, holds
 from proofline.contracts import Contract, ReadPath, extract
 from proofline.envelope import Envelope
-from proofline.errors import ConditionError, McpUnavailable, TargetReadFailed, ToolContractChanged
+from proofline.errors import (
+    ConditionError,
+    McpUnavailable,
+    RevalidationFailed,
+    TargetReadFailed,
+    ToolContractChanged,
+)
 from proofline.pins import negotiation_changes, pins_path, read_pins
 from worker import calls
 from worker.results import measure, result_limit
 from worker.runtime import Runtime
 from worker.servers import Server
+from worker.validate import revalidate_live
 
 
 def envelope_variables(envelope: Envelope, **extra: Any) -> dict[str, Any]:
@@ -99,6 +106,21 @@ def live_contract(rt: Runtime, server: Server, fresh: bool = False) -> tuple[str
             if attempt == 2:
                 raise McpUnavailable(f"tools/list on {server.name} failed: {exc!r}"[:500]) from None
     raise AssertionError("unreachable")
+
+
+def revalidated_contract(rt: Runtime, server: Server, envelope: Envelope) -> tuple[dict[str, str], dict[str, Any]]:
+    """The live tool hashes and the revalidation's evidence (``worker/validate.py``). A mismatch
+    found on the session's cached list is checked against a fresh list before it refuses the
+    action: the session may belong to a server that has exited or restarted since, which the worker
+    notices only at the session's next request."""
+    version, hashes, cached = live_contract(rt, server)
+    try:
+        return hashes, revalidate_live(envelope, version, server.expected_version, hashes)
+    except RevalidationFailed:
+        if not cached:
+            raise
+    version, hashes, _ = live_contract(rt, server, fresh=True)
+    return hashes, revalidate_live(envelope, version, server.expected_version, hashes)
 
 
 def check_preconditions(contract: Contract, envelope: Envelope, before: dict[str, Any]) -> list[dict[str, str]]:
