@@ -5,8 +5,10 @@ sweep."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -51,7 +53,9 @@ def flower(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, st
         proc = start_process([sys.executable, "-m", "proofline", "flower", "--port", str(port)], env,
                              tmp / "flower.log")
         wait_port(port, 30)
-        yield stack, f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{port}"
+        _wait_listening(stack, base)
+        yield stack, base
     finally:
         if proc is not None:
             stop_process(proc)
@@ -88,6 +92,22 @@ def _publish(stack: Stack, tenant: str, **kw: Any) -> str:
                               arguments={"tenant": tenant, "title": "flower", "owner": "ops"}, **kw)
     stack.publish(envelope)
     return envelope.action_id
+
+
+def _wait_listening(stack: Stack, base: str) -> None:
+    """Until Flower shows a whole task of an action published after it started. Flower opens its
+    port before its event receiver subscribes, and task events are broadcast, not queued: a task
+    whose first events went out before then shows without its arguments, and no action would match
+    it. A probe action whose task Flower shows only in part is followed by another."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        probe = _publish(stack, "acme")
+        stack.wait_settled(probe)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: any(t.get("state") == "SUCCESS" for t in _of(_tasks(base), probe)), 5,  # noqa: B023
+                     what="Flower to show the probe's task")
+            return
+    raise AssertionError(f"Flower showed no whole task of a probe action in 90 s: {_tasks(base)}")
 
 
 #: Flower's states of a task that has not ended yet.
