@@ -10,6 +10,7 @@ from __future__ import annotations
 import compileall
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -134,13 +135,49 @@ def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
             delete_vhost(vhost)
 
 
+#: Seconds a pooled stack may sit unused before the start of another test file tears it down.
+POOL_IDLE_SECONDS = 60.0
+
+
+class StackPool(dict[str, Stack]):
+    """The session's stacks by variant, each built the first time a test asks for it (a worker that
+    runs a stdio test, then an HTTP one, then a stdio one again reuses the first stack: pytest
+    finalises a parametrised session fixture whenever the parameter changes).
+
+    An idle stack is not free: its beat sends a reconcile sweep every second and its worker runs it
+    (about 2 % of a core), and under xdist a worker may hold several variants that its later test
+    files never use again. So when a test starts a new file, a stack no test has used for
+    :data:`POOL_IDLE_SECONDS` is torn down; a later test that asks for it gets a new one. The variant
+    pytest holds cached as the ``stack`` fixture's value (the last one it was asked for) is never
+    torn down this way: pytest would hand that stack out again without asking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_used: dict[str, float] = {}
+        self.cached: str | None = None
+        self.file: str | None = None
+
+    def used(self, built: Stack) -> None:
+        for variant, pooled in self.items():
+            if pooled is built:
+                self.last_used[variant] = time.monotonic()
+
+    def reap_idle(self, file: str) -> None:
+        """At the first test of a file other than the last one's: tear down the stacks idle too long."""
+        if file == self.file:
+            return
+        self.file = file
+        now = time.monotonic()
+        for variant in [v for v, at in self.last_used.items()
+                        if v != self.cached and v in self and now - at > POOL_IDLE_SECONDS]:
+            teardown_stack(self.pop(variant))
+            del self.last_used[variant]
+
+
 @pytest.fixture(scope="session")
-def stack_pool(session_redis: str) -> Iterator[dict[str, Stack]]:
-    """The session's stacks by variant, each built the first time a test asks for it and kept until
-    the session ends: a worker that runs a stdio test, then an HTTP one, then a stdio one again
-    reuses the first stack instead of building it a second time (pytest finalises a parametrised
-    session fixture whenever the parameter changes). Torn down before the session's redis-server."""
-    pool: dict[str, Stack] = {}
+def stack_pool(session_redis: str) -> Iterator[StackPool]:
+    """The session's stacks (:class:`StackPool`), torn down before the session's redis-server."""
+    pool = StackPool()
     try:
         yield pool
     finally:
@@ -150,14 +187,15 @@ def stack_pool(session_redis: str) -> Iterator[dict[str, Stack]]:
 
 @pytest.fixture(scope="session", params=["stdio"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-          stack_pool: dict[str, Stack]) -> Stack:
+          stack_pool: StackPool) -> Stack:
     """A running deployment with one Celery worker (two prefork processes). ``indirect``
     parametrisation with "http" gives the same deployment over streamable HTTP, "TRANSPORT/BROKER"
     on another broker (``ON_EACH_BROKER``: Redis and RabbitMQ), and a "+MODE" suffix one with the
     settings of ``STACK_MODES[MODE]`` ("+verify-task": verifications only in the verification task,
-    ``VERIFY_TASK``). Each variant is built once per test process (``stack_pool``); what a test arms
+    ``VERIFY_TASK``). Each variant is kept in ``stack_pool`` while tests use it; what a test arms
     on it is cleared when the test ends (``_disarm``)."""
     variant = str(request.param)
+    stack_pool.cached = variant
     if variant not in stack_pool:
         param, _, mode = variant.partition("+")
         transport, _, broker = param.partition("/")
@@ -170,19 +208,22 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             teardown_stack(s)
             raise
         stack_pool[variant] = s
+    stack_pool.last_used[variant] = time.monotonic()
     return stack_pool[variant]
 
 
 @pytest.fixture(autouse=True)
-def _disarm(request: pytest.FixtureRequest) -> Iterator[None]:
+def _disarm(request: pytest.FixtureRequest, stack_pool: StackPool) -> Iterator[None]:
     """A test of a stack finds this process pointed at that stack: the system of record and audit
     store the controller's own reads start their stdio servers on (``build_stack`` sets them to the
     stack it built last, and a process holds several). Whatever the test armed on it (system-of-
     record faults, worker fault points, kill switches, the fault proxy's mode) is cleared when it
-    ends, passed or failed."""
+    ends, passed or failed. The first test of a file first lets the pool tear down its idle stacks."""
+    stack_pool.reap_idle(request.node.nodeid.split("::", 1)[0])
     s: Stack | None = request.getfixturevalue("stack") if "stack" in request.fixturenames else None
     if s is not None:
         os.environ["SOR_DB"], os.environ["AUDIT_DB"] = str(s.sor_db), str(s.audit_db)
     yield
     if s is not None:
+        stack_pool.used(s)
         s.disarm()
