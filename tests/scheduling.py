@@ -1,4 +1,4 @@
-"""How the suite is spread over xdist workers (``-n 4 --dist loadgroup``, the README's command).
+"""How the suite is spread over xdist workers (``-n 6 --dist loadgroup``, the README's command).
 
 Groups: a group runs whole on one worker, in order, so whatever its tests share (a module's own
 stack, a package's deployment) is built once. A test file is a group of its own; the console's
@@ -85,6 +85,12 @@ class _LongestGroupsFirst:
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         config.pluginmanager.register(_LongestGroupsFirst(), "proofline-longest-groups-first")
+    elif config.getoption("numprocesses", None) and config.getoption("assertmode") == "rewrite":
+        # The xdist controller, before it starts the workers: they read the rewritten test modules
+        # instead of each rewriting them again (tests/rewrite_cache.py).
+        from tests.rewrite_cache import warm
+
+        warm(config, Path(__file__).resolve().parent)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to pytest without it
