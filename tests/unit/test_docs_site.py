@@ -164,7 +164,7 @@ def test_the_readme_is_a_front_door_that_starts_with_the_two_commands() -> None:
     ci = subprocess.run(["sed", "-n", "/<!-- test-command -->/{n;n;p;}", str(README)], capture_output=True,
                         text=True, check=True).stdout
     assert ci == ("python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && "
-                  ".venv/bin/python -m pytest -n 4 --dist loadgroup\n")
+                  ".venv/bin/python -m pytest -n 6 --dist loadgroup\n")
     demo = subprocess.run(["sed", "-n", "/<!-- demo-command -->/{n;n;p;}", str(README)], capture_output=True,
                           text=True, check=True).stdout
     assert demo == "python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/proofline demo\n"
