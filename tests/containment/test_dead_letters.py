@@ -120,17 +120,18 @@ def test_a_process_killed_from_outside_is_not_counted_against_its_message(stack:
     assert "delivery lost to an outside kill" in worker_log(stack)
 
 
-def kill_worker_tree(stack: Stack) -> int:
+def kill_worker_tree(stack: Stack) -> list[psutil.Process]:
     """SIGKILL of everything under the first worker's supervisor (Celery's main process, its pool,
     their servers), as a container runtime or ``kill -9`` of the process group does; returns the
-    main process's pid. The supervisor (``proofline worker``) lives on and starts the next run."""
+    killed processes, not yet waited for. The supervisor (``proofline worker``) lives on and starts
+    the next run a second after the main process is gone: what must be read before that run can
+    act is read before waiting for these (under load the wait alone can take longer)."""
     main = psutil.Process(celery_main_pid(stack))
     tree = [main, *main.children(recursive=True)]
     for proc in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    psutil.wait_procs(tree, timeout=15)
-    return main.pid
+    return tree
 
 
 # RabbitMQ only: Redis hands a dead consumer's messages back after its visibility timeout (hours).
@@ -156,10 +157,13 @@ def test_a_worker_killed_from_outside_is_not_counted_against_what_it_held(stack:
             # A run shorter than the supervisor's early-exit bound (5 s) would read as bad setup.
             main = psutil.Process(celery_main_pid(stack))
             time.sleep(max(0.0, 6.0 - (time.time() - main.create_time())))
-            kill_worker_tree(stack)
-            if run == kills:  # before the next run starts (the supervisor waits a second at least)
+            killed = kill_worker_tree(stack)
+            # At once, before the next run can start (the supervisor waits a second at least): a
+            # killed process holds nothing more, and a hold of the next run must not be counted here.
+            if run == kills:
                 faultpoints.release(stack.faultpoints, "on_delivery")  # its deliveries go through
-            held_before = faultpoints.fired(stack.faultpoints, "on_delivery")  # its pool is gone: no more holds
+            held_before = faultpoints.fired(stack.faultpoints, "on_delivery")
+            psutil.wait_procs(killed, timeout=15)
             wait_for(lambda run=run: worker_starts(stack) >= starts + run, 90, what=f"run {run + 1} started")
         row = stack.wait_settled(env.action_id, timeout=120)
         assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
