@@ -87,11 +87,12 @@ def start_authorization_server(workdir: Path, env: dict[str, str], access_lifeti
 
 @contextmanager
 def oauth_stack(tmp: Path, writer: dict[str, Any], reader: dict[str, Any],
-                clients: dict[str, dict[str, Any]] | None = None,
-                server_env: dict[str, str] | None = None) -> Iterator[tuple[Stack, AuthorizationServer]]:
+                clients: dict[str, dict[str, Any]] | None = None, server_env: dict[str, str] | None = None,
+                concurrency: int = 2) -> Iterator[tuple[Stack, AuthorizationServer]]:
     """An authorization server, an HTTP stack whose system of record requires its tokens, and workers
     whose servers file gives the writer and the reader the ``auth:`` blocks ``writer`` and ``reader``
-    (each with its client's secret in a file; the writer's pinned to this server as its ``issuer``)."""
+    (each with its client's secret in a file; the writer's pinned to this server as its ``issuer``);
+    ``concurrency`` pool processes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROOFLINE_", "SOR_"))}
     auth = start_authorization_server(tmp / "as", env, clients=clients)
     try:
@@ -108,7 +109,7 @@ def oauth_stack(tmp: Path, writer: dict[str, Any], reader: dict[str, Any],
                               "client_secret_file": auth.write_secret(client, tmp / f"{client}.secret")}
         stack.servers_file.write_text(yaml.safe_dump(doc))
         load_servers.cache_clear()
-        start_workers(stack)
+        start_workers(stack, concurrency=concurrency)
         yield stack, auth
     finally:
         teardown_stack(stack)

@@ -18,9 +18,13 @@ from tests.conftest import Stack
 
 @pytest.fixture(scope="module")
 def oauth_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, AuthorizationServer]]:
+    # One pool process: each worker process holds tokens of its own, and the tests below need their
+    # next action in the process that holds the token they revoked or let expire (a second process
+    # would fetch its first token instead, and prove nothing about replacing one).
     with oauth_stack_of(tmp_path_factory.mktemp("oauth-stack"),
                         {"client_id": "sor-writer", "scope": "sor:write", "refresh_margin_seconds": 1},
-                        {"client_id": "sor-reader", "scope": "sor:read", "refresh_margin_seconds": 1}) as both:
+                        {"client_id": "sor-reader", "scope": "sor:read", "refresh_margin_seconds": 1},
+                        concurrency=1) as both:
         yield both
 
 
