@@ -75,7 +75,7 @@ CREATE TRIGGER ledger_events_no_truncate BEFORE TRUNCATE ON ledger_events
 RUNTIME_GRANTS = rf"""
 DO $$ BEGIN
   CREATE ROLE {RUNTIME_ROLE} LOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 GRANT CONNECT ON DATABASE "{{database}}" TO {RUNTIME_ROLE};
 GRANT USAGE ON SCHEMA public TO {RUNTIME_ROLE};
