@@ -6,16 +6,13 @@ and raised the client's peak RSS by about 100 MB. This transport starts and stop
 the SDK's own process helpers, but reads stdout as bytes into a list of chunks and, once a line
 passes ``max_message_bytes``, stops keeping it: the rest is only hashed and counted until its
 newline. In place of the oversize message the session receives a JSON-RPC error for the same
-request id (read from the message's first bytes) with code :data:`MESSAGE_TOO_LARGE` and the size,
+request id (read from the message's first bytes) with code ``MESSAGE_TOO_LARGE`` (worker/stdio_lines.py) and the size,
 sha256 and an excerpt in its data, so the call ends at once as a classified result instead of a
 timeout. An oversize message whose id cannot be read is dropped (the request then times out).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,69 +24,17 @@ from mcp.client import stdio as sdk_stdio
 from mcp.client.stdio import StdioServerParameters
 from mcp.shared.message import SessionMessage
 
-#: JSON-RPC error code (implementation-defined server error range) for an oversize message.
-MESSAGE_TOO_LARGE = -32077
-EXCERPT_BYTES = 1024
-_ID = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.){0,200}"|-?\d{1,20})')
+from worker.stdio_lines import Line, split_lines
 
 
-class _Line:
-    """One line being read: kept while small, then only hashed and counted."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.digest: hashlib._Hash | None = None
-        self.head = b""
-
-    def add(self, data: bytes) -> None:
-        self.size += len(data)
-        if self.digest is not None:
-            self.digest.update(data)
-            return
-        self.parts.append(data)
-        if self.size > self.limit:
-            joined = b"".join(self.parts)
-            self.head, self.parts = joined[:4096], []
-            self.digest = hashlib.sha256(joined)
-
-    def raw(self) -> bytes | None:
-        """The line as it came (within the limit), or in place of an oversize one the JSON-RPC error
-        for its request id; None for an oversize line whose id cannot be read."""
-        if self.digest is None:
-            return b"".join(self.parts)
-        found = _ID.search(self.head)
-        if found is None:
-            return None
-        error = {"jsonrpc": "2.0", "id": json.loads(found.group(1)), "error": {
-            "code": MESSAGE_TOO_LARGE,
-            "message": f"message of {self.size} bytes exceeds the limit of {self.limit}",
-            "data": {"size": self.size, "sha256": self.digest.hexdigest(), "limit": self.limit,
-                     "excerpt": self.head[:EXCERPT_BYTES].decode("utf-8", errors="replace")}}}
-        return json.dumps(error).encode()
+class _Line(Line):
+    """A :class:`~worker.stdio_lines.Line` that becomes a message for the SDK's session."""
 
     def finish(self) -> SessionMessage | Exception | None:
         raw = self.raw()
         if raw is None:
             return None
         return sdk_stdio._parse_line(raw.decode("utf-8", errors="replace"))  # noqa: SLF001 - the SDK's own parser
-
-
-def split_lines(chunk: bytes, line: _Line, limit: int) -> tuple[list[_Line], _Line]:
-    """The lines ``chunk`` completes (``line`` first) and the line it leaves open."""
-    done: list[_Line] = []
-    start = 0
-    while True:
-        end = chunk.find(b"\n", start)
-        if end < 0:
-            if start < len(chunk):
-                line.add(chunk[start:])
-            return done, line
-        line.add(chunk[start:end])
-        start = end + 1
-        done.append(line)
-        line = _Line(limit)
 
 
 @asynccontextmanager

@@ -34,9 +34,9 @@ from proofline.errors import (
     ServerAuthFailed,
     TokenExchangeRefused,
 )
-from worker.bounded_stdio import MESSAGE_TOO_LARGE
 from worker.results import measure
 from worker.server_requests import refused_by_runtime
+from worker.stdio_lines import MESSAGE_TOO_LARGE
 
 # JSON-RPC errors the server sends *before* running the tool: the request was refused outright.
 REFUSED_BEFORE_RUNNING = {-32700, -32600, -32601, -32602}

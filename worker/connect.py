@@ -10,7 +10,6 @@ cache). Used by the pool processes' sessions (worker/mcp_client.py) and by the n
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,14 +20,12 @@ from mcp import StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from proofline.errors import McpUnavailable
-from worker import sandbox
 from worker.bounded_stdio import bounded_stdio_client
 from worker.sandbox_egress import Forwarder
 from worker.sandbox_reader import Auditor
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint
-
-log = logging.getLogger(__name__)
+from worker.stdio_launch import stdio_launch
 
 
 def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
@@ -47,24 +44,11 @@ def endpoint_target(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role
                 or auth is not None:
             return _http_transport(endpoint, watch, auth)
         return endpoint.url
-    argv = endpoint.argv()
-    cwd = endpoint.working_directory(base_dir)
-    unsandboxed = sandbox.require_policy(name, role, endpoint.sandbox, environment)
-    if unsandboxed is not None:
-        log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
-                                                            "role": role, "reason": unsandboxed})
-        return _bounded(StdioServerParameters(command=argv[0], args=argv[1:], env=endpoint.stdio_environment(),
-                                              cwd=cwd), max_message_bytes, errlog_for(name, role))
-    roots: list[sandbox.Roots] = []
-    launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
-                            base_dir=base_dir, status_path=status_path, roots=roots,
-                            audit_path=audit.path if audit is not None else None,
-                            egress=egress.plan if egress is not None else None)
-    if audit is not None:
-        audit.roots = roots[0]
-    # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env; the launcher
-    # environment pins every one of them, so what bwrap starts with is exactly launch.env.
-    return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=cwd),
+    launch = stdio_launch(endpoint, base_dir, name=name, role=role, environment=environment,
+                          status_path=status_path, audit=audit, egress=egress)
+    # The SDK merges a few of the worker's variables (HOME, PATH, ...) under this env: the same ones
+    # the session host merges (worker/stdio_launch.py), pinned by a sandboxed launch's own.
+    return _bounded(StdioServerParameters(command=launch.command, args=launch.args, env=launch.env, cwd=launch.cwd),
                     max_message_bytes, errlog_for(name, role))
 
 

@@ -54,15 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mcp.client.stdio import get_default_environment
-
 from worker import sandbox
-from worker.bounded_stdio import _Line, split_lines
-from worker.connect import endpoint_target
 from worker.sandbox_egress import Forwarder
 from worker.sandbox_reader import Auditor, owned_prefix
 from worker.server_stderr import errlog_for
 from worker.servers import Endpoint
+from worker.stdio_launch import inherited_environment, stdio_launch
+from worker.stdio_lines import Line, split_lines
 
 log = logging.getLogger("worker.session_host")
 
@@ -194,11 +192,10 @@ class Host:
                 egress = Forwarder(spec.server, spec.role, endpoint.sandbox.egress)
             if sandbox.require_audit(spec.server, spec.role, endpoint.sandbox, spec.environment) is None:
                 auditor = Auditor(spec.server, spec.role)
-        params = endpoint_target(endpoint, base_dir, name=spec.server, role=spec.role,
-                                 environment=spec.environment, status_path=status_path, audit=auditor, egress=egress)
+        params = stdio_launch(endpoint, base_dir, name=spec.server, role=spec.role, environment=spec.environment,
+                              status_path=status_path, audit=auditor, egress=egress)
         process = await asyncio.create_subprocess_exec(
-            params.command, *params.args, env=get_default_environment() | (params.env or {}),
-            cwd=params.cwd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            params.command, *params.args, env=inherited_environment() | params.env, cwd=params.cwd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=errlog_for(spec.server, spec.role), limit=1 << 16)
         served = Served(spec, process, auditor, egress, status_path)
         if auditor is not None:
@@ -212,7 +209,7 @@ class Host:
     async def _pump(self, served: Served) -> None:
         """The server's output, line by line, to its borrower (or answered here when it has none)."""
         limit = served.spec.max_message_bytes
-        line = _Line(limit)
+        line = Line(limit)
         stdout = served.process.stdout
         assert stdout is not None
         try:
@@ -431,7 +428,7 @@ class Host:
         borrower.writer = writer
         borrower.attached.set()
         limit = borrower.served.spec.max_message_bytes
-        line = _Line(limit)
+        line = Line(limit)
         try:
             while chunk := await reader.read(65536):
                 done, line = split_lines(chunk, line, limit)

@@ -33,10 +33,11 @@ from proofline.errors import (
     RevalidationFailed,
 )
 from proofline.settings import Settings
-from worker.bounded_stdio import MESSAGE_TOO_LARGE, _Line
+from worker.bounded_stdio import _Line
 from worker.classify import CallReport, classify
 from worker.limits import check_limits
 from worker.results import measure as measure_result
+from worker.stdio_lines import MESSAGE_TOO_LARGE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS = ROOT / "contracts"

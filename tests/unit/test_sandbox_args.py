@@ -22,6 +22,7 @@ from worker.sandbox import (
     violation,
 )
 from worker.servers import Endpoint, load_servers
+from worker.stdio_launch import inherited_environment
 
 HOST = {"/usr", "/bin", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/resolv.conf", "/srv/tool", "/srv/data",
         "/srv/base/var"}
@@ -166,3 +167,18 @@ def test_the_audit_block_asks_for_the_audit_and_says_what_an_overflow_does() -> 
         require_audit("s", "write", strict, "development", available=False)
     with pytest.raises(ValueError):
         SandboxSpec(audit={"on_overflow": "ignore"})
+
+
+@pytest.mark.parametrize("values", [{}, {"HOME": "/h", "PATH": "/bin", "TERM": "() { :; }", "USER": "u"},
+                                    {"LOGNAME": "l", "SHELL": "/bin/sh", "OTHER": "x"}])
+def test_the_session_host_inherits_what_the_sdk_would(monkeypatch: pytest.MonkeyPatch,
+                                                      values: dict[str, str]) -> None:
+    """The session host starts servers without the SDK (worker/stdio_launch.py): what a server
+    inherits there must be what the SDK's stdio client gives one a pool process starts."""
+    from mcp.client.stdio import get_default_environment
+
+    for key in (*DEFAULT_INHERITED_ENV_VARS, "OTHER"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    assert inherited_environment() == get_default_environment()
