@@ -569,6 +569,21 @@ def cancel_arrived_txn(cur: Cursor, action_id: str) -> bool:
     return row is not None and row["cancel_requested_at"] is not None
 
 
+#: The events a verdict writes when it moves an action out of ``verifying`` (recovery/verify.py,
+#: worker/record_call.py, recovery/cancel.py): one after a ledger position means a verdict after it.
+VERDICT_EVENTS = ("verification_finished", "final_state", "handed_to_recovery", "escalated_state")
+
+
+def verdict_since_txn(cur: Cursor, action_id: str, seq: int) -> bool:
+    """Whether a verdict was recorded for the action after its ledger position ``seq``. Read under
+    the row lock, it tells a verification that loaded the row at ``seq`` whether its reads were
+    overtaken: the row may be ``verifying`` again, but for a later attempt than the one it read for."""
+    cur.execute("SELECT EXISTS (SELECT 1 FROM ledger_events WHERE action_id = %s AND seq > %s AND event = ANY(%s))"
+                " AS found", (action_id, seq, list(VERDICT_EVENTS)))
+    row = cur.fetchone()
+    return bool(row and row["found"])
+
+
 def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:
     cur.execute("SELECT *, expires_at < clock_timestamp() AS expired FROM idempotency_records WHERE key = %s", (key,))
     row = cur.fetchone()

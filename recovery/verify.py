@@ -104,13 +104,14 @@ def _verify(rt: Runtime, action_id: str, dispatch: Dispatch, stages: tracing.Sta
     conn = rt.conn
     row = store.begin_with_read(conn, "SELECT * FROM actions WHERE action_id = %s", (action_id,))
     try:
-        return _verify_loaded(rt, conn, store.ActionRow.from_row(row) if row else None, action_id, dispatch, stages)
+        return _verify_loaded(rt, conn, store.ActionRow.from_row(row) if row else None, action_id, dispatch, stages,
+                              row["ledger_seq"] if row else 0)
     finally:
         store.end_held_read(conn)
 
 
 def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, action_id: str, dispatch: Dispatch,
-                   stages: tracing.Stages) -> dict[str, Any]:
+                   stages: tracing.Stages, loaded_seq: int) -> dict[str, Any]:
     if action is None or action.status != ActionStatus.verifying:
         return {"status": "skipped", "action_id": action_id, "current": action.status.value if action else None}
     # Conditions compare with the arguments as signed; the stored envelope is a redacted copy.
@@ -171,6 +172,7 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
         # The response was lost; the original result is recovered from the system of record.
         # What the call's own result weighed (past the size limit) stays next to the recovered values.
         recovered = {**(action.result or {}), "values": obs.after, "recovered_by": "verification"}
+    faultpoints.hit("before_verify_commit", action_id)  # a hold here is reads that took that long
     # Polling may have outlasted the session's idle timeout: then rt.conn is a fresh connection (the
     # old one, and the load's transaction with it, is gone) and the verdict has a transaction of its
     # own; the guarded move from verifying re-checks what the load saw either way.
@@ -178,7 +180,6 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
     if not begun:
         store.end_held_read(conn)
         conn = rt.conn
-    faultpoints.hit("before_verify_commit")
     stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
                                                   if (outcome or action.outcome) else None})
     try:
@@ -190,6 +191,11 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                 # decides the disposition as if it had been there from the start.
                 status, outcome, record_status, reason = _cancel_disposition(
                     envelope, obs.finding, (status, outcome, record_status, reason))
+            if store.verdict_since_txn(cur, action_id, loaded_seq):
+                # Another verifier's verdict landed while this one read, and the retry it led to has
+                # brought the row back to ``verifying``: these reads are of the attempt before.
+                raise TransitionRefused(f"{action_id}: a verdict was recorded after this verification loaded it",
+                                        action_id=action_id)
             # Each read is its own evidence record, before the verdict it led to.
             events = [("evidence_read", r) for r in readings if contract.verification.all_sources]
             events.append(("verification_finished", evidence))
@@ -220,7 +226,8 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                  recovery_data={"after": obs.after} if obs.after is not None else None,
                                  redactor=red, events=events, actor=rt.settings.worker_id, deferred=True)
     except TransitionRefused:
-        # Another verifier settled it first; our reads are kept as evidence, nothing else changes.
+        # Another verifier settled it first (or settled an earlier attempt of it since this one loaded
+        # the row); our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:
             store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence, red)
         return {"status": "superseded", "action_id": action_id}
