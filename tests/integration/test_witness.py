@@ -25,7 +25,7 @@ from proofline_kit.processes import start_process, stop_process, wait_port_file
 from proofline_kit.sor import store as sor
 from proofline_kit.witness import WitnessLog
 from proofline_kit.witness.placement import http_relay_argv
-from tests.conftest import Stack
+from tests.conftest import Stack, wait_for
 from tests.helpers import ticket_env
 
 KEY = "proofline/idempotency_key"
@@ -115,6 +115,9 @@ def test_a_cancelled_call_is_recorded_with_its_cancel(relayed) -> None:
     finally:
         sor.clear_faults(db)
     assert isinstance(result, MCPError)
+    # The client's cancel reaches the relay on its own (over HTTP a separate request, or the closed
+    # connection), after the call has already returned here: wait for its record, not for a time.
+    wait_for(lambda: witness.cancels(), 30, what="the relay to record the cancel")
     [seen] = witness.calls(key=key)
     assert seen.cancelled and not seen.answered
     assert [c["idempotency_key"] for c in witness.cancels()] == [key]
