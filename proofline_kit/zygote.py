@@ -15,7 +15,7 @@ What it is not: it never preloads the product's own modules (they read settings 
 import, from the child's environment), and it serves only what a fork can give exactly. Any request
 it cannot serve exactly runs as a plain ``subprocess.Popen``: another interpreter than this one, an
 interpreter option other than ``-u``, an environment that differs from the zygote's in a variable
-read at interpreter start or at import (``PYTHON*`` except those it applies itself, :data:`EMULATED`,
+read at interpreter start or at import (``PYTHON*`` except ``PYTHONPATH`` and ``PYTHONUNBUFFERED``,
 the locale, ``PSYCOPG_IMPL``), a ``PYTHONPATH`` entry that would shadow a preloaded library, or a
 ``preexec_fn``. It is off unless the process called :func:`enable` (the test suite's conftest
 does, so a ``proofline dev`` or a soak started from the kit never forks from one), and
@@ -63,11 +63,8 @@ PRELOAD = (*LIBRARIES, "mcp.server.mcpserver", "h11", "starlette.applications", 
 #: Environment variables the interpreter or a preloaded library reads at start: a request whose
 #: value differs from the zygote's is started plainly.
 START_VARIABLES = ("LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "PSYCOPG_IMPL")
-#: ``PYTHON*`` variables the zygote's child applies itself. ``PYTHONDONTWRITEBYTECODE`` is
-#: ``sys.dont_write_bytecode``, which the import system reads at every import (``sys.flags`` keeps the
-#: zygote's value): a test that builds an environment from scratch leaves out the machine's
-#: setting, and was started plainly for that alone.
-EMULATED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+#: ``PYTHON*`` variables the zygote's child applies itself.
+EMULATED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 SWITCH = "PROOFLINE_TEST_ZYGOTE"
 _LENGTH = struct.Struct("!I")
 MAX_FDS = 64
@@ -208,7 +205,6 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     os.environ.update(request["env"])
     time.tzset()
     unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
-    sys.dont_write_bytecode = bool(request["env"].get("PYTHONDONTWRITEBYTECODE"))
     encoding, errors = sys.__stdout__.encoding if sys.__stdout__ else "utf-8", "strict"
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "rb", closefd=False)),
                                                  encoding=encoding, errors=errors)

@@ -149,19 +149,6 @@ def test_an_interpreter_setting_in_the_environment_starts_plainly() -> None:
     assert proc.wait(60) == 0
 
 
-@pytest.mark.parametrize("value", ["", "1"])
-def test_the_bytecode_setting_is_applied_in_the_child(value: str) -> None:
-    """Set or unset in the request, whatever the zygote had: the child writes bytecode exactly when
-    an interpreter started with that environment would."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    if value:
-        env["PYTHONDONTWRITEBYTECODE"] = value
-    code = "import sys; print('mcp_types' in sys.modules, sys.dont_write_bytecode)"
-    done = zygote.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", str(bool(value))]
-
-
 def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(zygote.SWITCH, "0")
     done = zygote.run([PY, "-c", "import sys; print('mcp_types' in sys.modules)"], capture_output=True, text=True,
