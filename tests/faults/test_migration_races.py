@@ -26,9 +26,10 @@ from ledger.roles import RECOVERY, WORKER
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The admin URL of a fresh embedded server's ``postgres`` database (no Proofline role yet)."""
+    """The admin URL of a fresh embedded server's ``postgres`` database (no Proofline role yet):
+    one per test, so that each starts with the roles absent."""
     from proofline_kit.embedded import start_postgres
 
     with ExitStack() as stack:
