@@ -574,14 +574,16 @@ def cancel_arrived_txn(cur: Cursor, action_id: str) -> bool:
 VERDICT_EVENTS = ("verification_finished", "final_state", "handed_to_recovery", "escalated_state")
 
 
-def verdict_since_txn(cur: Cursor, action_id: str, seq: int) -> bool:
-    """Whether a verdict was recorded for the action after its ledger position ``seq``. Read under
-    the row lock, it tells a verification that loaded the row at ``seq`` whether its reads were
-    overtaken: the row may be ``verifying`` again, but for a later attempt than the one it read for."""
-    cur.execute("SELECT EXISTS (SELECT 1 FROM ledger_events WHERE action_id = %s AND seq > %s AND event = ANY(%s))"
-                " AS found", (action_id, seq, list(VERDICT_EVENTS)))
+def lock_for_verdict_txn(cur: Cursor, action_id: str, seq: int) -> tuple[bool, bool]:
+    """Lock the row for a verification's verdict and read, in the same statement, whether a
+    cancellation is recorded now and whether a verdict was recorded after ledger position ``seq``
+    (where the verification loaded the row). The second tells it that its reads were overtaken:
+    the row may be ``verifying`` again, but for a later attempt than the one it read for."""
+    cur.execute("SELECT cancel_requested_at IS NOT NULL AS cancelled, EXISTS (SELECT 1 FROM ledger_events e "
+                "WHERE e.action_id = a.action_id AND e.seq > %s AND e.event = ANY(%s)) AS overtaken "
+                "FROM actions a WHERE a.action_id = %s FOR UPDATE", (seq, list(VERDICT_EVENTS), action_id))
     row = cur.fetchone()
-    return bool(row and row["found"])
+    return (bool(row["cancelled"]), bool(row["overtaken"])) if row else (False, False)
 
 
 def get_idempotency_txn(cur: Cursor, key: str) -> IdempotencyRecord | None:

@@ -182,20 +182,24 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
         conn = rt.conn
     stages.enter("proofline.final_transition", **{"proofline.outcome": (outcome or action.outcome).value
                                                   if (outcome or action.outcome) else None})
+    superseded = "settled"  # why a refused move is superseded, as its event says
     try:
-        # Two flights: the row lock (and a cancellation that arrived meanwhile), then the verdict
-        # with its COMMIT; a move another verifier made first is refused by the database.
+        # Two flights: the row lock (with a cancellation that arrived meanwhile and any verdict
+        # recorded since the load), then the verdict with its COMMIT; a move another verifier made
+        # first is refused by the database.
         with store.pipelined(conn, begun=begun) as cur:
-            if action.cancel_requested_at is None and store.cancel_arrived_txn(cur, action_id):
+            cancelled, overtaken = store.lock_for_verdict_txn(cur, action_id, loaded_seq)
+            if overtaken:
+                # Another verifier's verdict landed while this one read, and the retry it led to may
+                # have brought the row back to ``verifying``: these reads are of the attempt before.
+                superseded = "later_verdict"
+                raise TransitionRefused(f"{action_id}: a verdict was recorded after this verification loaded it",
+                                        action_id=action_id)
+            if action.cancel_requested_at is None and cancelled:
                 # Cancelled while verification was reading the system of record: the cancellation
                 # decides the disposition as if it had been there from the start.
                 status, outcome, record_status, reason = _cancel_disposition(
                     envelope, obs.finding, (status, outcome, record_status, reason))
-            if store.verdict_since_txn(cur, action_id, loaded_seq):
-                # Another verifier's verdict landed while this one read, and the retry it led to has
-                # brought the row back to ``verifying``: these reads are of the attempt before.
-                raise TransitionRefused(f"{action_id}: a verdict was recorded after this verification loaded it",
-                                        action_id=action_id)
             # Each read is its own evidence record, before the verdict it led to.
             events = [("evidence_read", r) for r in readings if contract.verification.all_sources]
             events.append(("verification_finished", evidence))
@@ -226,10 +230,11 @@ def _verify_loaded(rt: Runtime, conn: Any, action: store.ActionRow | None, actio
                                  recovery_data={"after": obs.after} if obs.after is not None else None,
                                  redactor=red, events=events, actor=rt.settings.worker_id, deferred=True)
     except TransitionRefused:
-        # Another verifier settled it first (or settled an earlier attempt of it since this one loaded
-        # the row); our reads are kept as evidence, nothing else changes.
+        # Another verifier settled it first ("settled"), or settled an earlier attempt of it since this
+        # one loaded the row ("later_verdict"); our reads are kept as evidence, nothing else changes.
         with store.transaction(conn) as cur:
-            store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id, evidence, red)
+            store.append_event_txn(cur, action_id, "verification_superseded", rt.settings.worker_id,
+                                   {**evidence, "superseded": superseded}, red)
         return {"status": "superseded", "action_id": action_id}
     # Only a verification whose finding was recorded is measured (a superseded one read in vain).
     metrics.VERIFICATION_SECONDS.labels(action.action_type, obs.finding.value).observe(read_seconds)

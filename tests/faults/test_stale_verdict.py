@@ -50,3 +50,5 @@ def test_a_verification_overtaken_by_a_retry_is_superseded_not_applied(stack: St
     events = stack.events(env.action_id)
     assert events.count("handed_to_recovery") == 1 and "escalated" not in events, events
     assert len(sor.find_refund_by_key(stack.sor_db, env.idempotency_key)["refunds"]) == 1
+    superseded = [e["evidence"] for e in stack.timeline(env.action_id) if e["event"] == "verification_superseded"]
+    assert [e["superseded"] for e in superseded] == ["later_verdict"], superseded
