@@ -73,7 +73,7 @@ async def bounded_stdio_client(server: StdioServerParameters, max_message_bytes:
             async with read_writer:
                 try:
                     async for chunk in process.stdout:
-                        done, line = split_lines(chunk, line, max_message_bytes)
+                        done, line = split_lines(chunk, line)
                         for complete in done:
                             message = complete.finish()
                             if message is not None:

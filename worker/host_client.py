@@ -172,7 +172,7 @@ async def host_stdio_client(loan: Loan, max_message_bytes: int) -> AsyncGenerato
         async with read_writer:
             try:
                 async for chunk in stream:
-                    done, line = split_lines(chunk, line, max_message_bytes)
+                    done, line = split_lines(chunk, line)
                     for complete in done:
                         message = complete.finish()
                         if message is not None:

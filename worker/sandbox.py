@@ -245,11 +245,13 @@ def _resolve(path: str, base_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start one sandboxed server: the launcher argv and its (minimal) environment."""
+    """How to start one server: the launcher argv and its (minimal) environment, and the folder it
+    starts in (set by worker/stdio_launch.py, which also describes an unsandboxed start this way)."""
 
     command: str
     args: list[str]
     env: dict[str, str]
+    cwd: str | None = None
 
 
 def launcher_environment() -> dict[str, str]:

@@ -195,8 +195,9 @@ class Host:
         params = stdio_launch(endpoint, base_dir, name=spec.server, role=spec.role, environment=spec.environment,
                               status_path=status_path, audit=auditor, egress=egress)
         process = await asyncio.create_subprocess_exec(
-            params.command, *params.args, env=inherited_environment() | params.env, cwd=params.cwd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=errlog_for(spec.server, spec.role), limit=1 << 16)
+            params.command, *params.args, env=inherited_environment() | params.env, cwd=params.cwd,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errlog_for(spec.server, spec.role),
+            limit=1 << 16)
         served = Served(spec, process, auditor, egress, status_path)
         if auditor is not None:
             auditor.counted = lambda n, s=served: setattr(s, "counted", s.counted + n)
@@ -214,7 +215,7 @@ class Host:
         assert stdout is not None
         try:
             while chunk := await stdout.read(65536):
-                done, line = split_lines(chunk, line, limit)
+                done, line = split_lines(chunk, line)
                 for complete in done:
                     raw = complete.raw()
                     if raw is not None:
@@ -431,7 +432,7 @@ class Host:
         line = Line(limit)
         try:
             while chunk := await reader.read(65536):
-                done, line = split_lines(chunk, line, limit)
+                done, line = split_lines(chunk, line)
                 for complete in done:
                     if borrower.served.borrower is not borrower:
                         return  # the loan ended: nothing more of this borrower's reaches the server

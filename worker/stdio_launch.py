@@ -8,9 +8,9 @@ MCP SDK, so the host's process never pays for that import.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from worker import sandbox
@@ -26,17 +26,6 @@ log = logging.getLogger(__name__)
 INHERITED = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER")
 
 
-@dataclass(frozen=True)
-class StdioLaunch:
-    """What to execute for one stdio server: ``command`` with ``args``, in ``cwd``, with ``env``
-    over :func:`inherited_environment`."""
-
-    command: str
-    args: list[str]
-    env: dict[str, str]
-    cwd: str | Path | None
-
-
 def inherited_environment() -> dict[str, str]:
     """The starting process's values of :data:`INHERITED` (a shell function's value is never copied)."""
     return {key: value for key in INHERITED if (value := os.environ.get(key)) is not None
@@ -45,17 +34,18 @@ def inherited_environment() -> dict[str, str]:
 
 def stdio_launch(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: str = "write",
                  environment: str = "development", status_path: str | None = None,
-                 audit: Auditor | None = None, egress: Forwarder | None = None) -> StdioLaunch:
+                 audit: Auditor | None = None, egress: Forwarder | None = None) -> sandbox.Launch:
     """The launch of a stdio ``endpoint``: sandboxed unless the servers file disables it with a
     reason (then logged as ``sandbox_disabled``), audited through ``audit``, reaching its egress
-    allowlist through ``egress`` (without one it has no network)."""
+    allowlist through ``egress`` (without one it has no network). The result's ``env`` goes over
+    :func:`inherited_environment`."""
     argv = endpoint.argv()
     cwd = endpoint.working_directory(base_dir)
     unsandboxed = sandbox.require_policy(name, role, endpoint.sandbox, environment)
     if unsandboxed is not None:
         log.warning("stdio server runs unsandboxed", extra={"event": "sandbox_disabled", "server": name,
                                                             "role": role, "reason": unsandboxed})
-        return StdioLaunch(argv[0], list(argv[1:]), dict(endpoint.stdio_environment()), cwd)
+        return sandbox.Launch(argv[0], list(argv[1:]), dict(endpoint.stdio_environment()), cwd)
     roots: list[sandbox.Roots] = []
     launch = sandbox.launch(endpoint.sandbox, command=argv, env=endpoint.stdio_environment(), cwd=cwd,
                             base_dir=base_dir, status_path=status_path, roots=roots,
@@ -65,4 +55,4 @@ def stdio_launch(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: s
         audit.roots = roots[0]
     # The launcher environment pins every inherited variable, so what bwrap starts with is exactly
     # launch.env whoever starts it.
-    return StdioLaunch(launch.command, list(launch.args), dict(launch.env), cwd)
+    return dataclasses.replace(launch, cwd=cwd)

@@ -59,7 +59,7 @@ class Line:
 L = TypeVar("L", bound=Line)
 
 
-def split_lines(chunk: bytes, line: L, limit: int) -> tuple[list[L], L]:
+def split_lines(chunk: bytes, line: L) -> tuple[list[L], L]:
     """The lines ``chunk`` completes (``line`` first) and the line it leaves open (of ``line``'s class)."""
     done: list[L] = []
     start = 0
@@ -72,4 +72,4 @@ def split_lines(chunk: bytes, line: L, limit: int) -> tuple[list[L], L]:
         line.add(chunk[start:end])
         start = end + 1
         done.append(line)
-        line = type(line)(limit)
+        line = type(line)(line.limit)
