@@ -113,12 +113,15 @@ def test_each_identity_gets_its_own_token_for_its_own_resource(oauth: dict[str, 
 
 
 def test_a_token_near_expiry_is_fetched_again_before_the_request(oauth: dict[str, Any]) -> None:
-    oauth["as"].set_lifetime(3)
-    server = servers_file(oauth, margin=2.0)
+    # A 20 s life and a 12 s margin: the first listing has 8 s before its token counts as expiring
+    # and 20 s before the server would refuse it (a 3 s life was outlived on a loaded machine: the
+    # server answered 401 and the refresh read "rejected"); 8.5 s later it is within the margin.
+    oauth["as"].set_lifetime(20)
+    server = servers_file(oauth, margin=12.0)
     m = McpSessions(oauth["tmp"])
     try:
         listed(m, server, "write")
-        time.sleep(1.2)  # within the margin of its 3 s life: fetched again before anything is sent
+        time.sleep(8.5)  # within the margin of its life: fetched again before anything is sent
         listed(m, server, "write")
         reasons = [e["reason"] for e in events(m, "oauth_token_refreshed")]
         assert reasons == ["first", "expiring"]
