@@ -5,9 +5,11 @@ on RabbitMQ, the quorum queue's own delivery limit behind it. Either way the mes
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import psutil
@@ -25,6 +27,7 @@ GUARD_LIMIT = 3
 BROKER_LIMIT = 5
 #: How long a broker dead letter the ledger could not record waits before it is requeued.
 RECORD_RETRY = 20
+_LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
 
 
 @pytest.fixture(scope="module", params=BROKERS)
@@ -249,8 +252,11 @@ def records_of_message(stack: Stack, key: str) -> list[dict[str, Any]]:
 def test_an_unrecorded_dead_letter_waits_without_stalling_the_worker(stack: Stack) -> None:
     """The recorder cannot write (the test-only point stands in for the ledger being away), so the
     message waits RECORD_RETRY seconds, unacknowledged, on the event loop's timer. Meanwhile the same
-    worker's main process receives, runs and settles an action. Had the recorder slept instead, the
-    action could not even be received before the wait ended, and the message would be recorded then."""
+    worker's main process receives an action, which then settles. Had the recorder slept instead,
+    the main process could receive nothing before the wait ended: the action's task would be
+    received only after the dead letter was recorded. The worker's log orders the two on one clock
+    (a deadline of RECORD_RETRY seconds for the whole action failed on a loaded machine, where the
+    action was received at once and its pool process took 13 s to start it)."""
     task_id = str(uuid.uuid4())
     before = faultpoints.fired(stack.faultpoints, "before_dead_letter_record")
     faultpoints.arm(stack.faultpoints, "before_dead_letter_record", remaining=1, action="raise")
@@ -262,14 +268,27 @@ def test_an_unrecorded_dead_letter_waits_without_stalling_the_worker(stack: Stac
                  what="the recorder's failed attempt")
         env = ticket_env(stack)
         stack.publish(env)
-        row = stack.wait_settled(env.action_id, timeout=RECORD_RETRY)
+        received = wait_for(lambda: log_time(stack, "Task proofline.execute[", "received", env.action_id), 60,
+                            what="the action's task received by the worker's main process")
+        row = stack.wait_settled(env.action_id)
         assert (row.status, row.outcome) == (ActionStatus.closed, Outcome.completed_verified)
-        assert records_of_message(stack, "task:" + task_id) == []  # still waiting, unacknowledged
     finally:
         faultpoints.arm(stack.faultpoints, "before_dead_letter_record", remaining=0)
     assert "broker dead-letter not recorded; requeued" in worker_log(stack)
-    records = wait_for(lambda: records_of_message(stack, "task:" + task_id), RECORD_RETRY + 30,
+    records = wait_for(lambda: records_of_message(stack, "task:" + task_id), RECORD_RETRY + 60,
                        what="the dead letter recorded after its requeue")
     assert len(records) == 1 and records[0]["by"] == "broker", records
+    recorded = log_time(stack, "message dead-lettered by the broker", f"message_key=task:{task_id}")
+    assert recorded is not None and received < recorded, (received, recorded)
     wait_for(lambda: task_id in stack.queued("dead_letter"), 30, what="the message in dead_letter")
     assert stack.queued(INBOX) == []
+
+
+def log_time(stack: Stack, *parts: str) -> datetime | None:
+    """When the first worker log line holding every one of ``parts`` was written (Celery's own
+    timestamp), or None."""
+    for line in worker_log(stack).splitlines():
+        stamp = _LOG_STAMP.match(line)
+        if stamp and all(part in line for part in parts):
+            return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+    return None
