@@ -13,7 +13,6 @@ connection, for a server that reports its own port.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
@@ -55,6 +54,9 @@ def _write_port(path: Path, port: int) -> None:
 
 
 def _run_http(args: argparse.Namespace) -> None:
+    # Imported here: the stdio relay, started once per sandboxed server, needs neither.
+    import asyncio
+
     from proofline_kit.witness.http import HttpRelay
 
     host, _, port = args.listen.rpartition(":")
