@@ -278,8 +278,10 @@ def test_an_unrecorded_dead_letter_waits_without_stalling_the_worker(stack: Stac
     records = wait_for(lambda: records_of_message(stack, "task:" + task_id), RECORD_RETRY + 60,
                        what="the dead letter recorded after its requeue")
     assert len(records) == 1 and records[0]["by"] == "broker", records
-    recorded = log_time(stack, "message dead-lettered by the broker", f"message_key=task:{task_id}")
-    assert recorded is not None and received < recorded, (received, recorded)
+    # The worker logs the record once it is written: a moment after the ledger has it.
+    recorded = wait_for(lambda: log_time(stack, "message dead-lettered by the broker", f"message_key=task:{task_id}"),
+                        30, what="the worker's log line for the recorded dead letter")
+    assert received < recorded, (received, recorded)
     wait_for(lambda: task_id in stack.queued("dead_letter"), 30, what="the message in dead_letter")
     assert stack.queued(INBOX) == []
 
