@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,15 @@ from ledger.redact import scrub_text
 from proofline.envelope import Envelope
 from proofline_kit.sor import store as sor
 from tests.conftest import Stack, wait_for
+
+#: The timestamp Celery writes at the head of each worker log line.
+_CELERY_LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}):")
+
+
+def log_stamp(line: str) -> datetime | None:
+    """When a Celery worker log line was written (the worker's own clock), None for any other line."""
+    stamp = _CELERY_LOG_STAMP.match(line)
+    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f") if stamp else None
 
 
 def uid() -> str:

@@ -245,8 +245,8 @@ def _resolve(path: str, base_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start one server: the launcher argv and its (minimal) environment, and the folder it
-    starts in (set by worker/stdio_launch.py, which also describes an unsandboxed start this way)."""
+    """How to start one server: the launcher argv, its (minimal) environment, and the folder it
+    starts in (worker/stdio_launch.py describes an unsandboxed start this way too)."""
 
     command: str
     args: list[str]
@@ -389,7 +389,7 @@ def launch(spec: SandboxSpec, *, command: Sequence[str], env: dict[str, str], cw
 
         argv = [sys.executable, "-I", "-S", DEATHSIG, str(parent_pid or os.getpid()), STRACE,
                 *strace_args(audit_path), "--", *argv]
-    return Launch(argv[0], argv[1:], launcher_environment())
+    return Launch(argv[0], argv[1:], launcher_environment(), cwd)
 
 
 def read_status(path: str | Path) -> dict[str, int]:

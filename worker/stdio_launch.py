@@ -8,7 +8,6 @@ MCP SDK, so the host's process never pays for that import.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -55,4 +54,4 @@ def stdio_launch(endpoint: Endpoint, base_dir: Path, *, name: str = "?", role: s
         audit.roots = roots[0]
     # The launcher environment pins every inherited variable, so what bwrap starts with is exactly
     # launch.env whoever starts it.
-    return dataclasses.replace(launch, cwd=cwd)
+    return launch

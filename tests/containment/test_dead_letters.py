@@ -5,7 +5,6 @@ on RabbitMQ, the quorum queue's own delivery limit behind it. Either way the mes
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from kombu import Connection
 from ledger.states import ActionStatus, Outcome
 from tests.conftest import BROKERS, Stack, build_stack, start_workers, teardown_stack, wait_for
 from tests.containment.helpers import celery_main_pid, worker_log, worker_starts
-from tests.helpers import ticket_env
+from tests.helpers import log_stamp, ticket_env
 from worker import faultpoints
 from worker.broker import INBOX
 
@@ -27,7 +26,6 @@ GUARD_LIMIT = 3
 BROKER_LIMIT = 5
 #: How long a broker dead letter the ledger could not record waits before it is requeued.
 RECORD_RETRY = 20
-_LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
 
 
 @pytest.fixture(scope="module", params=BROKERS)
@@ -290,7 +288,7 @@ def log_time(stack: Stack, *parts: str) -> datetime | None:
     """When the first worker log line holding every one of ``parts`` was written (Celery's own
     timestamp), or None."""
     for line in worker_log(stack).splitlines():
-        stamp = _LOG_STAMP.match(line)
-        if stamp and all(part in line for part in parts):
-            return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        stamp = log_stamp(line)
+        if stamp is not None and all(part in line for part in parts):
+            return stamp
     return None

@@ -14,7 +14,6 @@ quorum queue's delivery limit on its new leader. Nothing of the cluster outlives
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -33,14 +32,13 @@ from proofline_kit.rabbitmq_server import available as rabbitmq_available
 from proofline_kit.sor import store as sor
 from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
 from tests.containment.test_dead_letters import BROKER_LIMIT, GUARD_LIMIT, poison
-from tests.helpers import new_account, refund_env
+from tests.helpers import log_stamp, new_account, refund_env
 
 ACTIONS = 300
 #: The kill comes once this many actions have been published (the rest are published across it).
 KILL_AFTER = 100
 
 pytestmark = pytest.mark.timeout(1200)
-_LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}):")
 
 
 def settled_count(conn: Any, action_ids: list[str]) -> int:
@@ -59,10 +57,10 @@ def after_kill(workdir: Path, killed: datetime) -> tuple[float, float]:
     for log in sorted(workdir.glob("worker-*.log")):
         first_connect = first_receipt = None
         for line in log.read_text(errors="replace").splitlines():
-            stamp = _LOG_TIME.match(line)
+            stamp = log_stamp(line)
             if stamp is None:
                 continue
-            at = (datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f") - killed).total_seconds()
+            at = (stamp - killed).total_seconds()
             if at <= 0:
                 continue
             if first_connect is None and "Connected to amqp://" in line:
