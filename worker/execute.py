@@ -139,6 +139,14 @@ def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
     return for_message(message, fields)
 
 
+def claimed_action_id(message: Any) -> str | None:
+    """The action id a message claims, unverified: only a test's fault point, armed for one action,
+    reads it before the envelope is validated."""
+    env = message.get("envelope") if isinstance(message, dict) else None
+    value = env.get("action_id") if isinstance(env, dict) else None
+    return value if isinstance(value, str) else None
+
+
 @sandbox_events.records_audit
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue.
@@ -154,7 +162,7 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
              stages: tracing.Stages) -> dict[str, Any]:
     settings = rt.settings
     actor = settings.worker_id
-    faultpoints.hit("on_delivery")
+    faultpoints.hit("on_delivery", claimed_action_id(message))
     stages.enter("proofline.preflight")
     try:
         try:

@@ -201,10 +201,10 @@ class GuardedConsumer(Consumer):
         if not deliveries.redelivered(message.delivery_info):
             return True  # a first delivery: counted only if it comes back (worker/deliveries.py)
         key = deliveries.message_key(task_id, _body_of(message))
+        claimed = deliveries.claimed_action_id(payload)
         try:
-            faultpoints.hit("before_count")  # test-only: a count that fails, as when Postgres is away
-            counts = _main.run(lambda conn: deliveries.count(conn, key, task_name, deliveries.claimed_action_id(payload),
-                                                             unrecorded_before=True))
+            faultpoints.hit("before_count", claimed)  # test-only: a count that fails, as when Postgres is away
+            counts = _main.run(lambda conn: deliveries.count(conn, key, task_name, claimed, unrecorded_before=True))
         except Exception as exc:  # noqa: BLE001 - counting must not stop work when Postgres is away
             log.warning("delivery not counted", extra={"event": "delivery_uncounted", "error": type(exc).__name__})
             return True

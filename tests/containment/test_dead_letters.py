@@ -55,10 +55,12 @@ def poison(stack: Stack, *points: str) -> tuple[Any, list[dict[str, Any]]]:
     The action stays ``published`` while its message dies, so the reconciler may re-send it; each
     message whose deliveries all die is dead-lettered on its own. So there is one record per
     message, never two for one message, and each message a record names is in ``dead_letter``."""
+    env = ticket_env(stack)
+    # Armed for this action only: a message of an earlier test (a re-send of its action) is spared.
     for point in ("on_delivery", *points):
-        faultpoints.arm(stack.faultpoints, point, remaining=1000, action="raise" if point == "before_count" else "crash")
+        faultpoints.arm(stack.faultpoints, point, remaining=1000, action="raise" if point == "before_count" else "crash",
+                        action_id=env.action_id)
     try:
-        env = ticket_env(stack)
         stack.publish(env)
         records = wait_for(lambda: dead_letter_records(stack, env.action_id), 120, what="a dead_lettered record")
     finally:
@@ -92,7 +94,7 @@ def test_a_process_killed_from_outside_is_not_counted_against_its_message(stack:
     kills = GUARD_LIMIT + 1
     env = ticket_env(stack)
     before = faultpoints.fired(stack.faultpoints, "on_delivery")
-    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=kills, action="kill")
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=kills, action="kill", action_id=env.action_id)
     try:
         stack.publish(env)
         row = stack.wait_settled(env.action_id, timeout=50)  # under the reconciler's 60 s re-send
@@ -121,18 +123,39 @@ def test_a_process_killed_from_outside_is_not_counted_against_its_message(stack:
     assert "delivery lost to an outside kill" in worker_log(stack)
 
 
+#: A process in one of these states runs no more code of its own (a traced one stops for its tracer).
+HALTED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
 def kill_worker_tree(stack: Stack) -> list[psutil.Process]:
     """SIGKILL of everything under the first worker's supervisor (Celery's main process, its pool,
     their servers), as a container runtime or ``kill -9`` of the process group does; returns the
     killed processes, not yet waited for. The supervisor (``proofline worker``) lives on and starts
     the next run a second after the main process is gone: what must be read before that run can
-    act is read before waiting for these (under load the wait alone can take longer)."""
+    act is read before waiting for these (under load the wait alone can take longer).
+
+    The tree is frozen before it is read, as a cgroup freezer would: each process is stopped and
+    seen stopped before its children are listed, so none can fork one this list misses (a pool
+    process forked from the main process holds a copy of its broker connection, and one left
+    alive would keep the killed run's messages from the broker's other consumers)."""
     main = psutil.Process(celery_main_pid(stack))
-    tree = [main, *main.children(recursive=True)]
-    for proc in tree:
+    tree: dict[int, psutil.Process] = {}
+    frontier = [main]
+    while frontier:
+        proc = frontier.pop()
+        if proc.pid in tree:
+            continue
+        tree[proc.pid] = proc
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            proc.suspend()
+            deadline = time.monotonic() + 5
+            while proc.status() not in HALTED and time.monotonic() < deadline:
+                time.sleep(0.005)
+            frontier.extend(proc.children())
+    for proc in tree.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    return tree
+    return list(tree.values())
 
 
 # RabbitMQ only: Redis hands a dead consumer's messages back after its visibility timeout (hours).
@@ -148,7 +171,8 @@ def test_a_worker_killed_from_outside_is_not_counted_against_what_it_held(stack:
     starts = worker_starts(stack)
     # Every delivery is held until the last run is killed: each run killed holds the action's message
     # (or a re-send of it, or both: a run may hold two, so runs are counted, not holds).
-    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="hold", seconds=120)
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="hold", seconds=120,
+                    action_id=env.action_id)
     try:
         held_before = faultpoints.fired(stack.faultpoints, "on_delivery")
         stack.publish(env)
@@ -180,7 +204,9 @@ def test_a_worker_killed_from_outside_is_not_counted_against_what_it_held(stack:
     except AssertionError as exc:  # what the supervisor and the runs said, for a failure in CI
         lines = [line for line in worker_log(stack).splitlines() if "proofline:" in line or "excuse" in line
                  or "dead-letter" in line or "ERROR" in line]
-        raise AssertionError(f"{exc}\n" + "\n".join(lines[-40:])) from None
+        last_run = worker_log(stack).rsplit("proofline: worker started", 1)[-1].splitlines()
+        raise AssertionError(f"{exc}\n" + "\n".join(lines[-40:]) + "\n--- the last run's log ---\n"
+                             + "\n".join(last_run[-60:])) from None
     finally:
         faultpoints.release(stack.faultpoints, "on_delivery")
 
@@ -217,12 +243,13 @@ def test_the_broker_limit_catches_what_the_guard_could_not_count(stack: Stack) -
 def test_a_failed_move_is_retried_without_a_second_record(stack: Stack) -> None:
     """The broker's dead letter is recorded, its move to ``dead_letter`` fails once, and it is
     requeued: the next delivery finds the record and only moves it. One record per message."""
+    before = faultpoints.fired(stack.faultpoints, "before_dead_letter_move")
     faultpoints.arm(stack.faultpoints, "before_dead_letter_move", remaining=1, action="raise")
     try:
         env, _ = poison(stack, "before_count")
     finally:
         faultpoints.arm(stack.faultpoints, "before_dead_letter_move", remaining=0)
-    assert faultpoints.fired(stack.faultpoints, "before_dead_letter_move") == 1
+    assert faultpoints.fired(stack.faultpoints, "before_dead_letter_move") - before == 1
     assert "dead-letter move failed" in worker_log(stack)
     # poison() returned once the message sat in dead_letter: after its second delivery, so a second
     # record (written before that move) would be here by now.
