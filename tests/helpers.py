@@ -120,7 +120,16 @@ def run_settled(stack: Stack, run_id: str, expect: str | None = None) -> dict[st
         events = [e for e in stack.timeline(f"run:{run_id}") if e["event"] == "run_settled"]
         return events[0]["evidence"] if events else None
 
-    summary = wait_for(settled, 60, what=f"run {run_id} to settle")
+    def where() -> str:
+        with stack.conn.cursor() as cur:
+            cur.execute("SELECT action_id FROM actions WHERE run_id = %s ORDER BY step", (run_id,))
+            steps = [r["action_id"] for r in cur.fetchall()]
+        return f"run {run_id} to settle; where its steps stood:\n" + "\n".join(stack.story(a) for a in steps)
+
+    # A run is several actions in a row (its steps, then any compensations), each of which may take
+    # a single action's wait (Stack.wait_settled, 120 s) on a loaded machine; one minute for the
+    # whole run was outlasted there. The wait ends at the event; only a failure waits it out.
+    summary = wait_for(settled, 300, what=where)
     if expect is not None and summary["outcome"] != expect:
         raise AssertionError(f"run {run_id} settled {summary['outcome']!r}, not {expect!r}\n"
                              + "\n".join(_step_story(stack, s["action_id"]) for s in summary["steps"]))
