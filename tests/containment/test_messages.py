@@ -149,9 +149,9 @@ def test_a_message_that_crashes_its_process_is_dead_lettered_then_expired(stack:
     """Each delivery ends its pool process; after three, the consumer moves it to ``dead_letter``
     with a record. The reconciler's re-sends die the same way until the deadline passes, and then
     the action is closed with the evidence of what was tried, never left published."""
-    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="crash")
+    env = ticket_env(stack, deadline_in=timedelta(seconds=12))
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1000, action="crash", action_id=env.action_id)
     try:
-        env = ticket_env(stack, deadline_in=timedelta(seconds=12))
         published = stack.publish(env)
         dead = wait_for(lambda: refusal_for_task(stack, published["task_id"]), 60, what="a dead_lettered record")
         assert dead["deliveries"] == 4 and dead["unsettled"] == 4 and dead["queue"] == "dead_letter"

@@ -130,9 +130,9 @@ def test_a_pool_process_killed_from_outside_is_counted_as_an_excused_delivery(ob
                    if dict(labels) == {"task": "proofline.execute", "taken": taken})
 
     before = {taken: lost(taken) for taken in ("excused", "counted")}
-    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1, action="kill")
+    env = ticket_env(stack)
+    faultpoints.arm(stack.faultpoints, "on_delivery", remaining=1, action="kill", action_id=env.action_id)
     try:
-        env = ticket_env(stack)
         stack.publish(env)
         assert stack.wait_settled(env.action_id, timeout=60).outcome == Outcome.completed_verified
     finally:
