@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -145,7 +146,15 @@ def test_a_pool_process_killed_mid_call_leaves_one_effect_and_a_live_server(host
     run_one(hosted, "warm again")
     env = refund_env(hosted, new_account(hosted), amount=700)
     sor.set_fault(hosted.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
-    servers = {p.pid for p in sor_processes(hosted)}
+    # The servers as they stand once none is on its way out: an earlier test's killed borrower may
+    # have left a server that the host is stopping (it gets STOP_SECONDS to exit), which is not one
+    # this test's kill could keep. The same set three seconds apart is taken as settled.
+    def settled_servers() -> set[int] | None:
+        before = {p.pid for p in sor_processes(hosted)}
+        time.sleep(3)
+        return before if before == {p.pid for p in sor_processes(hosted)} else None
+
+    servers = wait_for(settled_servers, 60, what="a settled set of servers")
     mark = hosted.witness.mark()
     hosted.publish(env)
     wait_for(lambda: hosted.witness.count(key=env.idempotency_key, since=mark) >= 1, 60,
