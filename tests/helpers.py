@@ -19,6 +19,7 @@ import psutil
 from ledger.redact import scrub_text
 from proofline.envelope import Envelope
 from proofline_kit.sor import store as sor
+from recovery.runs import load_steps
 from tests.conftest import Stack, wait_for
 
 #: The timestamp Celery writes at the head of each worker log line.
@@ -122,9 +123,9 @@ def run_settled(stack: Stack, run_id: str, expect: str | None = None) -> dict[st
 
     def where() -> str:
         with stack.conn.cursor() as cur:
-            cur.execute("SELECT action_id FROM actions WHERE run_id = %s ORDER BY step", (run_id,))
-            steps = [r["action_id"] for r in cur.fetchall()]
-        return f"run {run_id} to settle; where its steps stood:\n" + "\n".join(stack.story(a) for a in steps)
+            steps = load_steps(cur, run_id)
+        return f"run {run_id} to settle; where its steps stood:\n" + "\n".join(
+            _step_story(stack, s.action_id) for s in steps)
 
     # A run is several actions in a row (its steps, then any compensations), each of which may take
     # a single action's wait (Stack.wait_settled, 120 s) on a loaded machine; one minute for the

@@ -133,12 +133,17 @@ def redelivered(delivery_info: Any) -> bool:
     return isinstance(delivery_info, dict) and delivery_info.get("redelivered") is True
 
 
+def message_action_id(message: Any) -> str | None:
+    """The action id an execute message claims (evidence only: nothing here is verified)."""
+    env = message.get("envelope") if isinstance(message, dict) else None
+    value = env.get("action_id") if isinstance(env, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def claimed_action_id(payload: Any) -> str | None:
-    """The action id a decoded execute body claims (evidence only: nothing here is verified)."""
+    """The action id a decoded execute body (``(args, kwargs, embed)``) claims."""
     try:
         args = payload[0]
-        env = args[0].get("envelope") if args and isinstance(args[0], dict) else None
-        value = env.get("action_id") if isinstance(env, dict) else None
-        return value if isinstance(value, str) else None
+        return message_action_id(args[0]) if args else None
     except Exception:  # noqa: BLE001 - any shape at all
         return None

@@ -46,7 +46,7 @@ from proofline.errors import (
 from proofline.plan import check_plan
 from proofline.telemetry import context as telemetry_context
 from proofline.telemetry import metrics, tracing
-from worker import capture, fairness, faultpoints, quota, read_waits, sandbox_events
+from worker import capture, deliveries, fairness, faultpoints, quota, read_waits, sandbox_events
 from worker.authorize import UNMANAGED, Decision, authorize
 from worker.claim import claim_txn, claimed_events
 from worker.classify import CallReport, Classification, classify
@@ -139,14 +139,6 @@ def redactor_for_message(rt: Runtime, message: Any) -> Redactor:
     return for_message(message, fields)
 
 
-def claimed_action_id(message: Any) -> str | None:
-    """The action id a message claims, unverified: only a test's fault point, armed for one action,
-    reads it before the envelope is validated."""
-    env = message.get("envelope") if isinstance(message, dict) else None
-    value = env.get("action_id") if isinstance(env, dict) else None
-    return value if isinstance(value, str) else None
-
-
 @sandbox_events.records_audit
 def execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Dispatch) -> dict[str, Any]:
     """Run one delivery of an execute message. Returns a small summary; raises RetryLater to requeue.
@@ -162,7 +154,8 @@ def _execute(rt: Runtime, message: Any, delivery: dict[str, Any], dispatch: Disp
              stages: tracing.Stages) -> dict[str, Any]:
     settings = rt.settings
     actor = settings.worker_id
-    faultpoints.hit("on_delivery", claimed_action_id(message))
+    # The claimed action id, unverified: only a test's fault point armed for one action reads it.
+    faultpoints.hit("on_delivery", deliveries.message_action_id(message))
     stages.enter("proofline.preflight")
     try:
         try:

@@ -210,11 +210,12 @@ class GuardedConsumer(Consumer):
             return True
         limit = get_settings().max_unsettled_deliveries
         if counts["unsettled"] > limit:
-            self._dead_letter(message, key, counts, payload, worker_id)
+            self._dead_letter(message, key, counts, claimed, worker_id)
             return False
         return True
 
-    def _dead_letter(self, message: Any, key: str, counts: dict[str, Any], payload: Any, worker_id: str) -> None:
+    def _dead_letter(self, message: Any, key: str, counts: dict[str, Any], action_id: str | None,
+                     worker_id: str) -> None:
         body = _body_of(message)
         moved = True
         try:
@@ -227,7 +228,6 @@ class GuardedConsumer(Consumer):
         except Exception as exc:  # noqa: BLE001 - still recorded and taken off the work queue
             moved = False
             log.error("dead-letter publish failed", extra={"event": "dead_letter_failed", "error": type(exc).__name__})
-        action_id = deliveries.claimed_action_id(payload)
         evidence = {"reason_code": "dead_lettered", "message_key": key, "deliveries": counts["deliveries"],
                     "unsettled": counts["unsettled"],
                     "excused": counts.get("excused", 0), "last_error": counts.get("last_error"),

@@ -138,24 +138,21 @@ def kill_worker_tree(stack: Stack) -> list[psutil.Process]:
     seen stopped before its children are listed, so none can fork one this list misses (a pool
     process forked from the main process holds a copy of its broker connection, and one left
     alive would keep the killed run's messages from the broker's other consumers)."""
-    main = psutil.Process(celery_main_pid(stack))
-    tree: dict[int, psutil.Process] = {}
-    frontier = [main]
+    tree: list[psutil.Process] = []
+    frontier = [psutil.Process(celery_main_pid(stack))]
     while frontier:
         proc = frontier.pop()
-        if proc.pid in tree:
-            continue
-        tree[proc.pid] = proc
+        tree.append(proc)
         with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
             proc.suspend()
             deadline = time.monotonic() + 5
             while proc.status() not in HALTED and time.monotonic() < deadline:
                 time.sleep(0.005)
             frontier.extend(proc.children())
-    for proc in tree.values():
+    for proc in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    return list(tree.values())
+    return tree
 
 
 # RabbitMQ only: Redis hands a dead consumer's messages back after its visibility timeout (hours).

@@ -62,13 +62,14 @@ def redriven_events(admin: str) -> list[str]:
 
 def test_a_message_behind_the_backlog_is_left_alone_and_a_lost_one_re_driven(broker_url: str) -> None:
     admin, _ = create_database("pl_backlog")
-    on_redis = broker_url.startswith("redis")
     # On RabbitMQ a publish returns once the broker took the message (publisher confirms, as the
-    # product's own configuration has it): without it, the count read next on another connection
-    # may come before the message is in the queue (AMQP orders nothing across connections).
-    app = Celery(broker=broker_url, broker_transport_options={} if on_redis else {"confirm_publish": True})
+    # product's own configuration has it; Redis ignores the option): without it, the count read next
+    # on another connection may come before the message is in the queue (AMQP orders nothing across
+    # connections).
+    app = Celery(broker=broker_url, broker_transport_options={"confirm_publish": True})
     dispatch = CeleryDispatch(app, tenant_shards=SHARDS)
     busy_queue, quiet_queue = queue_for_tenant(BUSY, SHARDS), queue_for_tenant(QUIET, SHARDS)
+    on_redis = broker_url.startswith("redis")
     try:
         plant(admin, **{"lost-before": (BUSY, 60), "too-old": (BUSY, 7200), "lost-elsewhere": (QUIET, 60)})
         taken_up_to = time.time()
