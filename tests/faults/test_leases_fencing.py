@@ -20,6 +20,7 @@ import os
 import signal
 
 import psycopg
+import pytest
 
 from ledger.states import ActionStatus, Outcome
 from proofline.errors import StaleLease
@@ -27,6 +28,10 @@ from proofline_kit.sor import store as sor
 from tests.conftest import build_stack, start_workers, teardown_stack, wait_for
 from tests.helpers import new_account, refund_env
 from worker import faultpoints
+
+# Each test starts two worker nodes and freezes one: 94 s on a slow day against the suite's default
+# of 180 s. The limit only ends a hang.
+pytestmark = pytest.mark.timeout(600)
 
 #: How long the server holds the call before it applies it and answers.
 HELD_SECONDS = 6.0

@@ -36,7 +36,7 @@ from proofline_kit.resources import (
 )
 from tests.helpers import settled_by_cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # 105 s on a slow day; the limit only ends a hang
 
 PUBLISH = """
 import json

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ledger.states import ActionStatus, Outcome
 from proofline.settings import ROOT
 from proofline_kit.processes import stop_group
@@ -17,6 +19,9 @@ from tests.conftest import build_stack, teardown_stack
 from tests.integration.doc_blocks import as_script, blocks
 
 GUIDE = ROOT / "docs" / "how-to" / "third-party-servers.md"
+# The guide gets 600 s, the registry probe 180 and the stderr probe 120: the suite's default of 180 s
+# for the whole test ended it on a slow day (a timeout here ends a hang, it measures nothing).
+pytestmark = pytest.mark.timeout(1200)
 
 
 def chapter_blocks() -> list[tuple[str, str]]:
