@@ -320,6 +320,11 @@ class Settings(BaseSettings):
     stdio_session_host: bool = True
     #: Idle servers the session host keeps started ahead of need, per stdio identity.
     stdio_session_spares: int = Field(default=1, ge=0, le=16)
+    #: How long a new MCP session may take to open: the server started (a stdio server, sandboxed) and
+    #: its initialization answered. A session not open by then is abandoned with its server, and the
+    #: call is refused as ``mcp_unavailable`` with nothing sent. Raise it for servers slow to start
+    #: (one fetched by ``npx`` or ``uvx`` at each start, or a machine whose cores are all busy).
+    mcp_connect_timeout_seconds: float = Field(default=15.0, gt=0, le=600)
     # --- containment: tenant fairness and quotas ---
     #: The execute queue is split into this many tenant shards (``actions``, ``actions.1`` ...);
     #: every publisher and every execute worker must agree on it.

@@ -75,6 +75,9 @@ STACK_ENV = {
     # No idle servers started ahead of need: a test stack's pool processes are few and long-lived,
     # and every spare is one more audited server start on a shared machine.
     "PROOFLINE_STDIO_SESSION_SPARES": "0",
+    # Without spares a verification's read may wait on a cold server start, and with the whole suite
+    # on two cores a sandboxed SDK server has taken more than the default 15 s to answer initialize.
+    "PROOFLINE_MCP_CONNECT_TIMEOUT_SECONDS": "60",
     # The audit system lags the system of record by this much (the demo contracts allow for it).
     "AUDIT_DELAY_MS": "200",
     # A credential in the worker's environment that no MCP server may inherit.

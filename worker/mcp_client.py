@@ -46,6 +46,8 @@ from worker.tool_list import ToolListCache
 
 T = TypeVar("T")
 Role = Literal["write", "read"]
+#: How long a new session may take to open, unless the process's settings say otherwise
+#: (``Settings.mcp_connect_timeout_seconds``).
 CONNECT_TIMEOUT_SECONDS = 15.0
 #: Rounds of a 2026-07-28 ``InputRequiredResult`` the client answers before the call fails.
 INPUT_ROUNDS = 3
@@ -269,10 +271,10 @@ class _Session:
         if self.auditor is not None:
             self.auditor.finish(self.endpoint.sandbox.audit_policy.drain_seconds)
 
-    async def wait_ready(self) -> None:
+    async def wait_ready(self, timeout: float) -> None:
         while self._ready is None:
             await anyio.sleep(0.001)
-        with anyio.fail_after(CONNECT_TIMEOUT_SECONDS):
+        with anyio.fail_after(timeout):
             await self._ready.wait()
 
     async def stop(self) -> None:
@@ -314,9 +316,11 @@ async def _cancellable(fn: Callable[[Client], Awaitable[T]], client: Client, han
 class McpSessions:
     """The per-process registry of open MCP sessions."""
 
-    def __init__(self, base_dir: Path, environment: str = "development") -> None:
+    def __init__(self, base_dir: Path, environment: str = "development", connect_timeout: float | None = None) -> None:
         self.base_dir = base_dir
         self.environment = environment
+        #: Seconds a new session may take to open (server started, initialization answered).
+        self.connect_timeout = CONNECT_TIMEOUT_SECONDS if connect_timeout is None else connect_timeout
         self.pid = os.getpid()
         self._stack = ExitStack()
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal())
@@ -439,10 +443,11 @@ class McpSessions:
                                identity.provider if identity is not None else None, loan)
             self._portal.start_task_soon(session.run)
             try:
-                self._portal.call(session.wait_ready)
+                self._portal.call(session.wait_ready, self.connect_timeout)
             except TimeoutError as exc:
                 self._retire(session)  # the server, its tracer and its files go too
-                raise McpUnavailable(f"{server.name}/{role}: no session within {CONNECT_TIMEOUT_SECONDS}s") from exc
+                raise McpUnavailable(f"{server.name}/{role}: no session within {self.connect_timeout:g}s "
+                                     "(PROOFLINE_MCP_CONNECT_TIMEOUT_SECONDS)") from exc
             if session.client is None:
                 found = session.violation()
                 status = sandbox.read_status(session.status_path) if session.status_path else {}
@@ -566,12 +571,12 @@ _current: McpSessions | None = None
 _current_lock = threading.Lock()
 
 
-def sessions(base_dir: Path, environment: str = "development") -> McpSessions:
+def sessions(base_dir: Path, environment: str = "development", connect_timeout: float | None = None) -> McpSessions:
     """This process's sessions; a forked child never reuses its parent's event loop."""
     global _current
     with _current_lock:
         if _current is None or _current.pid != os.getpid():
-            _current = McpSessions(base_dir, environment)
+            _current = McpSessions(base_dir, environment, connect_timeout)
             atexit.register(_current.close)
         return _current
 

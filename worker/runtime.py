@@ -31,7 +31,8 @@ class Runtime:
     @cached_property
     def mcp(self) -> McpSessions:
         # Relative paths in the servers file: see Settings.servers_base_dir.
-        return sessions(self.settings.servers_base_dir, self.settings.environment)
+        return sessions(self.settings.servers_base_dir, self.settings.environment,
+                        self.settings.mcp_connect_timeout_seconds)
 
     @property
     def seal_key(self) -> seal.SealKey:

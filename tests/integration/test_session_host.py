@@ -69,8 +69,14 @@ def host_of(stack: Stack) -> psutil.Process:
 def pool_processes(stack: Stack) -> list[int]:
     """The Celery main process's children but the host (its pool processes, and beat's)."""
     host = host_of(stack)
-    celery = host.parent()
-    return [p.pid for p in celery.children() if p.pid != host.pid and p.status() != psutil.STATUS_ZOMBIE]
+    pids = []
+    for p in host.parent().children():
+        try:  # a pool process that exits between the listing and the look is not one
+            if p.pid != host.pid and p.status() != psutil.STATUS_ZOMBIE:
+                pids.append(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
 
 
 def both_busy(stack: Stack) -> list[str]:
@@ -146,13 +152,15 @@ def test_a_pool_process_killed_mid_call_leaves_one_effect_and_a_live_server(host
     run_one(hosted, "warm again")
     env = refund_env(hosted, new_account(hosted), amount=700)
     sor.set_fault(hosted.sor_db, "issue_refund", "delay", remaining=1, delay_seconds=3.0)
-    # The servers as they stand once none is on its way out: an earlier test's killed borrower may
+    # The writers as they stand once none is on its way out: an earlier test's killed borrower may
     # have left a server that the host is stopping (it gets STOP_SECONDS to exit), which is not one
-    # this test's kill could keep. The same set three seconds apart is taken as settled.
+    # this test's kill could keep. The same set three seconds apart is taken as settled. Only the
+    # writers: the call goes to one of them, while a reader whose read timed out on a loaded machine
+    # is retired and replaced as it should be (a whole run on a slow day saw two go).
     def settled_servers() -> set[int] | None:
-        before = {p.pid for p in sor_processes(hosted)}
+        before = {p.pid for p in sor_processes(hosted, role="writer")}
         time.sleep(3)
-        return before if before == {p.pid for p in sor_processes(hosted)} else None
+        return before if before == {p.pid for p in sor_processes(hosted, role="writer")} else None
 
     servers = wait_for(settled_servers, 60, what="a settled set of servers")
     mark = hosted.witness.mark()
@@ -166,7 +174,8 @@ def test_a_pool_process_killed_mid_call_leaves_one_effect_and_a_live_server(host
     # The host cancelled the dead borrower's call on its behalf, and kept the server.
     first = hosted.witness.calls(key=env.idempotency_key, since=mark)[0]
     assert first.cancelled
-    assert servers <= {p.pid for p in sor_processes(hosted)}
+    after = {p.pid for p in sor_processes(hosted, role="writer")}
+    assert servers <= after, f"writers before the kill {sorted(servers)}, after it {sorted(after)}"
 
 
 def test_a_host_that_dies_is_started_again_and_serves_the_next_actions(hosted: Stack) -> None:

@@ -141,17 +141,15 @@ def test_an_attempt_hidden_in_an_oversize_line_is_an_overflow(world: dict[str, A
         m.close()
 
 
-def test_a_server_too_slow_to_start_is_ended_with_its_tracer(world: dict[str, Any],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_server_too_slow_to_start_is_ended_with_its_tracer(world: dict[str, Any]) -> None:
     """A session that does not open in time is abandoned: its server, its tracer and its audit
     folder go with it (nothing keeps tracing, or writing to a pipe nobody reads)."""
     from proofline.errors import McpUnavailable
-    from worker import mcp_client
 
-    monkeypatch.setattr(mcp_client, "CONNECT_TIMEOUT_SECONDS", 3.0)
     sleepy = hostile_spec(world["tools"])
     sleepy["env"] = {**sleepy["env"], "HOSTILE_START_SLEEP": "120"}
     m = open_sessions(world, sleepy=sleepy)
+    m.connect_timeout = 3.0  # Settings.mcp_connect_timeout_seconds in a worker
     me = psutil.Process()
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"proofline-audit-{os.getpid()}-*")))
     tracers: list[psutil.Process] = []
@@ -165,7 +163,7 @@ def test_a_server_too_slow_to_start_is_ended_with_its_tracer(world: dict[str, An
     watcher.start()
     try:
         try:
-            with pytest.raises(McpUnavailable, match="no session within"):
+            with pytest.raises(McpUnavailable, match=r"no session within 3s \(PROOFLINE_MCP_CONNECT_TIMEOUT_SECONDS\)"):
                 run_tool(m, world["servers"]["sleepy"], "write", "status", {})
         finally:
             refused.set()
