@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import anyio
 from kombu.exceptions import OperationalError
 from mcp import Client
 from pydantic import ValidationError
@@ -32,7 +33,13 @@ from proofline.arguments import check_arguments
 from proofline.canonical import tool_contract_hash
 from proofline.contracts import Contract, contract_for
 from proofline.envelope import Envelope, EvidenceRequirements, build_envelope, reported_version
-from proofline.errors import BrokerUnavailable, IdempotencyConflict, MalformedEnvelope, UnknownTool
+from proofline.errors import (
+    BrokerUnavailable,
+    IdempotencyConflict,
+    MalformedEnvelope,
+    McpUnavailable,
+    UnknownTool,
+)
 from proofline.keys import KeyRole, load_signing_key
 from proofline.pins import (
     Negotiated,
@@ -65,8 +72,13 @@ def describe_tools(settings: Settings, server_name: str) -> tuple[str | None, di
 
 def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | None, dict[str, str],
                                                                        dict[str, dict[str, Any]], Negotiated]:
-    """:func:`describe_tools` and what the session negotiated (what ``contracts pin`` records)."""
+    """:func:`describe_tools` and what the session negotiated (what ``contracts pin`` records).
+
+    The session's opening and the tool list get twice ``mcp_connect_timeout_seconds`` together: a
+    server that starts and never answers is refused as ``mcp_unavailable`` (and stopped), never
+    waited on."""
     server = server_named(Path(settings.servers_file), server_name)
+    limit = settings.mcp_connect_timeout_seconds
 
     async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]], Negotiated]:
         identity = None
@@ -80,11 +92,15 @@ def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | Non
             target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                      environment=settings.environment,
                                      auth=identity.provider if identity is not None else None)
-            async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
-                tools = await client.list_tools(cache_mode="bypass")
-                version = reported_version(client.server_info.version if client.server_info else None)
-                return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
-                        {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
+            with anyio.fail_after(2 * limit):  # the opening and the list, each given the connect limit
+                async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
+                    tools = await client.list_tools(cache_mode="bypass")
+                    version = reported_version(client.server_info.version if client.server_info else None)
+                    return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
+                            {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
+        except TimeoutError as exc:
+            raise McpUnavailable(f"{server.name}/write: no tool list within {2 * limit:g}s "
+                                 "(twice PROOFLINE_MCP_CONNECT_TIMEOUT_SECONDS)") from exc
         finally:
             if identity is not None:
                 await identity.close()
