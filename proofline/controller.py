@@ -78,7 +78,7 @@ def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | Non
     server that starts and never answers is refused as ``mcp_unavailable`` (and stopped), never
     waited on."""
     server = server_named(Path(settings.servers_file), server_name)
-    limit = settings.mcp_connect_timeout_seconds
+    bound = 2 * settings.mcp_connect_timeout_seconds  # the opening and the list, each given the limit
 
     async def probe() -> tuple[str | None, dict[str, str], dict[str, dict[str, Any]], Negotiated]:
         identity = None
@@ -92,14 +92,14 @@ def describe_negotiated(settings: Settings, server_name: str) -> tuple[str | Non
             target = endpoint_target(server.write, settings.servers_base_dir, name=server.name,
                                      environment=settings.environment,
                                      auth=identity.provider if identity is not None else None)
-            with anyio.fail_after(2 * limit):  # the opening and the list, each given the connect limit
+            with anyio.fail_after(bound):
                 async with Client(connectable(target, server.name, "write"), mode=server.write.protocol) as client:
                     tools = await client.list_tools(cache_mode="bypass")
                     version = reported_version(client.server_info.version if client.server_info else None)
                     return (version, {t.name: tool_contract_hash(t) for t in tools.tools},
                             {t.name: dict(t.input_schema) for t in tools.tools}, negotiated(client))
         except TimeoutError as exc:
-            raise McpUnavailable(f"{server.name}/write: no tool list within {2 * limit:g}s "
+            raise McpUnavailable(f"{server.name}/write: no tool list within {bound:g}s "
                                  "(twice PROOFLINE_MCP_CONNECT_TIMEOUT_SECONDS)") from exc
         finally:
             if identity is not None:

@@ -19,7 +19,6 @@ def test_the_setting_reaches_the_sessions_a_worker_opens() -> None:
         assert rt.mcp.connect_timeout == 42
     finally:
         close_sessions()
-    close_sessions()
     try:
         assert Runtime(Settings(), os.getpid()).mcp.connect_timeout == CONNECT_TIMEOUT_SECONDS == 15.0
     finally:
