@@ -40,7 +40,7 @@ from mcp import Client
 from proofline.settings import ROOT
 from proofline_kit.sor import store as sor
 from worker.connect import endpoint_target
-from worker.sandbox_audit import Auditor
+from worker.sandbox_reader import Auditor
 from worker.servers import Endpoint, load_servers
 
 #: Calls per side per block; blocks alternate sides so load drift hits both alike.
