@@ -149,7 +149,7 @@ def main() -> int:
     if shutil.which("bwrap") is None or shutil.which("strace") is None:
         parser.error("bubblewrap (bwrap) and strace are needed")
     # The baseline is unsandboxed on purpose: its per-spawn warning is not news here.
-    logging.getLogger("worker.mcp_client").setLevel(logging.ERROR)
+    logging.getLogger("worker.stdio_launch").setLevel(logging.ERROR)
     workdir = Path(tempfile.mkdtemp(prefix="bench-sandbox-"))
     try:
         db = workdir / "var" / "sor.sqlite3"
