@@ -32,7 +32,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from proofline.settings import ROOT
+from proofline.settings import get_settings
 from worker import calls
 from worker.mcp_client import close_sessions, sessions
 from worker.servers import Server, server_named
@@ -79,8 +79,11 @@ def _close(**_: Any) -> None:
 @app.task(name=TASK)
 def bare(i: int, key: str, arguments: dict[str, Any], published_at: float) -> bool:
     """Write, then read back by key. Records completion; returns whether the ticket was found."""
+    settings = get_settings()
     server = _server()
-    mcp = sessions(ROOT / "var")
+    # Relative paths of the servers file (its cwd, its sandbox's paths) are the file's folder's, as
+    # the runtime's sessions resolve them.
+    mcp = sessions(settings.servers_base_dir, settings.environment)
     progress = calls.ProgressLog(limit=20)
     deadline = time.monotonic() + TIMEOUT_SECONDS
     ok = False
@@ -103,7 +106,6 @@ def bare_same(i: int, action_type: str, envelope: dict[str, Any], published_at: 
     server its contract names. Records completion; returns whether every request answered without error."""
     from proofline.conditions import build_arguments
     from proofline.contracts import contract_for, extract
-    from proofline.settings import get_settings
 
     settings = get_settings()
     contract = contract_for(settings.contracts_dir, action_type)
