@@ -45,7 +45,11 @@ def as_baseline_worker(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 
 def done_records(stack: Stack) -> list[list]:
-    return [json.loads(raw) for raw in redis_client(stack).lrange(baseline_tasks.DONE_KEY, 0, -1)]
+    client = redis_client(stack)
+    try:
+        return [json.loads(raw) for raw in client.lrange(baseline_tasks.DONE_KEY, 0, -1)]
+    finally:
+        client.close()
 
 
 def test_the_two_call_baseline_writes_and_reads_back_through_the_sandboxed_server(as_baseline_worker: Stack) -> None:

@@ -1,8 +1,9 @@
 """The scripts under ``ops/`` (benchmarks, the soak, the mutation table) still import.
 
 Most of them run only when someone measures, so a name moved in the product breaks them silently:
-``ops/bench_sandbox.py`` went on importing the audit reader from the module it had left. Each is
-imported in a fresh interpreter of its own, as ``python -m ops.NAME`` would, with nothing else run.
+``ops/bench_sandbox.py`` went on importing the audit reader from the module it had left. They are
+imported one after another in a fresh interpreter (one for all of them: a second import of a shared
+module costs nothing), and nothing but the import runs.
 """
 
 from __future__ import annotations
