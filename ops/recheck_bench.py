@@ -6,7 +6,8 @@ sends) over a window with N re-checks scheduled but not due, against the same wi
 One scratch database, migrated; the reconcile task's database work (``recovery/reconciler.py``
 ``sweep_once``: the period's claim, every sweep, the heartbeat, the run's stamp; then the authority
 watch) runs every ``--interval`` seconds for ``--window`` seconds, as beat would send it, on the
-runtime role. Three windows, in order: none pending, ``--pending`` re-checks due in an hour (for as
+runtime role. After a few uncounted periods of sweeping (a reconciler's first sweeps commit less
+than its later ones), three windows, in order: none pending, ``--pending`` re-checks due in an hour (for as
 many verified actions settled two days ago, written with the ledger's triggers off, so that only
 the re-checks are new), and a calibration window in which
 nothing sweeps (what the measuring itself commits). Autovacuum is off for the scratch tables (its
@@ -33,6 +34,9 @@ from proofline.settings import Settings
 from proofline_kit.resources import create_database, drop_database
 from recovery.authority_watch import watch
 from recovery.reconciler import sweep_once
+
+#: Sweep periods run, and not counted, before the first window.
+WARM_UP_PERIODS = 5
 
 FILL = """
 INSERT INTO actions (action_id, run_id, step, tenant, action_type, server, tool, idempotency_key, status, outcome,
@@ -137,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             # the scratch tables, so that the windows count only what the reconciler commits.
             for row in observer.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").fetchall():
                 observer.execute(f'ALTER TABLE "{row["tablename"]}" SET (autovacuum_enabled = false)')
+            # A reconciler's first sweeps commit less than its later ones (their periodic work has not
+            # come round yet): sweep a few periods first, uncounted, so both windows are steady state.
+            window(observer, sweeper, settings, WARM_UP_PERIODS * args.interval, args.interval, sweep=True)
             idle = window(observer, sweeper, settings, args.window, args.interval, sweep=True)
             with observer.transaction():
                 observer.execute("SET LOCAL session_replication_role = replica")  # the ledger's triggers off
