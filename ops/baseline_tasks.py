@@ -26,13 +26,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery, signals
 
-from proofline.settings import get_settings
+from proofline.settings import Settings, get_settings
 from worker import calls
 from worker.mcp_client import close_sessions, sessions
 from worker.servers import Server, server_named
@@ -67,8 +66,8 @@ def _done_list() -> redis.Redis:
     return _redis
 
 
-def _server() -> Server:
-    return server_named(Path(os.environ["PROOFLINE_SERVERS_FILE"]), os.environ.get("BENCH_SERVER", "sor"))
+def _server(settings: Settings) -> Server:
+    return server_named(settings.servers_file, os.environ.get("BENCH_SERVER", "sor"))
 
 
 @signals.worker_process_shutdown.connect
@@ -80,7 +79,7 @@ def _close(**_: Any) -> None:
 def bare(i: int, key: str, arguments: dict[str, Any], published_at: float) -> bool:
     """Write, then read back by key. Records completion; returns whether the ticket was found."""
     settings = get_settings()
-    server = _server()
+    server = _server(settings)
     # Relative paths of the servers file (its cwd, its sandbox's paths) are the file's folder's, as
     # the runtime's sessions resolve them.
     mcp = sessions(settings.servers_base_dir, settings.environment)

@@ -4,6 +4,7 @@ the setting, and the server is stopped."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -15,16 +16,14 @@ import yaml
 from proofline.controller import describe_server
 from proofline.errors import McpUnavailable
 from proofline.settings import Settings
-from proofline_kit.processes import wait_for
+from proofline_kit.processes import gone, wait_for
 from worker.servers import load_servers
 
 
 def mute_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if marker in " ".join(p.info["cmdline"] or []) and p.pid != psutil.Process().pid:
-            found.append(p)
-    return found
+    """The live processes whose command line holds ``marker`` (a zombie has stopped already)."""
+    return [p for p in psutil.process_iter(["cmdline"])
+            if marker in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid() and not gone(p)]
 
 
 def test_a_server_that_never_answers_is_refused_in_time_and_stopped(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from proofline.settings import ROOT
+
 SCRIPTS = sorted(p.stem for p in (ROOT / "ops").glob("*.py") if p.stem != "__init__")
 
 CHECK = """
